@@ -1,0 +1,23 @@
+"""Installs tpu_scale: `pip install -e ".[test]"`."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="tpu_scale",
+    version="0.1.0",
+    description=(
+        "Supercomputer-scale image training for Keras: replica meshes, grouped batch "
+        "normalization, 2-D torus gradient summation and a fused-decode input pipeline."
+    ),
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["tpu_scale", "tpu_scale.*"]),
+    python_requires=">=3.9",
+    install_requires=["tensorflow>=2.16", "numpy", "absl-py"],
+    extras_require={
+        "test": ["pytest", "tensorflow-datasets", "pillow", "matplotlib"],
+        "tfds": ["tensorflow-datasets"],
+        # tf-models-official pins its own TensorFlow: install it in a separate environment.
+        "benchmarks": ["tf-models-official", "matplotlib"],
+    },
+)
