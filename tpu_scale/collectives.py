@@ -1,0 +1,391 @@
+"""Group collectives over the replica mesh: the only module that launches cross-replica ops.
+
+Every function here is called in replica context (inside `strategy.run`, a Keras `train_step`, or a layer's
+`call` during training) with a static `group_assignment`: an int array `[num_groups, group_size]` of replica
+ids that partitions all replicas. Each replica takes part in the group that holds its id.
+
+One backend per platform, chosen here so that layers and the gradient aggregator never branch on it:
+
+* TPU (`TPUStrategy`): `cross_replica_sum` and `all_to_all` with the static group assignment; XLA needs no
+  keys and the replica id may be a tensor.
+* CPU/GPU graphs (`MirroredStrategy`, `MultiWorkerMirroredStrategy` inside `tf.function`): collective V2 ops
+  with a private group key per group, call-time instance keys and one ordering token per device. Without the
+  token, automatic control dependencies chain every replica's collective in one sequence and the replicas wait
+  on each other forever; without private keys, our groups would collide with the strategy's own.
+* Eager replica context (`run_eagerly=True`, eager `strategy.run`): replicas run one after another there, so a
+  raw collective would wait for peers that never come. We place each replica's value in its group's slot and
+  use the strategy's own all-reduce, which cannot deadlock.
+
+Ranks inside a group: on TPU and eagerly they follow the order of the group's row; in collective ops the
+runtime orders devices itself. Whatever the order, `all_to_all`, `reduce_scatter` and `all_gather` over the
+same group agree on it, so a reduce-scatter followed by an all-gather always restores the full sum.
+
+No V2 collective op has a registered gradient, so each has a custom gradient here: the gradient of a group sum
+is the group sum, of an all-to-all the same all-to-all, of an all-gather the reduce-scatter.
+"""
+
+import contextlib
+import os
+import threading
+import zlib
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.distribute import device_util
+from tensorflow.python.framework import ops
+from tensorflow.python.ops import collective_ops, resource_variable_ops
+
+# Every tf.distribute strategy numbers its group keys from 1; ours live far above them.
+_PRIVATE_KEY_BASE = 1 << 30
+_DEFAULT_TIMEOUT_SECONDS = 300.0
+
+_lock = threading.Lock()
+_group_keys = {}  # group key -> sorted member tuple, to detect a (very unlikely) hash collision
+_instance_counters = {}  # (group key, device) -> next instance key
+_ordering_tokens = {}  # device -> resource variable
+_override = threading.local()
+
+
+def timeout_seconds():
+    """Seconds a CPU/GPU collective may wait for its peers before failing (env TPU_SCALE_COLLECTIVE_TIMEOUT)."""
+    return float(os.environ.get("TPU_SCALE_COLLECTIVE_TIMEOUT", _DEFAULT_TIMEOUT_SECONDS))
+
+
+# --------------------------------------------------------------------------- context
+
+
+def is_tpu_strategy(strategy):
+    return isinstance(strategy, (tf.distribute.TPUStrategy, tf.distribute.experimental.TPUStrategy))
+
+
+@contextlib.contextmanager
+def tpu_graph(mesh):
+    """Builds TPU ops for `mesh` in the current graph, with no TPU present.
+
+    Used to inspect the graph a TPU training step would run (op types, group assignments) on a machine without
+    TPUs: inside this context `current_mesh()` is `mesh` and every collective builds its TPU op. The graph
+    cannot run on CPU.
+    """
+    previous = getattr(_override, "mesh", None)
+    _override.mesh = mesh
+    try:
+        yield
+    finally:
+        _override.mesh = previous
+
+
+def current_mesh():
+    """The mesh collectives run over here, or None when there is nothing to communicate with.
+
+    None outside replica context (e.g. a model called under `strategy.scope()` but outside `strategy.run`),
+    under the default strategy, and with a single replica.
+    """
+    forced = getattr(_override, "mesh", None)
+    if forced is not None:
+        return forced
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None or ctx.num_replicas_in_sync == 1:
+        return None
+    from tpu_scale.strategy import mesh_of  # strategy imports this module
+
+    return mesh_of(ctx.strategy)
+
+
+def _backend():
+    if getattr(_override, "mesh", None) is not None:
+        return "tpu"
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None:
+        raise RuntimeError(
+            "tpu_scale collectives run in replica context: call them inside strategy.run(...), a Keras "
+            "train_step or a layer's call, not in cross-replica context."
+        )
+    if ctx.num_replicas_in_sync == 1:
+        return "single"
+    if is_tpu_strategy(ctx.strategy):
+        return "tpu"
+    if tf.executing_eagerly():
+        return "eager"
+    return "collective"
+
+
+def _checked_groups(group_assignment, num_replicas):
+    groups = np.asarray(group_assignment, dtype=np.int64)
+    if groups.ndim != 2 or groups.size == 0:
+        raise ValueError(
+            f"group_assignment must be a 2-D [num_groups, group_size] array of replica ids, got shape "
+            f"{groups.shape}. Build one with mesh.group_assignment(group_size)."
+        )
+    if sorted(groups.ravel().tolist()) != list(range(num_replicas)):
+        raise ValueError(
+            f"group_assignment {groups.tolist()} must hold each of the {num_replicas} replica ids exactly "
+            f"once. Build one with mesh.group_assignment(group_size) from this strategy's mesh."
+        )
+    return groups
+
+
+def _static_replica_id(ctx):
+    replica_id = tf.get_static_value(ctx.replica_id_in_sync_group)
+    if replica_id is None:
+        raise RuntimeError(
+            "The replica id is not known while tracing, so the replica's group cannot be chosen. This happens "
+            "on TPU-like strategies; use TPUStrategy (TPU ops) or MirroredStrategy."
+        )
+    return int(replica_id)
+
+
+def _my_group(groups, replica_id):
+    row = int(np.argwhere(groups == replica_id)[0, 0])
+    return row, groups[row]
+
+
+# --------------------------------------------------------------------------- collective-op plumbing
+
+
+def _group_key(members):
+    """A private group key derived from the members alone, so every worker picks the same key."""
+    members = tuple(sorted(int(m) for m in members))
+    key = _PRIVATE_KEY_BASE + zlib.crc32(np.asarray(members, np.int64).tobytes()) % (1 << 30)
+    with _lock:
+        known = _group_keys.setdefault(key, members)
+    if known != members:
+        raise RuntimeError(
+            f"Private collective group key {key} is shared by groups {known} and {members}. Use a different "
+            f"group size."
+        )
+    return key
+
+
+def _next_instance_key(group_key, device):
+    with _lock:
+        key = _instance_counters.get((group_key, device), 1)
+        _instance_counters[(group_key, device)] = key + 1
+    return key
+
+
+def _instance_key(group_key, device):
+    """An instance key fetched at every call of the traced function, as TensorFlow's own launcher does.
+
+    Keys handed out while tracing would diverge between workers that retrace at different times; keys taken
+    at call time stay in step because every replica runs the same collectives in the same order.
+    """
+    graph = ops.get_default_graph()
+    while getattr(graph, "is_control_flow_graph", False):
+        graph = graph.outer_graph
+    if not graph.building_function:
+        return _next_instance_key(group_key, device)
+    with graph.as_default():
+        return graph.capture_call_time_value(
+            lambda: _next_instance_key(group_key, device), tf.TensorSpec([], tf.int32)
+        )
+
+
+def _ordering_token(device):
+    with _lock:
+        token = _ordering_tokens.get(device)
+        if token is None:
+            # A plain ResourceVariable (not tf.Variable) so no strategy or Keras variable creator sees it.
+            with ops.init_scope(), ops.device(device):
+                token = resource_variable_ops.ResourceVariable(0.0, trainable=False, name="collective_token")
+            _ordering_tokens[device] = token
+    return token.handle
+
+
+class _Launch:
+    """What a replica needs to launch a collective op in its group."""
+
+    def __init__(self, members):
+        self.group_size = len(members)
+        self.group_key = _group_key(members)
+        self.device = device_util.canonicalize(device_util.current())
+
+    def kwargs(self):
+        return dict(
+            group_size=self.group_size,
+            group_key=self.group_key,
+            instance_key=_instance_key(self.group_key, self.device),
+            ordering_token=_ordering_token(self.device),
+            timeout=timeout_seconds(),
+        )
+
+
+def _collective_sum(x, launch):
+    @tf.custom_gradient
+    def summed(x):
+        with ops.device(launch.device):
+            y = collective_ops.all_reduce_v2(x, **launch.kwargs())
+        return y, lambda dy: _collective_sum(dy, launch)
+
+    return summed(x)
+
+
+def _collective_all_to_all(x, launch):
+    @tf.custom_gradient
+    def exchanged(x):
+        # The CPU/GPU kernel wants axis 0 to be exactly the group size: one row per rank.
+        with ops.device(launch.device):
+            rows = tf.reshape(x, [launch.group_size, -1])
+            y = tf.reshape(collective_ops.all_to_all_v2(rows, **launch.kwargs()), tf.shape(x))
+        return y, lambda dy: _collective_all_to_all(dy, launch)
+
+    return exchanged(x)
+
+
+def _collective_all_gather(x, launch):
+    @tf.custom_gradient
+    def gathered(x):
+        with ops.device(launch.device):
+            y = collective_ops.all_gather_v2(x, **launch.kwargs())
+
+        def grad(dy):
+            return _local_shard_sum(_collective_all_to_all(dy, launch), launch.group_size)
+
+        return y, grad
+
+    return gathered(x)
+
+
+def _local_shard_sum(received, group_size):
+    """Sums the `group_size` equal chunks along axis 0: the local half of a reduce-scatter."""
+    shape = tf.shape(received)
+    chunks = tf.reshape(received, tf.concat([[group_size, shape[0] // group_size], shape[1:]], 0))
+    return tf.reduce_sum(chunks, axis=0)
+
+
+# --------------------------------------------------------------------------- eager fallback
+
+
+def _eager_slot_sum(value, groups, ctx):
+    """Sums `value` placed in this replica's `[group, rank]` slot across all replicas (one strategy all-reduce)."""
+    replica_id = _static_replica_id(ctx)
+    row, members = _my_group(groups, replica_id)
+    rank = int(np.argwhere(members == replica_id)[0, 0])
+    num_groups, group_size = groups.shape
+    one_hot = tf.one_hot(row * group_size + rank, num_groups * group_size, dtype=value.dtype)
+    slots = tf.tensordot(one_hot, value, axes=0)  # [groups * size, ...]
+    summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, slots)
+    return tf.reshape(summed, tf.concat([[num_groups, group_size], tf.shape(value)], 0))[row], rank
+
+
+# --------------------------------------------------------------------------- public primitives
+
+
+def _dispatch(x, group_assignment):
+    x = tf.convert_to_tensor(x)
+    backend = _backend()
+    if backend == "tpu":
+        groups = np.asarray(group_assignment, dtype=np.int64)
+        num = current_mesh().num_replicas if getattr(_override, "mesh", None) is not None else None
+        return x, backend, _checked_groups(groups, num or tf.distribute.get_replica_context().num_replicas_in_sync)
+    ctx = tf.distribute.get_replica_context()
+    return x, backend, _checked_groups(group_assignment, ctx.num_replicas_in_sync)
+
+
+def group_sum(x, group_assignment):
+    """Sums `x` over the replicas of this replica's group.
+
+    Args:
+      x: a tensor, the same shape on every replica.
+      group_assignment: int `[num_groups, group_size]` replica ids partitioning all replicas.
+
+    Returns:
+      The sum of `x` over the group, on every member of the group.
+    """
+    x, backend, groups = _dispatch(x, group_assignment)
+    if backend == "single" or groups.shape[1] == 1:
+        return tf.identity(x)
+    if backend == "tpu":
+        from tensorflow.python.tpu.ops import tpu_ops
+
+        return tpu_ops.cross_replica_sum(x, groups.astype(np.int32).tolist())
+    ctx = tf.distribute.get_replica_context()
+    if backend == "eager":
+        slots, _ = _eager_slot_sum(x, groups, ctx)
+        return tf.reduce_sum(slots, axis=0)
+    _, members = _my_group(groups, _static_replica_id(ctx))
+    return _collective_sum(x, _Launch(members))
+
+
+def all_to_all(x, group_assignment):
+    """Exchanges chunks inside the group: chunk `i` of axis 0 goes to rank `i`.
+
+    Args:
+      x: a tensor whose axis 0 is a multiple of the group size.
+      group_assignment: int `[num_groups, group_size]` replica ids partitioning all replicas.
+
+    Returns:
+      A tensor of the same shape whose chunk `j` came from rank `j` of the group.
+    """
+    x, backend, groups = _dispatch(x, group_assignment)
+    group_size = groups.shape[1]
+    _check_divisible(x, group_size, "all_to_all")
+    if backend == "single" or group_size == 1:
+        return tf.identity(x)
+    if backend == "tpu":
+        from tensorflow.python.tpu.ops import tpu_ops
+
+        return tpu_ops.all_to_all(
+            x, concat_dimension=0, split_dimension=0, split_count=group_size,
+            group_assignment=groups.astype(np.int32).tolist(),
+        )
+    ctx = tf.distribute.get_replica_context()
+    if backend == "eager":
+        slots, rank = _eager_slot_sum(x, groups, ctx)  # [size, ...]: every rank's full x
+        chunk = tf.shape(x)[0] // group_size
+        return tf.concat([slots[j, rank * chunk:(rank + 1) * chunk] for j in range(group_size)], axis=0)
+    _, members = _my_group(groups, _static_replica_id(ctx))
+    return _collective_all_to_all(x, _Launch(members))
+
+
+def reduce_scatter(x, group_assignment):
+    """Sums `x` over the group and keeps this replica's chunk of axis 0 (its rank's `1/group_size`).
+
+    Done as an all-to-all plus a local sum: the CPU runtime has no reduce-scatter kernel, and a failed
+    collective would stop the process's collective runtime for good.
+
+    Args:
+      x: a tensor whose axis 0 is a multiple of the group size.
+      group_assignment: int `[num_groups, group_size]` replica ids partitioning all replicas.
+
+    Returns:
+      `[x.shape[0] // group_size, ...]`: this rank's chunk of the group sum.
+    """
+    group_size = np.asarray(group_assignment).shape[-1]
+    return _local_shard_sum(all_to_all(x, group_assignment), group_size)
+
+
+def all_gather(x, group_assignment):
+    """Concatenates `x` from every rank of the group along axis 0, in rank order.
+
+    Args:
+      x: a tensor, the same shape on every replica.
+      group_assignment: int `[num_groups, group_size]` replica ids partitioning all replicas.
+
+    Returns:
+      `[group_size * x.shape[0], ...]`.
+    """
+    x, backend, groups = _dispatch(x, group_assignment)
+    group_size = groups.shape[1]
+    if backend == "single" or group_size == 1:
+        return tf.identity(x)
+    if backend == "tpu":
+        # Send the same tensor to every rank: an all-to-all of `group_size` copies is an all-gather.
+        return all_to_all(tf.tile(x, tf.concat([[group_size], tf.ones([tf.rank(x) - 1], tf.int32)], 0)),
+                          groups)
+    ctx = tf.distribute.get_replica_context()
+    if backend == "eager":
+        slots, _ = _eager_slot_sum(x, groups, ctx)
+        return tf.reshape(slots, tf.concat([[-1], tf.shape(x)[1:]], 0))
+    _, members = _my_group(groups, _static_replica_id(ctx))
+    return _collective_all_gather(x, _Launch(members))
+
+
+def _check_divisible(x, group_size, name):
+    first = x.shape[0] if x.shape.rank else None
+    if x.shape.rank == 0:
+        raise ValueError(f"{name} needs a tensor with a leading axis to split; got a scalar.")
+    if first is not None and first % group_size:
+        raise ValueError(
+            f"{name} splits axis 0 into {group_size} equal chunks, but it has length {first}; pad it to a "
+            f"multiple of {group_size}."
+        )

@@ -1,0 +1,233 @@
+"""`create_strategy`: find the hardware, initialize it, and return a `tf.distribute` strategy with a mesh.
+
+One call for every platform:
+
+* a TPU slice (a `tpu` name, `"local"`, or `TPU_NAME` in the environment): `TPUStrategy` with a device
+  assignment built from the slice's topology; the mesh follows the physical torus;
+* several hosts (`TF_CONFIG` names more than one worker): `MultiWorkerMirroredStrategy`, optionally with
+  several logical CPUs per worker; the mesh is workers x local replicas, so a mesh row never leaves a host;
+* GPUs: `MirroredStrategy` over them;
+* otherwise the CPU: `MirroredStrategy` over `num_cpu_replicas` logical CPU devices (virtual replicas).
+
+The returned object is a real strategy (a thin subclass of the TensorFlow one) with two extra attributes:
+`mesh` (a `ReplicaMesh`) and `gradient_reduction` (`"torus"` or `"native"`, how `model.fit` sums gradients).
+"""
+
+import json
+import os
+
+from absl import logging
+import tensorflow as tf
+from tensorflow.python.distribute import collective_all_reduce_strategy as _collective_lib
+
+from tpu_scale.mesh import ReplicaMesh
+
+GRADIENT_REDUCTIONS = ("torus", "native")
+
+
+def mesh_of(strategy=None):
+    """The `ReplicaMesh` of a strategy (the current one by default).
+
+    Strategies from `create_strategy` carry their mesh; for any other strategy it is derived: one row per
+    worker for multi-worker strategies, a single row of replicas otherwise.
+    """
+    strategy = strategy or tf.distribute.get_strategy()
+    mesh = getattr(strategy, "mesh", None)
+    if isinstance(mesh, ReplicaMesh):
+        return mesh
+    n = strategy.num_replicas_in_sync
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        local = len(strategy.extended.worker_devices)
+        return ReplicaMesh.for_workers(n // local, local)
+    return ReplicaMesh.for_devices(n)
+
+
+# --------------------------------------------------------------------------- strategy classes
+
+
+class _MeshMixin:
+    """What our strategies add to TensorFlow's: the mesh and the gradient reduction."""
+
+    def _attach(self, mesh, gradient_reduction):
+        if mesh.num_replicas != self.num_replicas_in_sync:
+            raise ValueError(
+                f"The mesh {mesh} holds {mesh.num_replicas} replicas but the strategy has "
+                f"{self.num_replicas_in_sync}."
+            )
+        self.mesh = mesh
+        self.gradient_reduction = gradient_reduction
+
+
+class MirroredStrategy(_MeshMixin, tf.distribute.MirroredStrategy):
+    """`tf.distribute.MirroredStrategy` that knows its replica mesh."""
+
+
+class TPUStrategy(_MeshMixin, tf.distribute.TPUStrategy):
+    """`tf.distribute.TPUStrategy` that knows its replica mesh (the slice's torus)."""
+
+
+class _MultiWorkerExtended(_collective_lib.CollectiveAllReduceExtended):
+    """Multi-worker extended that can give each worker several logical CPU devices.
+
+    TensorFlow's version uses exactly one CPU per worker when there is no GPU; virtual replicas let a
+    multi-host mesh be built and tested on CPUs.
+    """
+
+    def __init__(self, container_strategy, cluster_resolver, communication_options, num_local_cpus):
+        self._num_local_cpus = num_local_cpus
+        super().__init__(container_strategy, cluster_resolver, communication_options)
+
+    def _initialize_local_devices(self, cluster_resolver, worker_device):
+        devices, device_type = super()._initialize_local_devices(cluster_resolver, worker_device)
+        if device_type == "CPU" and self._num_local_cpus:
+            devices = tuple(f"{worker_device}/device:CPU:{i}" for i in range(self._num_local_cpus))
+        return devices, device_type
+
+
+class MultiWorkerMirroredStrategy(_MeshMixin, tf.distribute.MultiWorkerMirroredStrategy):
+    """`tf.distribute.MultiWorkerMirroredStrategy` with a mesh, several CPUs per worker, and a Keras fix.
+
+    Keras 3 `model.fit` breaks under TensorFlow's class with more than one worker: it asks `reduce` for the
+    mean of a nested `(x, y)` batch while building the model, and for the mean of scalar metrics along axis 0.
+    `reduce` here handles both: it maps over nested values and reduces scalars across replicas.
+    """
+
+    def __init__(self, cluster_resolver=None, communication_options=None, num_local_cpus=None):
+        communication_options = communication_options or tf.distribute.experimental.CommunicationOptions()
+        # Skip TensorFlow's __init__, which would build its own extended with one CPU per worker.
+        tf.distribute.Strategy.__init__(
+            self, _MultiWorkerExtended(self, cluster_resolver, communication_options, num_local_cpus)
+        )
+
+    def reduce(self, reduce_op, value, axis=None):
+        def reduce_one(v):
+            if axis is not None and v.shape.rank == 0:
+                # A scalar per replica has no axis 0: its mean over examples is its mean over replicas.
+                return super(MultiWorkerMirroredStrategy, self).reduce(reduce_op, v, axis=None)
+            return super(MultiWorkerMirroredStrategy, self).reduce(reduce_op, v, axis=axis)
+
+        return tf.nest.map_structure(reduce_one, value, expand_composites=False)
+
+
+# --------------------------------------------------------------------------- detection
+
+
+def _tf_config_workers():
+    config = os.environ.get("TF_CONFIG")
+    if not config:
+        return 0
+    try:
+        cluster = json.loads(config).get("cluster", {})
+    except json.JSONDecodeError as e:
+        raise ValueError(f"TF_CONFIG is not valid JSON ({e}): {config!r}") from e
+    return len(cluster.get("worker", [])) + len(cluster.get("chief", []))
+
+
+def _configure_cpu_replicas(num_cpu_replicas):
+    """Makes `num_cpu_replicas` logical CPU devices exist; returns their names."""
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    configured = tf.config.get_logical_device_configuration(cpu)
+    have = len(configured) if configured else 1
+    if have < num_cpu_replicas:
+        try:
+            tf.config.set_logical_device_configuration(
+                cpu, [tf.config.LogicalDeviceConfiguration()] * num_cpu_replicas
+            )
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"Asked for {num_cpu_replicas} CPU replicas but TensorFlow already started with {have} "
+                f"logical CPU device(s), and devices cannot be added after start-up. Call "
+                f"tpu_scale.create_strategy(num_cpu_replicas={num_cpu_replicas}) before any other TensorFlow "
+                f"op runs."
+            ) from e
+    return [d.name for d in tf.config.list_logical_devices("CPU")][:num_cpu_replicas]
+
+
+def _connect_tpu(tpu):
+    try:
+        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=tpu)
+        tf.config.experimental_connect_to_cluster(resolver)
+        topology = tf.tpu.experimental.initialize_tpu_system(resolver)
+    except (ValueError, IndexError, RuntimeError, tf.errors.OpError) as e:
+        raise RuntimeError(
+            f"Could not reach the TPU {tpu!r} ({type(e).__name__}: {e}). Check the TPU name and that this "
+            f"VM can reach it, or call create_strategy() without a TPU to use GPUs or CPUs."
+        ) from e
+    return resolver, topology
+
+
+def _requested_tpu(tpu):
+    if tpu is not None:
+        return tpu
+    if os.environ.get("TPU_NAME"):
+        return os.environ["TPU_NAME"]
+    return None
+
+
+def create_strategy(tpu=None, *, num_cpu_replicas=None, mesh_shape=None, gradient_reduction="torus"):
+    """Finds the hardware and returns a `tf.distribute` strategy that knows its replica mesh.
+
+    Args:
+      tpu: a TPU name or address, or `"local"` on a TPU VM. Defaults to `TPU_NAME` from the environment; with
+        neither, no TPU is used. A TPU that was asked for and cannot be reached is an error, never a silent
+        fall-back to CPU.
+      num_cpu_replicas: virtual replicas on the CPU (when there is no GPU), or logical CPUs per worker under
+        `TF_CONFIG`. Creating them must happen before TensorFlow starts; later calls with the same or a smaller
+        count reuse the devices.
+      mesh_shape: `(rows, cols)` for a single host's replicas; default `(1, n)`. Multi-host meshes are
+        workers x local replicas and TPU meshes follow the torus.
+      gradient_reduction: `"torus"` (the 2-D reduction of `tpu_scale.torus`, used by `model.fit`) or
+        `"native"` (TensorFlow's own all-reduce).
+
+    Returns:
+      A strategy with `.mesh` (`ReplicaMesh`) and `.gradient_reduction`.
+    """
+    if gradient_reduction not in GRADIENT_REDUCTIONS:
+        raise ValueError(f"gradient_reduction={gradient_reduction!r}; choose one of {GRADIENT_REDUCTIONS}.")
+    if num_cpu_replicas is not None and (not isinstance(num_cpu_replicas, int) or num_cpu_replicas < 1):
+        raise ValueError(f"num_cpu_replicas must be a positive int, got {num_cpu_replicas!r}.")
+
+    tpu = _requested_tpu(tpu)
+    num_workers = _tf_config_workers()
+    if tpu is not None:
+        if mesh_shape is not None:
+            raise ValueError("mesh_shape cannot be set on a TPU: the mesh follows the slice's torus.")
+        resolver, topology = _connect_tpu(tpu)
+        device_assignment = tf.tpu.experimental.DeviceAssignment.build(
+            topology, num_replicas=topology.num_tasks * topology.num_tpus_per_task
+        )
+        strategy = TPUStrategy(resolver, experimental_device_assignment=device_assignment)
+        mesh = ReplicaMesh.from_topology(topology, device_assignment)
+        kind = f"TPU {tpu}"
+    elif num_workers > 1:
+        if mesh_shape is not None:
+            raise ValueError("mesh_shape cannot be set with TF_CONFIG: the mesh is workers x local replicas.")
+        if num_cpu_replicas and not tf.config.list_physical_devices("GPU"):
+            _configure_cpu_replicas(num_cpu_replicas)
+        strategy = MultiWorkerMirroredStrategy(num_local_cpus=num_cpu_replicas)
+        local = len(strategy.extended.worker_devices)
+        mesh = ReplicaMesh.for_workers(strategy.num_replicas_in_sync // local, local)
+        kind = f"{num_workers} workers x {local} {strategy.extended._local_device_type}"
+    elif tf.config.list_physical_devices("GPU"):
+        gpus = [d.name for d in tf.config.list_logical_devices("GPU")]
+        strategy = MirroredStrategy(gpus)
+        mesh = ReplicaMesh.for_devices(len(gpus), mesh_shape)
+        kind = f"{len(gpus)} GPU(s)"
+    else:
+        if num_cpu_replicas is None and mesh_shape is not None:
+            num_cpu_replicas = int(mesh_shape[0]) * int(mesh_shape[1])
+        devices = _configure_cpu_replicas(num_cpu_replicas or 1)
+        mesh = ReplicaMesh.for_devices(len(devices), mesh_shape)
+        strategy = MirroredStrategy(devices)
+        kind = f"{len(devices)} CPU replica(s)"
+
+    strategy._attach(mesh, gradient_reduction)
+    if gradient_reduction == "torus":
+        from tpu_scale import torus
+
+        torus.install()
+    logging.info(
+        "tpu_scale: %s, %d replicas, mesh %dx%d, gradient reduction %s",
+        kind, strategy.num_replicas_in_sync, mesh.shape[0], mesh.shape[1], gradient_reduction,
+    )
+    return strategy
