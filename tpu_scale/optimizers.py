@@ -144,7 +144,7 @@ class LARS(keras.optimizers.Optimizer):
     def _apply_weight_decay(self, variables):
         # The base class would apply decoupled decay (w -= lr * wd * w) before `update_step`;
         # LARS folds the decay into the gradient and the trust ratio instead.
-        return super()._apply_weight_decay(variables)
+        return
 
     def update_step(self, gradient, variable, learning_rate):
         """Update step given gradient and the associated model variable."""
