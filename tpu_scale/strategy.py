@@ -101,7 +101,7 @@ class MultiWorkerMirroredStrategy(_MeshMixin, tf.distribute.MultiWorkerMirroredS
 
     def reduce(self, reduce_op, value, axis=None):
         def reduce_one(v):
-            if axis is not None and v.shape.rank == 0:
+            if axis is not None and self.experimental_local_results(v)[0].shape.rank == 0:
                 # A scalar per replica has no axis 0: its mean over examples is its mean over replicas.
                 return super(MultiWorkerMirroredStrategy, self).reduce(reduce_op, v, axis=None)
             return super(MultiWorkerMirroredStrategy, self).reduce(reduce_op, v, axis=axis)
@@ -124,7 +124,7 @@ def _tf_config_workers():
 
 
 def _configure_cpu_replicas(num_cpu_replicas):
-    """Makes `num_cpu_replicas` logical CPU devices exist; returns their names."""
+    """Makes `num_cpu_replicas` logical CPU devices exist, without starting TensorFlow's runtime."""
     cpu = tf.config.list_physical_devices("CPU")[0]
     configured = tf.config.get_logical_device_configuration(cpu)
     have = len(configured) if configured else 1
@@ -140,7 +140,6 @@ def _configure_cpu_replicas(num_cpu_replicas):
                 f"tpu_scale.create_strategy(num_cpu_replicas={num_cpu_replicas}) before any other TensorFlow "
                 f"op runs."
             ) from e
-    return [d.name for d in tf.config.list_logical_devices("CPU")][:num_cpu_replicas]
 
 
 def _connect_tpu(tpu):
@@ -148,7 +147,7 @@ def _connect_tpu(tpu):
         resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=tpu)
         tf.config.experimental_connect_to_cluster(resolver)
         topology = tf.tpu.experimental.initialize_tpu_system(resolver)
-    except (ValueError, IndexError, RuntimeError, tf.errors.OpError) as e:
+    except Exception as e:  # resolver, connection and initialization each fail in their own way
         raise RuntimeError(
             f"Could not reach the TPU {tpu!r} ({type(e).__name__}: {e}). Check the TPU name and that this "
             f"VM can reach it, or call create_strategy() without a TPU to use GPUs or CPUs."
@@ -216,7 +215,8 @@ def create_strategy(tpu=None, *, num_cpu_replicas=None, mesh_shape=None, gradien
     else:
         if num_cpu_replicas is None and mesh_shape is not None:
             num_cpu_replicas = int(mesh_shape[0]) * int(mesh_shape[1])
-        devices = _configure_cpu_replicas(num_cpu_replicas or 1)
+        _configure_cpu_replicas(num_cpu_replicas or 1)
+        devices = [d.name for d in tf.config.list_logical_devices("CPU")][:num_cpu_replicas or 1]
         mesh = ReplicaMesh.for_devices(len(devices), mesh_shape)
         strategy = MirroredStrategy(devices)
         kind = f"{len(devices)} CPU replica(s)"

@@ -1,0 +1,126 @@
+"""create_strategy: CPU virtual replicas, errors, and a real two-process MultiWorkerMirroredStrategy."""
+
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tpu_scale
+from tpu_scale import collectives
+from tpu_scale.multiworker import run_workers
+
+
+def test_cpu_strategy_has_a_mesh(cpu_devices):
+    strategy = tpu_scale.create_strategy(num_cpu_replicas=8, mesh_shape=(2, 4), gradient_reduction="native")
+    assert isinstance(strategy, tf.distribute.MirroredStrategy)
+    assert strategy.num_replicas_in_sync == 8
+    assert strategy.mesh.shape == (2, 4)
+    assert strategy.gradient_reduction == "native"
+    assert tpu_scale.mesh_of(strategy) is strategy.mesh
+
+
+def test_fewer_replicas_reuse_the_devices():
+    strategy = tpu_scale.create_strategy(num_cpu_replicas=4, gradient_reduction="native")
+    assert strategy.num_replicas_in_sync == 4 and strategy.mesh.shape == (1, 4)
+
+
+def test_more_replicas_after_start_up_is_a_clear_error():
+    with pytest.raises(RuntimeError, match=r"num_cpu_replicas=16\) before any other TensorFlow op"):
+        tpu_scale.create_strategy(num_cpu_replicas=16)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"gradient_reduction": "ring"}, "choose one of"),
+    ({"num_cpu_replicas": 0}, "positive int"),
+    ({"num_cpu_replicas": 8, "mesh_shape": (3, 3)}, r"holds 9 replicas but there are 8"),
+])
+def test_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        tpu_scale.create_strategy(**kwargs)
+
+
+def test_missing_tpu_is_an_error_that_names_it():
+    # "local" asks for this VM's own TPU; there is none here, and that must not silently become the CPU.
+    with pytest.raises(RuntimeError, match="Could not reach the TPU 'local'"):
+        tpu_scale.create_strategy(tpu="local")
+
+
+def test_plain_strategies_get_a_derived_mesh():
+    strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(4)])
+    assert tpu_scale.mesh_of(strategy).shape == (1, 4)
+
+
+# --------------------------------------------------------------------------- multi-worker, two processes
+
+
+def worker_all_reduce():
+    """Runs in each worker: a full all-reduce and row/column group sums over the 2 x 2 mesh."""
+    strategy = tpu_scale.create_strategy(
+        num_cpu_replicas=int(os.environ["TPU_SCALE_CPUS_PER_WORKER"]), gradient_reduction="native")
+    mesh = strategy.mesh
+
+    @tf.function
+    def step():
+        def replica_fn():
+            ctx = tf.distribute.get_replica_context()
+            value = tf.cast(ctx.replica_id_in_sync_group, tf.float32) + 1.0
+            total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, value)
+            rows = collectives.group_sum(value, mesh.row_groups())
+            columns = collectives.group_sum(value, mesh.column_groups())
+            return total, rows, columns
+        return strategy.run(replica_fn)
+
+    results = step()
+    return {
+        "num_replicas": strategy.num_replicas_in_sync,
+        "mesh": mesh.shape,
+        "local_devices": list(strategy.extended.worker_devices),
+        "values": [[float(v) for v in strategy.experimental_local_results(r)] for r in results],
+    }
+
+
+def worker_fit():
+    """Runs in each worker: Keras model.fit under the multi-worker strategy; returns the final weights."""
+    strategy = tpu_scale.create_strategy(
+        num_cpu_replicas=int(os.environ["TPU_SCALE_CPUS_PER_WORKER"]), gradient_reduction="native")
+    import keras
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 5)).astype("float32")
+    y = (x @ rng.normal(size=(5, 1))).astype("float32")
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(16)
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    dataset = dataset.with_options(options)
+    with strategy.scope():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="relu"),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    history = model.fit(dataset, epochs=2, steps_per_epoch=3, verbose=0)
+    return {"weights": [w.numpy() for w in model.weights], "loss": history.history["loss"]}
+
+
+def test_two_workers_all_reduce():
+    results = run_workers(f"{__name__}:worker_all_reduce", num_workers=2, cpus_per_worker=2, timeout=240)
+    for task, result in enumerate(results):
+        assert result["num_replicas"] == 4 and result["mesh"] == (2, 2)
+        assert len(result["local_devices"]) == 2
+        total, rows, columns = result["values"]
+        assert total == [10.0, 10.0]  # 1 + 2 + 3 + 4
+        assert rows == ([3.0, 3.0] if task == 0 else [7.0, 7.0])  # a row is one worker's replicas
+        assert columns == [4.0, 6.0]  # replicas {0, 2} and {1, 3}: across the two workers
+
+
+def test_two_workers_keras_fit_agree():
+    results = run_workers(f"{__name__}:worker_fit", num_workers=2, cpus_per_worker=2, timeout=300)
+    first, second = results
+    assert len(first["loss"]) == 2 and np.all(np.isfinite(first["loss"]))
+    for a, b in zip(first["weights"], second["weights"]):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_worker_failure_shows_every_output():
+    with pytest.raises(RuntimeError, match=r"worker 0 \(exit code 1\)"):
+        run_workers("tpu_scale.no_such_module:f", num_workers=2, timeout=60)

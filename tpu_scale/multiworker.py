@@ -1,0 +1,131 @@
+"""Runs a function in N localhost worker processes under `TF_CONFIG`: a real multi-host cluster on one machine.
+
+Each worker is a fresh Python process (a `MultiWorkerMirroredStrategy` must be created before any other
+TensorFlow op, and only once per process) with its own `TF_CONFIG` naming free localhost ports. The target
+function creates the strategy itself, e.g. with `tpu_scale.create_strategy(num_cpu_replicas=...)`, and returns a
+picklable value; `run_workers` returns every worker's value, or raises with every worker's output when one
+fails or the cluster does not finish in time.
+
+    results = run_workers("tests.helpers:train", num_workers=2, cpus_per_worker=2, kwargs={"steps": 3})
+
+Workers see `TPU_SCALE_CPUS_PER_WORKER` in their environment, so targets can pass it to `create_strategy`.
+"""
+
+import json
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def free_ports(count):
+    """`count` distinct free localhost ports (bound then released; good enough for a test cluster)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("localhost", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def tf_config(ports, index):
+    """The `TF_CONFIG` of worker `index` in a localhost cluster on `ports`."""
+    return json.dumps({
+        "cluster": {"worker": [f"localhost:{p}" for p in ports]},
+        "task": {"type": "worker", "index": index},
+    })
+
+
+def _tail(text, lines=60):
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def run_workers(target, num_workers=2, cpus_per_worker=2, kwargs=None, timeout=300):
+    """Runs `target(**kwargs)` in `num_workers` localhost worker processes and returns their results.
+
+    Args:
+      target: `"package.module:function"`, importable in a fresh process (the caller's `sys.path` is passed on).
+      num_workers: worker processes, each with its own `TF_CONFIG`.
+      cpus_per_worker: logical CPUs each worker should create (exported as `TPU_SCALE_CPUS_PER_WORKER`).
+      kwargs: keyword arguments for the target; must be picklable.
+      timeout: seconds for the whole cluster; on expiry every worker is killed.
+
+    Returns:
+      The list of the workers' return values, in task order.
+
+    Raises:
+      RuntimeError: a worker failed or the cluster timed out; the message holds every worker's output.
+    """
+    if ":" not in target:
+        raise ValueError(f"target must look like 'package.module:function', got {target!r}.")
+    ports = free_ports(num_workers)
+    workdir = tempfile.mkdtemp(prefix="tpu_scale_workers_")
+    with open(os.path.join(workdir, "kwargs.pkl"), "wb") as f:
+        pickle.dump(kwargs or {}, f)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
+    env["TPU_SCALE_CPUS_PER_WORKER"] = str(cpus_per_worker)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    procs, logs = [], []
+    for i in range(num_workers):
+        log = open(os.path.join(workdir, f"worker{i}.log"), "w+")
+        worker_env = dict(env, TF_CONFIG=tf_config(ports, i))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "tpu_scale.multiworker", target, workdir, str(i)],
+            env=worker_env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        ))
+        logs.append(log)
+    deadline = time.monotonic() + timeout
+    failed = None
+    try:
+        while any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs):
+                failed = "a worker failed"  # the others would wait for it until the collective timeout
+                break
+            if time.monotonic() > deadline:
+                failed = f"the cluster did not finish within {timeout} s"
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if failed is None and any(p.returncode for p in procs):
+        failed = "a worker failed"
+    if failed:
+        report = []
+        for i, (p, log) in enumerate(zip(procs, logs)):
+            log.seek(0)
+            report.append(f"--- worker {i} (exit code {p.returncode}) ---\n{_tail(log.read())}")
+        raise RuntimeError(f"Multi-worker run of {target}: {failed}.\n" + "\n".join(report))
+    for log in logs:
+        log.close()
+    results = []
+    for i in range(num_workers):
+        with open(os.path.join(workdir, f"result{i}.pkl"), "rb") as f:
+            results.append(pickle.load(f))
+    return results
+
+
+def _worker_main(target, workdir, index):
+    import importlib
+
+    module_name, function_name = target.split(":")
+    function = getattr(importlib.import_module(module_name), function_name)
+    with open(os.path.join(workdir, "kwargs.pkl"), "rb") as f:
+        kwargs = pickle.load(f)
+    result = function(**kwargs)
+    with open(os.path.join(workdir, f"result{index}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
