@@ -42,7 +42,7 @@ _DEFAULT_TIMEOUT_SECONDS = 300.0
 _lock = threading.Lock()
 _group_keys = {}  # group key -> sorted member tuple, to detect a (very unlikely) hash collision
 _instance_counters = {}  # (group key, device) -> next instance key
-_ordering_tokens = {}  # device -> resource variable
+_ordering_tokens = {}  # (device, channel) -> resource variable
 _override = threading.local()
 
 
@@ -72,6 +72,26 @@ def tpu_graph(mesh):
         yield
     finally:
         _override.mesh = previous
+
+
+@contextlib.contextmanager
+def ordering_channel(channel):
+    """Collectives launched inside are ordered only against others of the same `channel` on their device.
+
+    On CPU/GPU every collective op takes a per-device ordering token, which runs the device's collectives one
+    after another in program order. Independent sequences (e.g. the two halves of a bidirectional torus sum)
+    can take different channels so both can be in flight at once. Each channel must still launch the same
+    collectives in the same order on every replica. No effect on TPU, where XLA schedules the ops.
+
+    Args:
+      channel: a hashable name; `0` is the default channel.
+    """
+    previous = getattr(_override, "channel", 0)
+    _override.channel = channel
+    try:
+        yield
+    finally:
+        _override.channel = previous
 
 
 def current_mesh():
@@ -180,14 +200,14 @@ def _instance_key(group_key, device):
         )
 
 
-def _ordering_token(device):
+def _ordering_token(device, channel=0):
     with _lock:
-        token = _ordering_tokens.get(device)
+        token = _ordering_tokens.get((device, channel))
         if token is None:
             # A plain ResourceVariable (not tf.Variable) so no strategy or Keras variable creator sees it.
             with ops.init_scope(), ops.device(device):
                 token = resource_variable_ops.ResourceVariable(0.0, trainable=False, name="collective_token")
-            _ordering_tokens[device] = token
+            _ordering_tokens[(device, channel)] = token
     return token.handle
 
 
@@ -198,13 +218,14 @@ class _Launch:
         self.group_size = len(members)
         self.group_key = _group_key(members)
         self.device = device_util.canonicalize(device_util.current())
+        self.channel = getattr(_override, "channel", 0)
 
     def kwargs(self):
         return dict(
             group_size=self.group_size,
             group_key=self.group_key,
             instance_key=_instance_key(self.group_key, self.device),
-            ordering_token=_ordering_token(self.device),
+            ordering_token=_ordering_token(self.device, self.channel),
             timeout=timeout_seconds(),
         )
 
@@ -235,7 +256,12 @@ def _collective_all_gather(x, launch):
     @tf.custom_gradient
     def gathered(x):
         with ops.device(launch.device):
-            y = collective_ops.all_gather_v2(x, **launch.kwargs())
+            if x.dtype == tf.bfloat16:
+                # The gather kernel has no bfloat16; it only copies bytes, so send the bits as float16.
+                y = tf.bitcast(collective_ops.all_gather_v2(tf.bitcast(x, tf.float16), **launch.kwargs()),
+                               tf.bfloat16)
+            else:
+                y = collective_ops.all_gather_v2(x, **launch.kwargs())
 
         def grad(dy):
             return _local_shard_sum(_collective_all_to_all(dy, launch), launch.group_size)
@@ -271,14 +297,13 @@ def _eager_slot_sum(value, groups, ctx):
 
 
 def _dispatch(x, group_assignment):
+    """The tensor, the backend to use, and the checked group assignment."""
     x = tf.convert_to_tensor(x)
     backend = _backend()
-    if backend == "tpu":
-        groups = np.asarray(group_assignment, dtype=np.int64)
-        num = current_mesh().num_replicas if getattr(_override, "mesh", None) is not None else None
-        return x, backend, _checked_groups(groups, num or tf.distribute.get_replica_context().num_replicas_in_sync)
-    ctx = tf.distribute.get_replica_context()
-    return x, backend, _checked_groups(group_assignment, ctx.num_replicas_in_sync)
+    forced = getattr(_override, "mesh", None)
+    num_replicas = forced.num_replicas if forced is not None else \
+        tf.distribute.get_replica_context().num_replicas_in_sync
+    return x, backend, _checked_groups(group_assignment, num_replicas)
 
 
 def group_sum(x, group_assignment):
@@ -370,8 +395,7 @@ def all_gather(x, group_assignment):
         return tf.identity(x)
     if backend == "tpu":
         # Send the same tensor to every rank: an all-to-all of `group_size` copies is an all-gather.
-        return all_to_all(tf.tile(x, tf.concat([[group_size], tf.ones([tf.rank(x) - 1], tf.int32)], 0)),
-                          groups)
+        return all_to_all(tf.tile(x, [group_size] + [1] * (x.shape.rank - 1)), groups)
     ctx = tf.distribute.get_replica_context()
     if backend == "eager":
         slots, _ = _eager_slot_sum(x, groups, ctx)

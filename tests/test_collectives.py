@@ -1,0 +1,172 @@
+"""Group collectives against numpy references, in graphs and eagerly, and the TPU ops they build."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tpu_scale
+from tpu_scale import collectives
+from tpu_scale.mesh import ReplicaMesh
+
+DTYPES = [tf.float32, tf.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def strategy():
+    return tpu_scale.create_strategy(num_cpu_replicas=8, mesh_shape=(2, 4), gradient_reduction="native")
+
+
+def replica_inputs(shape, dtype, seed=0):
+    """A different tensor per replica, exactly representable in bfloat16."""
+    rng = np.random.default_rng(seed)
+    values = rng.integers(-8, 8, size=(8,) + tuple(shape)).astype(np.float32) / 4
+    return values, tf.convert_to_tensor(values, dtype)
+
+
+def run_per_replica(strategy, fn, values, eager=False):
+    """Runs `fn(x_replica)` on every replica; returns the 8 results as numpy arrays."""
+    def step(all_values):
+        ctx = tf.distribute.get_replica_context()
+        return fn(tf.gather(all_values, ctx.replica_id_in_sync_group))
+
+    run = (lambda v: strategy.run(step, args=(v,))) if eager else \
+        tf.function(lambda v: strategy.run(step, args=(v,)))
+    out = run(values)
+    return [np.asarray(tf.cast(t, tf.float32)) for t in strategy.experimental_local_results(out)]
+
+
+GROUPINGS = {
+    "pairs": np.arange(8).reshape(4, 2),
+    "rows": ReplicaMesh.from_shape(2, 4).row_groups(),
+    "columns": ReplicaMesh.from_shape(2, 4).column_groups(),
+    "all": np.arange(8).reshape(1, 8),
+    "strided": np.array([[0, 3, 5, 6], [1, 2, 4, 7]]),
+}
+
+
+def group_of(groups, replica):
+    return groups[np.argwhere(groups == replica)[0, 0]]
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graph", "eager"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("grouping", list(GROUPINGS))
+def test_group_sum(strategy, grouping, dtype, eager):
+    groups = GROUPINGS[grouping]
+    values, tensor = replica_inputs((3, 5), dtype)
+    results = run_per_replica(strategy, lambda x: collectives.group_sum(x, groups), tensor, eager)
+    for replica, result in enumerate(results):
+        np.testing.assert_array_equal(result, values[group_of(groups, replica)].sum(axis=0))
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graph", "eager"])
+@pytest.mark.parametrize("grouping", ["pairs", "rows", "columns", "all"])
+def test_reduce_scatter_then_all_gather_is_the_sum(strategy, grouping, eager):
+    groups = GROUPINGS[grouping]
+    size = groups.shape[1]
+    values, tensor = replica_inputs((size * 3, 2), tf.float32)
+
+    def fn(x):
+        shard = collectives.reduce_scatter(x, groups)
+        return tf.concat([collectives.all_gather(shard, groups), shard], axis=0)
+
+    results = run_per_replica(strategy, fn, tensor, eager)
+    shards = {}
+    for replica, result in enumerate(results):
+        expected = values[group_of(groups, replica)].sum(axis=0)
+        np.testing.assert_allclose(result[:size * 3], expected, rtol=1e-6)
+        shards[replica] = result[size * 3:]
+    # Each member holds a different third of the group sum, and together they hold all of it.
+    for group in groups:
+        pieces = np.concatenate(sorted((shards[r] for r in group), key=lambda s: s.tobytes()))
+        total = values[group].sum(axis=0)
+        chunks = np.split(total, size)
+        assert sorted(p.tobytes() for p in np.split(pieces, size)) == sorted(c.tobytes() for c in chunks)
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graph", "eager"])
+def test_all_to_all_is_its_own_inverse(strategy, eager):
+    groups = GROUPINGS["rows"]
+    values, tensor = replica_inputs((8, 3), tf.float32)
+    twice = run_per_replica(
+        strategy, lambda x: collectives.all_to_all(collectives.all_to_all(x, groups), groups), tensor, eager)
+    for replica, result in enumerate(twice):
+        np.testing.assert_array_equal(result, values[replica])
+
+
+@pytest.mark.parametrize("grouping", ["pairs", "strided"])
+def test_gradients_of_a_group_sum(strategy, grouping):
+    groups = GROUPINGS[grouping]
+    values, tensor = replica_inputs((4,), tf.float32)
+
+    def fn(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(collectives.group_sum(x * x, groups))
+        return tape.gradient(loss, x)
+
+    # d/dx_i of sum over the group's members' losses: every member's loss holds x_i^2.
+    for replica, grad in enumerate(run_per_replica(strategy, fn, tensor)):
+        np.testing.assert_allclose(grad, 2 * values[replica] * groups.shape[1], rtol=1e-6)
+
+
+def test_gradients_of_all_gather(strategy):
+    groups = GROUPINGS["rows"]
+    values, tensor = replica_inputs((2,), tf.float32)
+    weights = tf.range(8, dtype=tf.float32)
+
+    def fn(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            gathered = collectives.all_gather(x, groups)  # [4 * 2]
+            loss = tf.reduce_sum(gathered * weights)
+        return tape.gradient(loss, x)
+
+    results = run_per_replica(strategy, fn, tensor)
+    # Every member's loss weighs my slot the same way, so my gradient is 4 x my slot's weights.
+    for replica, grad in enumerate(results):
+        assert grad.shape == (2,)
+    total = sum(results)
+    np.testing.assert_allclose(total, 4 * 2 * weights.numpy().reshape(4, 2).sum(axis=0), rtol=1e-6)
+
+
+def test_bad_assignment_fails_before_launching(strategy):
+    for bad, message in [(np.arange(6).reshape(2, 3), "exactly once"), (np.arange(8), "2-D")]:
+        with pytest.raises(ValueError, match=message):
+            run_per_replica(strategy, lambda x: collectives.group_sum(x, bad), tf.zeros([8, 2]))
+
+
+def test_uneven_split_fails_before_launching(strategy):
+    with pytest.raises(ValueError, match=r"length 6; pad it to a multiple of 4"):
+        run_per_replica(strategy, lambda x: collectives.all_to_all(x, GROUPINGS["rows"]), tf.zeros([8, 6]))
+
+
+def test_cross_replica_context_is_an_error(strategy):
+    with strategy.scope(), pytest.raises(RuntimeError, match="replica context"):
+        collectives.group_sum(tf.ones([2]), GROUPINGS["all"])
+
+
+def test_no_strategy_is_the_identity():
+    np.testing.assert_array_equal(collectives.group_sum(tf.ones([2]), [[0]]), [1.0, 1.0])
+    assert collectives.current_mesh() is None
+
+
+def test_tpu_ops_carry_the_group_assignment():
+    mesh = ReplicaMesh.from_shape(4, 8, cores_per_chip=2, is_torus=True)
+    groups = mesh.group_assignment(8, tiled=True)
+    with tf.Graph().as_default() as graph, collectives.tpu_graph(mesh):
+        x = tf.compat.v1.placeholder(tf.float32, [16, 3])
+        summed = collectives.group_sum(x, groups)
+        tf.gradients(summed, x)
+        collectives.reduce_scatter(x, mesh.row_groups())
+        collectives.all_gather(x, mesh.column_groups())
+    ops = {op.type: [] for op in graph.get_operations()}
+    for op in graph.get_operations():
+        ops[op.type].append(op)
+    assert len(ops["CrossReplicaSum"]) == 2  # the sum and its gradient
+    for op in ops["CrossReplicaSum"]:
+        np.testing.assert_array_equal(tf.get_static_value(op.inputs[1]), groups)
+    assignments = [tf.get_static_value(op.inputs[1]) for op in ops["AllToAll"]]
+    assert len(assignments) == 2
+    np.testing.assert_array_equal(assignments[0], mesh.row_groups())
+    np.testing.assert_array_equal(assignments[1], mesh.column_groups())
