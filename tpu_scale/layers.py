@@ -1,0 +1,224 @@
+"""Grouped ("distributed") batch normalization: batch statistics over a group of replicas.
+
+At large scale each replica sees only a handful of examples, too few for good batch statistics, while
+normalizing over all replicas is slow and also hurts accuracy. `DistributedBatchNormalization` normalizes over a
+*group* of replicas instead: each replica packs its local per-channel sum, sum of squares and count into one
+tensor, the group sums it with a single cross-replica reduction, and every member normalizes with the group's
+mean and variance.
+
+Reference:
+  Ying et al., "Image Classification at Supercomputer Scale", 2018 (arXiv:1811.06992), section 3.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tpu_scale import collectives
+from tpu_scale.mesh import smallest_group_for_span
+
+# The BN span (examples normalized together) `group_size=None` aims for: the smallest group reaching it.
+DEFAULT_SPAN = 64
+
+
+@keras.saving.register_keras_serializable(package="tpu_scale")
+class DistributedBatchNormalization(keras.layers.BatchNormalization):
+    """Batch normalization whose training statistics cover a group of replicas.
+
+    A drop-in replacement for `keras.layers.BatchNormalization`: it takes every argument of that layer and
+    behaves exactly like it outside a multi-replica strategy, at inference, and with `group_size=1`. In
+    training under a strategy with several replicas, the mean and variance are those of the concatenated
+    batch of the replica's group, so each replica's output (and gradient) is what plain batch normalization
+    would give on the group's whole batch.
+
+    Each training call makes exactly one cross-replica reduction, through `tpu_scale.collectives.group_sum`:
+    the local per-channel `sum(x - shift)`, `sum((x - shift)^2)` and unmasked-element count, packed into a
+    single float32 tensor (float64 for float64 inputs; bfloat16 and float16 inputs are upcast first). The
+    group variance is `E[(x - shift)^2] - E[x - shift]^2`, clamped at zero: the group's true variance, never an
+    average of per-replica variances. The per-channel `shift` is the layer's moving mean (without gradient):
+    the identity holds for any shift shared by the group, and one close to the mean avoids the cancellation
+    that makes `E[x^2] - E[x]^2` lose precision when the mean is large against the spread.
+
+    Groups come from the strategy's mesh: `mesh.group_assignment(group_size, tiled=mesh.is_torus)`, i.e.
+    contiguous replica ids on CPU/GPU hosts and compact tiles of neighbouring chips on a TPU torus.
+
+    Moving statistics are updated from the group statistics, so all members of a group hold the same values
+    (which the shift relies on). As with Keras's own layer under a mirrored strategy, each replica keeps its
+    own copy; different groups may differ, and saving or reading the weights outside `strategy.run` gives
+    replica 0's group. Batch renormalization (`renorm=True`) runs Keras's algorithm unchanged on the group
+    statistics: its `r`/`d` corrections and all its moving statistics use the group mean and deviation.
+
+    Args:
+      group_size: replicas per group. `1` gives local statistics, `strategy.num_replicas_in_sync` global
+        ones. `None` picks the smallest group whose span (per-replica batch size x group size) reaches 64
+        examples, from the static batch size of the first training call, and keeps it for the layer's life;
+        with `synchronized=True`, `None` means all replicas. Must divide the number of replicas (and tile
+        the torus on TPU).
+      **kwargs: every argument of `keras.layers.BatchNormalization` (`axis`, `momentum`, `epsilon`,
+        `center`, `scale`, initializers, regularizers, constraints, `renorm`, `renorm_clipping`,
+        `renorm_momentum`, `synchronized`) and the base layer arguments (`name`, `dtype`, ...).
+
+    Call arguments:
+      inputs: input tensor of any rank.
+      training: Python boolean; in training mode the layer normalizes with the group's batch statistics and
+        updates the moving statistics, otherwise it uses the moving statistics and does not communicate.
+      mask: optional tensor of one dimension less than `inputs`, `True` where an element counts. Masked
+        elements are excluded from the group's statistics (and from its count).
+
+    Reference:
+      - [Ioffe and Szegedy, 2015](https://arxiv.org/abs/1502.03167).
+      - [Ying et al., 2018](https://arxiv.org/abs/1811.06992), "Distributed batch normalization".
+    """
+
+    def __init__(self, group_size=None, **kwargs):
+        super().__init__(**kwargs)
+        if group_size is not None:
+            if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) or group_size < 1:
+                raise ValueError(
+                    f"group_size must be a positive int (replicas per group) or None, got {group_size!r}."
+                )
+            group_size = int(group_size)
+            if self.synchronized and group_size == 1:
+                raise ValueError(
+                    "synchronized=True asks for statistics over all replicas but group_size=1 asks for local "
+                    "ones; pass only one of them."
+                )
+        self.group_size = group_size
+        # (mesh, group size) chosen by the span rule; kept so a smaller last batch cannot change the groups.
+        self._resolved = None
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        # Fail at model construction, not at the first step, when the group size cannot fit the strategy.
+        if self.group_size is not None and tf.distribute.has_strategy():
+            from tpu_scale.strategy import mesh_of
+
+            self._checked_assignment(mesh_of(tf.distribute.get_strategy()), self.group_size)
+
+    def get_config(self):
+        return {**super().get_config(), "group_size": self.group_size}
+
+    # ----------------------------------------------------------------- statistics
+
+    def _moments(self, inputs, mask):
+        groups = self._group_assignment(inputs)
+        if groups is None:
+            # Nothing to communicate with: Keras's own (two-pass) local moments.
+            return super()._moments(inputs, mask)
+        return self._group_moments(inputs, mask, groups)
+
+    def _group_moments(self, inputs, mask, groups):
+        """Mean and variance `[channels]` over this replica's group, with one `group_sum`."""
+        dtype = inputs.dtype if inputs.dtype == tf.float64 else tf.float32
+        x = tf.cast(inputs, dtype)
+        shift = tf.stop_gradient(tf.cast(self.moving_mean, dtype))
+        centered = x - tf.reshape(shift, self._broadcast_shape(x))
+        axes = self._reduction_axes
+        if mask is None:
+            count = tf.cast(tf.size(x) // tf.shape(x)[self.axis], dtype)
+            count = tf.fill(tf.shape(shift), count)
+        else:
+            weights = tf.broadcast_to(tf.cast(tf.expand_dims(mask, -1), tf.bool), tf.shape(x))
+            centered = tf.where(weights, centered, tf.zeros_like(centered))
+            count = tf.reduce_sum(tf.cast(weights, dtype), axis=axes)
+        local = tf.stack(
+            [tf.reduce_sum(centered, axis=axes), tf.reduce_sum(tf.square(centered), axis=axes), count]
+        )
+        total_sum, total_squares, total_count = tf.unstack(collectives.group_sum(local, groups))
+        shifted_mean = tf.math.divide_no_nan(total_sum, total_count)
+        variance = tf.math.divide_no_nan(total_squares, total_count) - tf.square(shifted_mean)
+        # Rounding can take E[x^2] - E[x]^2 a little below zero for a constant channel.
+        variance = tf.maximum(variance, tf.zeros_like(variance))
+        mean = shifted_mean + shift
+        return tf.cast(mean, inputs.dtype), tf.cast(variance, inputs.dtype)
+
+    def _broadcast_shape(self, x):
+        shape = [1] * x.shape.rank
+        shape[self.axis] = -1
+        return shape
+
+    # ----------------------------------------------------------------- groups
+
+    def _group_assignment(self, inputs):
+        """This call's `[num_groups, group_size]` replica groups, or None for local statistics."""
+        mesh = collectives.current_mesh()
+        if mesh is None:
+            return None
+        group_size = self._group_size_for(mesh, inputs)
+        if group_size == 1:
+            return None
+        return self._checked_assignment(mesh, group_size)
+
+    def _group_size_for(self, mesh, inputs):
+        if self.group_size is not None:
+            return self.group_size
+        if self.synchronized:
+            return mesh.num_replicas
+        if self._resolved is not None and self._resolved[0] == mesh:
+            return self._resolved[1]
+        per_replica_batch = inputs.shape[0]
+        if per_replica_batch is None:
+            raise ValueError(
+                f"Layer {self.name!r}: group_size=None picks the group from the per-replica batch size, but "
+                f"the batch dimension is unknown here (inputs.shape={tuple(inputs.shape)}). Pass group_size "
+                f"explicitly, or give the input a static batch size (e.g. batch with drop_remainder=True)."
+            )
+        group_size = smallest_group_for_span(mesh, int(per_replica_batch), DEFAULT_SPAN, tiled=mesh.is_torus)
+        self._resolved = (mesh, group_size)
+        return group_size
+
+    def _checked_assignment(self, mesh, group_size):
+        try:
+            return mesh.group_assignment(group_size, tiled=mesh.is_torus)
+        except ValueError as e:
+            raise ValueError(f"Layer {self.name!r} (DistributedBatchNormalization): {e}") from None
+
+
+def convert_batch_normalization(model, group_size=None):
+    """Returns a copy of `model` whose `BatchNormalization` layers are `DistributedBatchNormalization`.
+
+    Every layer keeps its configuration and every weight is carried over, so the copy computes exactly what
+    the original does in inference. Layers that already are `DistributedBatchNormalization` get the new
+    `group_size`. Create the copy under `strategy.scope()` to place its variables on the strategy's replicas.
+    The copy is not compiled.
+
+    Args:
+      model: a functional or sequential `keras.Model` (nested ones are converted too), e.g.
+        `keras.applications.ResNet50()`. Subclassed models cannot be copied this way: build them with
+        `DistributedBatchNormalization` directly.
+      group_size: the `group_size` of every converted layer (see `DistributedBatchNormalization`).
+
+    Returns:
+      A new, uncompiled `keras.Model` with the same weights.
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"convert_batch_normalization expects a keras.Model, got {type(model).__name__}.")
+    if not isinstance(model, (keras.Sequential, keras.src.models.functional.Functional)):
+        raise ValueError(
+            f"convert_batch_normalization copies functional and sequential models; {type(model).__name__} is "
+            f"a subclassed model. Use DistributedBatchNormalization in its definition instead."
+        )
+
+    def clone(layer):
+        config = layer.get_config()
+        if isinstance(layer, keras.layers.BatchNormalization):
+            config["group_size"] = group_size
+            return DistributedBatchNormalization.from_config(config)
+        return layer.__class__.from_config(config)
+
+    copy = keras.models.clone_model(model, clone_function=clone, recursive=True)
+    _copy_weights(model, copy)
+    return copy
+
+
+def _copy_weights(source, target):
+    source_weights, target_weights = source.weights, target.weights
+    if len(source_weights) != len(target_weights):
+        raise RuntimeError(
+            f"The converted model has {len(target_weights)} weights but the original has "
+            f"{len(source_weights)}; the model may share layers in a way cloning cannot reproduce."
+        )
+    for src, dst in zip(source_weights, target_weights):
+        if tuple(src.shape) != tuple(dst.shape):
+            raise RuntimeError(f"Weight {src.path} {tuple(src.shape)} does not match {dst.path} {tuple(dst.shape)}.")
+        dst.assign(src.value)
