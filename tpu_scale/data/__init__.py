@@ -1,0 +1,35 @@
+"""The input builder: ImageNet TFRecords / TFDS on tf.data with fused JPEG decode-and-crop.
+
+  ImageNetInput            the train / eval pipeline (`.dataset(input_context)`, `.from_tfds`, `.synthetic`)
+  write_tfrecords          a folder of class sub-folders of images -> TFRecords in the classic ImageNet layout
+  make_synthetic_imagenet  a small, learnable dataset of real JPEGs in that layout (examples and tests)
+  image_ops                fused decode-and-crop, center crop, normalization
+"""
+
+import importlib
+
+from tpu_scale.data import image_ops
+from tpu_scale.data.input_pipeline import ImageNetInput, SyntheticImageNetInput
+from tpu_scale.data.synthetic import make_synthetic_imagenet
+
+
+def __getattr__(name):
+    # `write_tfrecords` is both a function and the module `python -m tpu_scale.data.write_tfrecords` runs.
+    # Importing the module lazily keeps `-m` from finding it already imported; the public name stays the
+    # function (importing a submodule would otherwise bind the module to it).
+    if name in ("write_tfrecords", "TFRecordSummary"):
+        module = importlib.import_module("tpu_scale.data.write_tfrecords")
+        globals()["write_tfrecords"] = module.write_tfrecords
+        globals()["TFRecordSummary"] = module.TFRecordSummary
+        return globals()[name]
+    raise AttributeError(f"module 'tpu_scale.data' has no attribute {name!r}")
+
+
+__all__ = [
+    "ImageNetInput",
+    "SyntheticImageNetInput",
+    "TFRecordSummary",
+    "image_ops",
+    "make_synthetic_imagenet",
+    "write_tfrecords",
+]

@@ -1,0 +1,196 @@
+"""Image operations of the input builder: fused JPEG decode-and-crop, center crop, normalization.
+
+The training crop reads only the JPEG header to learn the image shape, samples the crop window from that
+shape, and then decodes only the window (`tf.image.decode_and_crop_jpeg`): the pixels outside the window are
+never produced, which is what makes the host CPU fast enough to feed the accelerator.
+
+All randomness is stateless and driven by an explicit `seed` (a `[2]` int tensor), so a pipeline can be made
+reproducible by seeding its per-example seeds, and never depends on op-level random state.
+"""
+
+import math
+
+import tensorflow as tf
+
+# Per-channel ImageNet statistics on the 0-255 scale.
+IMAGENET_MEAN_RGB = (0.485 * 255, 0.456 * 255, 0.406 * 255)
+IMAGENET_STDDEV_RGB = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+
+# The reference evaluation crop: the center square of size/(size + 32) of the short side.
+CROP_PADDING = 32
+
+# The Inception-style random box of the reference ResNet-50 training recipe.
+AREA_RANGE = (0.08, 1.0)
+ASPECT_RATIO_RANGE = (3.0 / 4.0, 4.0 / 3.0)
+MAX_ATTEMPTS = 10
+
+# How far from the end of a record the JPEG end-of-image marker may sit (some encoders append padding).
+_EOI_SEARCH_BYTES = 1024
+
+
+def center_crop_window(image_height, image_width, image_size):
+    """The reference evaluation crop: a centered square of `image_size / (image_size + 32)` of the short side.
+
+    Args:
+      image_height: int32 scalar tensor, the full image height.
+      image_width: int32 scalar tensor, the full image width.
+      image_size: Python int, the output size the crop will be resized to.
+
+    Returns:
+      An int32 `[4]` tensor `[offset_y, offset_x, crop_height, crop_width]`.
+    """
+    short_side = tf.cast(tf.minimum(image_height, image_width), tf.float32)
+    crop_size = tf.cast(short_side * (image_size / (image_size + CROP_PADDING)), tf.int32)
+    # A 1-pixel image would otherwise give an empty crop.
+    crop_size = tf.maximum(crop_size, 1)
+    offset_y = (image_height - crop_size + 1) // 2
+    offset_x = (image_width - crop_size + 1) // 2
+    return tf.stack([offset_y, offset_x, crop_size, crop_size])
+
+
+def sample_crop_window(
+    image_height,
+    image_width,
+    seed,
+    *,
+    area_range=AREA_RANGE,
+    aspect_ratio_range=ASPECT_RATIO_RANGE,
+    max_attempts=MAX_ATTEMPTS,
+    fallback_image_size=224,
+):
+    """Samples an Inception-style random crop window from an image shape alone.
+
+    Each attempt draws an area fraction uniformly from `area_range` and an aspect ratio (width / height)
+    log-uniformly from `aspect_ratio_range`; the first attempt whose box fits inside the image wins, and its
+    position is uniform over the valid offsets. All attempts are drawn at once (they cost a few scalars), so
+    there is no data-dependent loop. When no attempt fits (very elongated images), the window falls back to
+    the evaluation center crop, as in the reference recipe.
+
+    Args:
+      image_height: int32 scalar tensor, the full image height.
+      image_width: int32 scalar tensor, the full image width.
+      seed: int32 or int64 `[2]` tensor, the stateless random seed of this example.
+      area_range: (min, max) fraction of the image area covered by the crop.
+      aspect_ratio_range: (min, max) of the crop's width / height.
+      max_attempts: how many boxes to try before falling back to the center crop.
+      fallback_image_size: the output size used to size the center-crop fallback.
+
+    Returns:
+      An int32 `[4]` tensor `[offset_y, offset_x, crop_height, crop_width]`.
+    """
+    box_seed, offset_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
+    area_seed, ratio_seed = tf.unstack(tf.random.experimental.stateless_split(box_seed, 2))
+    height = tf.cast(image_height, tf.float32)
+    width = tf.cast(image_width, tf.float32)
+
+    target_area = height * width * tf.random.stateless_uniform(
+        [max_attempts], area_seed, minval=area_range[0], maxval=area_range[1]
+    )
+    log_ratio = tf.random.stateless_uniform(
+        [max_attempts],
+        ratio_seed,
+        minval=math.log(aspect_ratio_range[0]),
+        maxval=math.log(aspect_ratio_range[1]),
+    )
+    aspect_ratio = tf.exp(log_ratio)
+    crop_widths = tf.cast(tf.round(tf.sqrt(target_area * aspect_ratio)), tf.int32)
+    crop_heights = tf.cast(tf.round(tf.sqrt(target_area / aspect_ratio)), tf.int32)
+    fits = (
+        (crop_heights >= 1)
+        & (crop_widths >= 1)
+        & (crop_heights <= image_height)
+        & (crop_widths <= image_width)
+    )
+
+    first_fit = tf.argmax(tf.cast(fits, tf.int32), output_type=tf.int32)
+    crop_height = crop_heights[first_fit]
+    crop_width = crop_widths[first_fit]
+    offsets = tf.random.stateless_uniform(
+        [2],
+        offset_seed,
+        minval=0,
+        maxval=tf.int32.max,
+        dtype=tf.int32,
+    )
+    # Uniform over [0, image - crop]; the modulo bias is negligible for image-sized ranges.
+    offset_y = offsets[0] % (image_height - crop_height + 1)
+    offset_x = offsets[1] % (image_width - crop_width + 1)
+    sampled = tf.stack([offset_y, offset_x, crop_height, crop_width])
+    fallback = center_crop_window(image_height, image_width, fallback_image_size)
+    return tf.where(tf.reduce_any(fits), sampled, fallback)
+
+
+def is_complete_jpeg(image_bytes):
+    """Cheap structural check that a record holds a whole JPEG file (it never raises).
+
+    A JPEG starts with the start-of-image marker `FF D8 FF` and ends with the end-of-image marker `FF D9`
+    (allowing up to 1 KiB of trailing padding). This catches the common bad records (other formats, empty
+    or truncated files) before the decoder sees them, so the pipeline can name the record or skip it. A file
+    that passes but has corrupt compressed data can still fail inside the decoder.
+
+    Args:
+      image_bytes: string scalar tensor, the encoded image.
+
+    Returns:
+      A bool scalar tensor.
+    """
+    length = tf.strings.length(image_bytes)
+    head = tf.strings.substr(image_bytes, 0, 3)
+    tail_start = tf.maximum(length - _EOI_SEARCH_BYTES, 0)
+    # Padding to a fixed width lets `decode_raw` give a fixed-length vector.
+    tail = tf.strings.substr(image_bytes, tail_start, _EOI_SEARCH_BYTES)
+    tail = tf.io.decode_raw(tail, tf.uint8, fixed_length=_EOI_SEARCH_BYTES)
+    has_end_marker = tf.reduce_any((tail[:-1] == 0xFF) & (tail[1:] == 0xD9))
+    return (length >= 4) & tf.equal(head, b"\xff\xd8\xff") & has_end_marker
+
+
+def decode_and_random_crop(image_bytes, image_size, seed, *, resize_method="bilinear"):
+    """Fused training decode: random Inception box from the header, decode only that window, resize, flip.
+
+    Args:
+      image_bytes: string scalar tensor, a JPEG file.
+      image_size: Python int, the output height and width.
+      seed: `[2]` int tensor, the stateless seed of this example.
+      resize_method: a `tf.image.ResizeMethod` name.
+
+    Returns:
+      A float32 `[image_size, image_size, 3]` tensor on the 0-255 scale.
+    """
+    crop_seed, flip_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
+    shape = tf.image.extract_jpeg_shape(image_bytes)
+    window = sample_crop_window(shape[0], shape[1], crop_seed, fallback_image_size=image_size)
+    image = tf.image.decode_and_crop_jpeg(image_bytes, window, channels=3)
+    image = tf.image.resize(image, [image_size, image_size], method=resize_method)
+    return tf.image.stateless_random_flip_left_right(image, flip_seed)
+
+
+def decode_and_center_crop(image_bytes, image_size, *, resize_method="bilinear"):
+    """Evaluation decode: the reference center crop, decoded as a window, then resized.
+
+    Args:
+      image_bytes: string scalar tensor, a JPEG file.
+      image_size: Python int, the output height and width.
+      resize_method: a `tf.image.ResizeMethod` name.
+
+    Returns:
+      A float32 `[image_size, image_size, 3]` tensor on the 0-255 scale.
+    """
+    shape = tf.image.extract_jpeg_shape(image_bytes)
+    window = center_crop_window(shape[0], shape[1], image_size)
+    image = tf.image.decode_and_crop_jpeg(image_bytes, window, channels=3)
+    return tf.image.resize(image, [image_size, image_size], method=resize_method)
+
+
+def normalize_image(image, dtype=tf.float32):
+    """Subtracts the ImageNet mean and divides by the standard deviation, per channel.
+
+    Args:
+      image: float tensor `[..., 3]` on the 0-255 scale.
+      dtype: the output dtype (`tf.float32` or `tf.bfloat16`); the arithmetic is done in float32.
+
+    Returns:
+      The normalized tensor in `dtype`.
+    """
+    image = tf.cast(image, tf.float32)
+    image = (image - tf.constant(IMAGENET_MEAN_RGB)) / tf.constant(IMAGENET_STDDEV_RGB)
+    return tf.cast(image, dtype)

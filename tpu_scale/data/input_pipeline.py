@@ -1,0 +1,615 @@
+"""The ImageNet input builder: sharded TFRecord / TFDS reads, fused decode-and-crop, batching, tf.data service.
+
+`ImageNetInput` builds the host-side pipeline of the supercomputer-scale ResNet-50 recipe:
+
+    files (sharded per input pipeline, shuffled) -> parallel interleave with a large read buffer
+    -> [cache raw records] -> shuffle -> repeat
+    -> parallel map: parse, fused JPEG decode-and-crop, resize, flip, normalize  } fused by tf.data
+    -> batch(drop_remainder=True)                                                  }
+    -> [tf.data service] -> prefetch
+
+Every stage runs on the host CPU. `dataset(input_context)` is meant to be given to
+`strategy.distribute_datasets_from_function`, which calls it once per input pipeline with the pipeline's
+id and per-replica batch size.
+"""
+
+import dataclasses
+import os
+import warnings
+from typing import Any, Callable, Optional, Sequence, Union
+
+import tensorflow as tf
+
+from tpu_scale.data import image_ops
+
+AUTOTUNE = tf.data.AUTOTUNE
+
+IMAGE_KEY = "image/encoded"
+LABEL_KEY = "image/class/label"
+
+
+def _bytes_feature(value):
+    return tf.train.Feature(bytes_list=tf.train.BytesList(value=[value]))
+
+
+def _int64_feature(value):
+    return tf.train.Feature(int64_list=tf.train.Int64List(value=[value]))
+
+
+def make_example(jpeg_bytes, label, *, height, width, synset="", filename=""):
+    """One `tf.train.Example` in the classic ImageNet layout.
+
+    Args:
+      jpeg_bytes: the encoded JPEG.
+      label: the integer class label, as stored (1-based in the classic files).
+      height: image height in pixels.
+      width: image width in pixels.
+      synset: the class name (the ImageNet synset id, or a folder name).
+      filename: the image's file name.
+
+    Returns:
+      A `tf.train.Example`.
+    """
+    feature = {
+        IMAGE_KEY: _bytes_feature(jpeg_bytes),
+        "image/format": _bytes_feature(b"JPEG"),
+        LABEL_KEY: _int64_feature(int(label)),
+        "image/class/synset": _bytes_feature(synset.encode()),
+        "image/filename": _bytes_feature(filename.encode()),
+        "image/height": _int64_feature(int(height)),
+        "image/width": _int64_feature(int(width)),
+        "image/colorspace": _bytes_feature(b"RGB"),
+        "image/channels": _int64_feature(3),
+    }
+    return tf.train.Example(features=tf.train.Features(feature=feature))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shard:
+    """Which part of the data one input pipeline reads."""
+
+    index: int = 0
+    count: int = 1
+
+
+class _TFRecordSource:
+    """TFRecord files of `tf.train.Example`s with JPEG bytes and an int64 label (the classic ImageNet layout)."""
+
+    def __init__(self, file_pattern, image_key, label_key, read_buffer_bytes, cycle_length):
+        self.patterns = [file_pattern] if isinstance(file_pattern, (str, bytes)) else list(file_pattern)
+        if not self.patterns:
+            raise ValueError("file_pattern is empty: give a glob such as '/data/imagenet/train-*'.")
+        self.image_key = image_key
+        self.label_key = label_key
+        self.read_buffer_bytes = read_buffer_bytes
+        self.cycle_length = cycle_length
+        self.description = ", ".join(str(p) for p in self.patterns)
+
+    def list_files(self):
+        files = []
+        for pattern in self.patterns:
+            files.extend(tf.io.gfile.glob(pattern))
+        if not files:
+            raise ValueError(
+                f"No files match the pattern {self.description!r}. Check the path, and that the glob "
+                "names the TFRecord shards (for example '/data/imagenet/train-*')."
+            )
+        return sorted(set(files))
+
+    def check_features(self, first_file):
+        """Reads one record so that wrong feature keys fail now, with the keys that are there."""
+        first = next(iter(tf.data.TFRecordDataset(first_file).take(1)), None)
+        if first is None:
+            return
+        example = tf.train.Example.FromString(first.numpy())
+        found = dict(example.features.feature)
+        problems = []
+        if self.image_key not in found or found[self.image_key].WhichOneof("kind") != "bytes_list":
+            problems.append(f"image_key={self.image_key!r} (a bytes feature)")
+        if self.label_key not in found or found[self.label_key].WhichOneof("kind") != "int64_list":
+            problems.append(f"label_key={self.label_key!r} (an int64 feature)")
+        if problems:
+            kinds = ", ".join(f"{k!r} ({v.WhichOneof('kind')})" for k, v in sorted(found.items()))
+            raise ValueError(
+                f"The records of {first_file!r} lack {' and '.join(problems)}. Keys found: {kinds}. "
+                "Pass image_key=... and label_key=... naming the JPEG bytes and the integer label."
+            )
+
+    def records(self, shard, *, repeat, shuffle_files, deterministic, seed):
+        """A dataset of `(origin, record_index, serialized_example)` for this shard, plus whether the
+        shard still has to be cut at record level."""
+        files = self.list_files()
+        with tf.init_scope():
+            self.check_features(files[0])
+        record_level = len(files) < shard.count
+        if record_level:
+            warnings.warn(
+                f"{len(files)} file(s) match {self.description!r} but there are {shard.count} input "
+                "pipelines: every pipeline reads every file and keeps 1 record in "
+                f"{shard.count}. Write at least as many shards as pipelines to read less.",
+                stacklevel=4,
+            )
+        else:
+            # Contiguous-free, deterministic assignment: pipeline i reads files i, i+n, i+2n, ...
+            files = files[shard.index :: shard.count]
+        dataset = tf.data.Dataset.from_tensor_slices(files)
+        # Record-level sharding needs every pipeline to see the same record order, so nothing is shuffled
+        # before the cut.
+        if shuffle_files and not record_level:
+            dataset = dataset.shuffle(len(files), seed=seed, reshuffle_each_iteration=True)
+        if repeat:
+            # Repeating the file list (not the records) lets the interleave run across epoch boundaries.
+            dataset = dataset.repeat()
+        dataset = dataset.interleave(
+            self._read_file,
+            cycle_length=min(self.cycle_length, len(files)),
+            block_length=1,
+            num_parallel_calls=AUTOTUNE,
+            deterministic=True if record_level else deterministic,
+        )
+        return dataset, record_level
+
+    def _read_file(self, filename):
+        records = tf.data.TFRecordDataset(filename, buffer_size=self.read_buffer_bytes)
+        return records.enumerate().map(lambda index, record: (filename, index, record))
+
+    def parse(self, record):
+        origin, index, serialized = record
+        features = tf.io.parse_single_example(
+            serialized,
+            {
+                self.image_key: tf.io.FixedLenFeature([], tf.string),
+                self.label_key: tf.io.FixedLenFeature([], tf.int64),
+            },
+        )
+        return origin, index, features[self.image_key], features[self.label_key]
+
+
+class _TFDSSource:
+    """A TFDS image classification dataset read with TFDS's own image decoding skipped."""
+
+    def __init__(self, name, split, data_dir, image_key, label_key, cycle_length):
+        self.name = name
+        self.split = split
+        self.data_dir = data_dir
+        self.image_key = image_key
+        self.label_key = label_key
+        self.cycle_length = cycle_length
+        self.description = f"tfds:{name}/{split}"
+
+    def records(self, shard, *, repeat, shuffle_files, deterministic, seed):
+        import tensorflow_datasets as tfds
+
+        builder = tfds.builder(self.name, data_dir=self.data_dir)
+        features = builder.info.features
+        missing = [k for k in (self.image_key, self.label_key) if k not in features]
+        if missing:
+            raise ValueError(
+                f"TFDS dataset {self.name!r} has no feature(s) {missing}. Keys found: "
+                f"{sorted(features.keys())}. Pass image_key=... and label_key=..."
+            )
+        split = self.split
+        if shard.count > 1:
+            # Example-level even split: works for any number of files and reads only this pipeline's part.
+            split = tfds.even_splits(split, n=shard.count)[shard.index]
+        read_config = tfds.ReadConfig(
+            shuffle_seed=seed,
+            interleave_cycle_length=self.cycle_length,
+            interleave_block_length=1,
+            try_autocache=False,
+        )
+        dataset = builder.as_dataset(
+            split=split,
+            decoders={self.image_key: tfds.decode.SkipDecoding()},
+            shuffle_files=shuffle_files,
+            read_config=read_config,
+        )
+        if repeat:
+            dataset = dataset.repeat()
+        origin = tf.constant(self.description)
+
+        def to_record(index, example):
+            return origin, index, example[self.image_key], example[self.label_key]
+
+        return dataset.enumerate().map(to_record), False
+
+    def parse(self, record):
+        origin, index, image_bytes, label = record
+        return origin, index, image_bytes, tf.cast(label, tf.int64)
+
+
+def _pipeline_options(*, deterministic, threadpool_size):
+    options = tf.data.Options()
+    options.autotune.enabled = True
+    # One private pool sized to the host: the pipeline's threads do not compete with TF's inter-op pool.
+    options.threading.private_threadpool_size = threadpool_size or os.cpu_count() or 1
+    # Parallelism comes from many examples in flight, not from splitting one resize across threads.
+    options.threading.max_intra_op_parallelism = 1
+    options.experimental_optimization.map_and_batch_fusion = True
+    options.deterministic = deterministic
+    return options
+
+
+class ImageNetInput:
+    """Builds the ImageNet input pipeline for training or evaluation.
+
+    Example:
+        train = ImageNetInput("/data/imagenet/train-*", is_training=True, global_batch_size=1024)
+        dataset = strategy.distribute_datasets_from_function(train.dataset)
+        model.fit(dataset, steps_per_epoch=1251, epochs=90)
+
+    Training: files sharded per input pipeline, file order shuffled, parallel interleave, optional cache of
+    the raw records, shuffle, repeat, fused decode-and-crop (Inception random box), flip, normalize, batches
+    with `drop_remainder=True` (static shapes), prefetch.
+    Evaluation: every example exactly once in file order, center crop, no shuffle, no repeat; the last
+    batch is smaller unless `pad_last_batch=True`.
+
+    Args:
+      file_pattern: a glob (or list of globs) of TFRecord files holding `tf.train.Example`s with JPEG bytes
+        under `image_key` and an int64 label under `label_key`.
+      is_training: selects the training path (random crops, shuffling, infinite repeat) or the eval path.
+      global_batch_size: the batch size over all replicas; each pipeline produces
+        `input_context.get_per_replica_batch_size(global_batch_size)` examples per batch.
+      image_size: output height and width.
+      label_offset: subtracted from every stored label (1 for the classic 1-based ImageNet files).
+      dtype: `tf.float32` or `tf.bfloat16` (or their names) for the images; labels are always int32.
+      image_key: the feature holding the encoded JPEG.
+      label_key: the feature holding the integer label.
+      cache: keep the raw (encoded) records in host memory after the first epoch (training only needs
+        about 150 GB for full ImageNet; use it for datasets that fit).
+      shuffle_buffer_size: examples in the shuffle buffer (training).
+      cycle_length: files read at once by the interleave.
+      read_buffer_bytes: read buffer of each file reader.
+      deterministic: reproducible order and crops (slower). With `seed`, two runs give the same batches.
+      seed: the seed of the file shuffle, the shuffle buffer and the per-example crop seeds.
+      skip_corrupt: drop records that are not decodable JPEGs and count them in `skipped_records`, instead
+        of failing with the file named.
+      pad_last_batch: evaluation only: pad the last batch to full size so every batch has a static shape;
+        the dataset then yields `(images, labels, weights)` with weight 0 for padding, which Keras
+        `evaluate` uses as sample weights so padding does not count.
+      data_service_address: a tf.data service dispatcher (`grpc://host:port`); the pipeline then runs on
+        the service's workers, each file handed out once (dynamic sharding), and this host only receives
+        batches. `skip_corrupt` counting needs the local pipeline and is refused here.
+      data_service_job_name: share one service job between consumers (otherwise each `dataset()` call gets
+        its own job).
+      threadpool_size: size of the private tf.data thread pool (default: the host's CPU count).
+      resize_method: a `tf.image.ResizeMethod` name.
+    """
+
+    def __init__(
+        self,
+        file_pattern: Union[str, Sequence[str], None],
+        *,
+        is_training: bool,
+        global_batch_size: int,
+        image_size: int = 224,
+        label_offset: int = 1,
+        dtype: Any = tf.float32,
+        image_key: str = IMAGE_KEY,
+        label_key: str = LABEL_KEY,
+        cache: bool = False,
+        shuffle_buffer_size: int = 10_000,
+        cycle_length: int = 64,
+        read_buffer_bytes: int = 8 * 1024 * 1024,
+        deterministic: bool = False,
+        seed: Optional[int] = None,
+        skip_corrupt: bool = False,
+        pad_last_batch: bool = False,
+        data_service_address: Optional[str] = None,
+        data_service_job_name: Optional[str] = None,
+        threadpool_size: Optional[int] = None,
+        resize_method: str = "bilinear",
+        _source: Any = None,
+    ):
+        if global_batch_size < 1:
+            raise ValueError(f"global_batch_size must be at least 1, got {global_batch_size}.")
+        if image_size < 1:
+            raise ValueError(f"image_size must be at least 1, got {image_size}.")
+        self.dtype = tf.dtypes.as_dtype(dtype)
+        if self.dtype not in (tf.float32, tf.bfloat16):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype.name}.")
+        if pad_last_batch and is_training:
+            raise ValueError(
+                "pad_last_batch=True is for evaluation: training batches are already full "
+                "(drop_remainder=True). Pass is_training=False, or drop pad_last_batch."
+            )
+        if skip_corrupt and data_service_address:
+            raise ValueError(
+                "skip_corrupt=True counts dropped records in a variable of this process, which tf.data "
+                "service workers cannot update. Clean the files (or run without data_service_address)."
+            )
+        if deterministic and seed is None:
+            seed = 0
+        self.is_training = is_training
+        self.global_batch_size = global_batch_size
+        self.image_size = image_size
+        self.label_offset = label_offset
+        self.cache = cache
+        self.shuffle_buffer_size = shuffle_buffer_size
+        self.deterministic = deterministic
+        self.seed = seed
+        self.skip_corrupt = skip_corrupt
+        self.pad_last_batch = pad_last_batch
+        self.data_service_address = data_service_address
+        self.data_service_job_name = data_service_job_name
+        self.threadpool_size = threadpool_size
+        self.resize_method = resize_method
+        self.source = _source or _TFRecordSource(
+            file_pattern, image_key, label_key, read_buffer_bytes, cycle_length
+        )
+        with tf.init_scope():
+            self._skipped = tf.Variable(0, dtype=tf.int64, trainable=False, name="skipped_records")
+
+    @classmethod
+    def from_tfds(
+        cls,
+        name: str,
+        split: str,
+        data_dir: Optional[str] = None,
+        *,
+        label_offset: int = 0,
+        image_key: str = "image",
+        label_key: str = "label",
+        cycle_length: int = 16,
+        **kwargs,
+    ) -> "ImageNetInput":
+        """An input over a TFDS dataset (for example `imagenet2012`), with TFDS's image decoding skipped.
+
+        TFDS yields the raw JPEG bytes and this pipeline's fused decode-and-crop runs on them. TFDS labels
+        are 0-based, hence `label_offset=0`.
+
+        Args:
+          name: the TFDS dataset name.
+          split: the split, e.g. `"train"` or `"validation"` (slicing such as `"train[:10%]"` works).
+          data_dir: the TFDS data directory (TFDS's default when None).
+          label_offset: subtracted from every label.
+          image_key: the feature holding the image.
+          label_key: the feature holding the class label.
+          cycle_length: files TFDS reads at once.
+          **kwargs: the other `ImageNetInput` arguments (`is_training`, `global_batch_size`, ...).
+
+        Returns:
+          An `ImageNetInput`.
+        """
+        source = _TFDSSource(name, split, data_dir, image_key, label_key, cycle_length)
+        return cls(None, label_offset=label_offset, _source=source, **kwargs)
+
+    @staticmethod
+    def synthetic(
+        *,
+        global_batch_size: int,
+        image_size: int = 224,
+        num_classes: int = 1000,
+        dtype: Any = tf.float32,
+        seed: int = 0,
+    ) -> "SyntheticImageNetInput":
+        """A source of random, already-normalized batches of the right shape, with no I/O and no decoding.
+
+        Use it to measure the training step without the cost of the input pipeline.
+
+        Args:
+          global_batch_size: the batch size over all replicas.
+          image_size: output height and width.
+          num_classes: labels are drawn from `[0, num_classes)`.
+          dtype: image dtype.
+          seed: seed of the random batch.
+
+        Returns:
+          An object with the same `dataset(input_context=None)` method.
+        """
+        return SyntheticImageNetInput(global_batch_size, image_size, num_classes, dtype, seed)
+
+    @property
+    def skipped_records(self) -> int:
+        """How many records were dropped as undecodable (`skip_corrupt=True`) by this input's datasets."""
+        return int(self._skipped.numpy())
+
+    def dataset(self, input_context: Optional[tf.distribute.InputContext] = None) -> tf.data.Dataset:
+        """Builds the dataset of `(images, labels)` batches for one input pipeline.
+
+        Args:
+          input_context: given by `strategy.distribute_datasets_from_function`; selects this pipeline's
+            shard of the data and its per-replica batch size. None means one pipeline and the global batch.
+
+        Returns:
+          A `tf.data.Dataset` of `(images [batch, size, size, 3] in dtype, labels [batch] int32)`, or
+          `(images, labels, weights)` with `pad_last_batch=True`.
+
+        Raises:
+          ValueError: if no file matches, or the records lack the configured feature keys.
+        """
+        if input_context is None:
+            shard, batch_size = _Shard(), self.global_batch_size
+        else:
+            shard = _Shard(input_context.input_pipeline_id, input_context.num_input_pipelines)
+            batch_size = input_context.get_per_replica_batch_size(self.global_batch_size)
+        deterministic = self.deterministic or not self.is_training
+        # Different pipelines must draw different crops and shuffles even from one user seed.
+        seed = None if self.seed is None else self.seed * 1_000_003 + shard.index
+
+        records, record_level = self.source.records(
+            shard,
+            # A cache must see one finite pass, so the repeat then comes after it.
+            repeat=self.is_training and not self.cache,
+            shuffle_files=self.is_training,
+            deterministic=deterministic,
+            seed=seed,
+        )
+        if record_level:
+            records = records.shard(shard.count, shard.index)
+        if self.cache:
+            records = records.cache()
+        if self.is_training:
+            records = records.shuffle(self.shuffle_buffer_size, seed=seed, reshuffle_each_iteration=True)
+            if self.cache:
+                records = records.repeat()
+
+        examples = self._decode(records, seed)
+        examples = examples.batch(
+            batch_size,
+            # Training shapes must be static for the accelerator; evaluation keeps every example.
+            drop_remainder=self.is_training,
+        )
+        if self.pad_last_batch:
+            examples = examples.map(lambda images, labels: _pad_batch(images, labels, batch_size))
+        options = _pipeline_options(deterministic=deterministic, threadpool_size=self.threadpool_size)
+        examples = examples.with_options(options)
+        if self.data_service_address:
+            examples = examples.apply(
+                tf.data.experimental.service.distribute(
+                    processing_mode=tf.data.experimental.service.ShardingPolicy.DYNAMIC,
+                    service=self.data_service_address,
+                    job_name=self.data_service_job_name,
+                )
+            )
+        return examples.prefetch(AUTOTUNE)
+
+    def _decode(self, records, seed):
+        """Parses and decodes every record into a normalized `(image, label)` example."""
+        if self.is_training:
+            # One stateless seed per example: reproducible with a seed, independent across examples.
+            crop_seeds = tf.data.Dataset.random(seed=seed).batch(2, drop_remainder=True)
+        else:
+            crop_seeds = tf.data.Dataset.from_tensors(tf.zeros([2], tf.int64)).repeat()
+        examples = tf.data.Dataset.zip((records, crop_seeds))
+        if self.skip_corrupt:
+            return self._decode_skipping_corrupt(examples)
+        parse = self.source.parse
+
+        def parse_check_and_decode(record, crop_seed):
+            origin, index, image_bytes, label = parse(record)
+            check = tf.debugging.Assert(
+                image_ops.is_complete_jpeg(image_bytes),
+                ["Record", index, "of", origin, _NOT_A_JPEG],
+            )
+            # The check must fail before the decoder does, so that the error names the record.
+            with tf.control_dependencies([check]):
+                image_bytes = tf.identity(image_bytes)
+            return self._decode_example(origin, index, image_bytes, label, crop_seed)
+
+        # The batch that follows is fused with this map by tf.data (map_and_batch_fusion).
+        return examples.map(parse_check_and_decode, num_parallel_calls=AUTOTUNE)
+
+    def _decode_example(self, origin, index, image_bytes, label, crop_seed):
+        label = self._checked_label(label, origin, index)
+        if self.is_training:
+            image = image_ops.decode_and_random_crop(
+                image_bytes, self.image_size, crop_seed, resize_method=self.resize_method
+            )
+        else:
+            image = image_ops.decode_and_center_crop(
+                image_bytes, self.image_size, resize_method=self.resize_method
+            )
+        return image_ops.normalize_image(image, self.dtype), label
+
+    def _checked_label(self, label, origin, index):
+        label = label - self.label_offset
+        check = tf.debugging.Assert(
+            label >= 0,
+            [
+                "Record",
+                index,
+                "of",
+                origin,
+                f"has a negative label after subtracting label_offset={self.label_offset}: "
+                "use label_offset=0 for 0-based labels.",
+            ],
+        )
+        with tf.control_dependencies([check]):
+            return tf.cast(label, tf.int32)
+
+    def _decode_skipping_corrupt(self, examples):
+        """Drops (and counts) records that are not decodable JPEGs instead of failing.
+
+        A structural check drops incomplete files; each remaining decode runs in its own one-element dataset
+        whose errors are ignored, so a decoder failure becomes a "failed" marker rather than an error. This
+        costs roughly a tenth more CPU per image than the fused map, hence only with `skip_corrupt=True`.
+        """
+        skipped = self._skipped
+
+        def keep_or_count(is_good):
+            def count_and_drop():
+                with tf.control_dependencies([skipped.assign_add(1)]):
+                    return tf.constant(False)
+
+            return tf.cond(is_good, lambda: tf.constant(True), count_and_drop)
+
+        parse = self.source.parse
+        parsed = examples.map(lambda record, crop_seed: (parse(record), crop_seed))
+        complete = parsed.filter(
+            lambda parsed_record, crop_seed: keep_or_count(image_ops.is_complete_jpeg(parsed_record[2]))
+        )
+
+        failed_marker = (
+            tf.zeros([self.image_size, self.image_size, 3], self.dtype),
+            tf.constant(-1, tf.int32),
+            tf.constant(False),
+        )
+
+        def decode(parsed_record, crop_seed):
+            image, label = self._decode_example(*parsed_record, crop_seed)
+            return image, label, tf.constant(True)
+
+        def guarded_decode(parsed_record, crop_seed):
+            attempt = tf.data.Dataset.from_tensors((parsed_record, crop_seed)).map(decode).ignore_errors()
+            return attempt.concatenate(tf.data.Dataset.from_tensors(failed_marker)).take(1)
+
+        decoded = complete.interleave(
+            guarded_decode,
+            cycle_length=2 * (self.threadpool_size or os.cpu_count() or 1),
+            block_length=1,
+            num_parallel_calls=AUTOTUNE,
+        )
+        decoded = decoded.filter(lambda image, label, decoded_ok: keep_or_count(decoded_ok))
+        return decoded.map(lambda image, label, decoded_ok: (image, label))
+
+
+_NOT_A_JPEG = (
+    "is not a complete JPEG file (another format, empty or truncated). Re-encode it "
+    "(tpu_scale.data.write_tfrecords re-encodes images) or pass skip_corrupt=True to drop and count it."
+)
+
+
+def _pad_batch(images, labels, batch_size):
+    """Pads a (last, partial) batch to `batch_size`, with weight 0 for the padding."""
+    count = tf.shape(labels)[0]
+    padding = batch_size - count
+    images = tf.pad(images, [[0, padding], [0, 0], [0, 0], [0, 0]])
+    labels = tf.pad(labels, [[0, padding]])
+    weights = tf.pad(tf.ones([count], tf.float32), [[0, padding]])
+    images = tf.ensure_shape(images, [batch_size] + images.shape[1:].as_list())
+    return images, tf.ensure_shape(labels, [batch_size]), tf.ensure_shape(weights, [batch_size])
+
+
+class SyntheticImageNetInput:
+    """Random, already-normalized batches with no I/O: the input-free upper bound of a training step."""
+
+    def __init__(self, global_batch_size, image_size, num_classes, dtype, seed):
+        self.global_batch_size = global_batch_size
+        self.image_size = image_size
+        self.num_classes = num_classes
+        self.dtype = tf.dtypes.as_dtype(dtype)
+        self.seed = seed
+
+    def dataset(self, input_context: Optional[tf.distribute.InputContext] = None) -> tf.data.Dataset:
+        """One random batch, repeated forever.
+
+        Args:
+          input_context: as for `ImageNetInput.dataset`; only the per-replica batch size is used.
+
+        Returns:
+          A `tf.data.Dataset` of `(images, labels)`.
+        """
+        batch_size = self.global_batch_size
+        if input_context is not None:
+            batch_size = input_context.get_per_replica_batch_size(self.global_batch_size)
+        seed = [self.seed, 0 if input_context is None else input_context.input_pipeline_id]
+        images = tf.random.stateless_normal(
+            [batch_size, self.image_size, self.image_size, 3], seed, dtype=tf.float32
+        )
+        labels = tf.random.stateless_uniform(
+            [batch_size], seed, minval=0, maxval=self.num_classes, dtype=tf.int32
+        )
+        batch = (tf.cast(images, self.dtype), labels)
+        # The batch is a constant of the dataset graph: repeating it costs no host work.
+        return tf.data.Dataset.from_tensors(batch).repeat()
