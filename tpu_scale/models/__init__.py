@@ -1,0 +1,10 @@
+"""Models of the recipe: ResNet-50 v1.5 and a small ResNet of the same structure.
+
+Both are built with `tpu_scale.layers.DistributedBatchNormalization`, so that under a
+strategy from `tpu_scale.create_strategy` their batch norms normalize over groups of
+replicas, and both output float32 logits under a `mixed_bfloat16` policy.
+"""
+
+from tpu_scale.models.resnet import resnet50, small_resnet
+
+__all__ = ["resnet50", "small_resnet"]
