@@ -88,6 +88,12 @@ def test_default_rule_on_a_real_model():
     adapted = {v.path for v, a in zip(model.trainable_variables, opt._adapt_flags) if a}
     decayed = {v.path for v, d in zip(model.trainable_variables, opt._decay_flags) if d}
     assert adapted == decayed == {"conv/kernel", "fc/kernel"}
+    # The inherited `exclude_from_weight_decay()` method still works, on top of the rule.
+    opt = LARS(weight_decay=1e-4, learning_rate=25)
+    opt.exclude_from_weight_decay(var_list=[model.get_layer("fc").kernel])
+    opt.build(model.trainable_variables)
+    decayed = {v.path for v, d in zip(model.trainable_variables, opt._decay_flags) if d}
+    assert decayed == {"conv/kernel"}
 
 
 def test_zero_weights_fall_back_to_plain_learning_rate():

@@ -35,6 +35,15 @@ class LARS(keras.optimizers.Optimizer):
     decoupled decay of `keras.optimizers.AdamW`. Give the model no kernel regularizers when
     `weight_decay` is set, or the penalty is applied twice.
 
+    Example:
+
+    ```python
+    hparams = tpu_scale.schedules.reference_lars_hparams(global_batch_size=32768)
+    schedule = tpu_scale.schedules.WarmupPolynomialDecay.from_epochs(
+        **hparams, total_epochs=72, steps_per_epoch=1281167 // 32768)
+    model.compile(optimizer=LARS(schedule, weight_decay=1e-4), ...)
+    ```
+
     Under a `mixed_bfloat16` policy Keras keeps the model variables in float32; the
     velocities are float32 too, and the update is computed in the variable's dtype.
 
@@ -89,6 +98,9 @@ class LARS(keras.optimizers.Optimizer):
         weight_decay = _check_float("weight_decay", 0.0 if weight_decay is None else weight_decay,
                                     0.0, None, hint="use e.g. weight_decay=1e-4, or 0.0 for none")
         eta = _check_float("eta", eta, 0.0, None, low_open=True, hint="use e.g. eta=0.001")
+        if isinstance(learning_rate, int) and not isinstance(learning_rate, bool):
+            # The base class accepts only floats; `LARS(25)` is an obvious intent.
+            learning_rate = float(learning_rate)
         super().__init__(
             learning_rate=learning_rate,
             weight_decay=weight_decay,
