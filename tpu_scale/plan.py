@@ -322,9 +322,14 @@ def _parse_slice(name):
     return generation, int(cores)
 
 
-def _wraps(extent, pod_extent, generation):
+WRAPAROUND = ("pod", "all")
+
+
+def _wraps(extent, pod_extent, generation, wraparound):
     if extent <= 1:
         return False
+    if wraparound == "all":
+        return True
     if generation == "v4":
         return extent % 4 == 0
     return extent == pod_extent
@@ -341,7 +346,7 @@ def _ring_directions(extents, wraps):
     return 2 if (math.prod(extents) % 2 == 0 or any(wraps)) else 1
 
 
-def tpu_slice(name, alpha_us=None):
+def tpu_slice(name, alpha_us=None, wraparound="pod"):
     """The `Cluster` of a TPU slice, e.g. `tpu_slice("v3-2048")`.
 
     The mesh is rows x (cols * cores), as `ReplicaMesh.from_topology` builds it: rows follow the torus's
@@ -350,10 +355,14 @@ def tpu_slice(name, alpha_us=None):
     Args:
       name: `"<generation>-<cores>"`, one of `slice_names()`.
       alpha_us: per-step latency of an inter-chip step in microseconds, instead of the default assumption.
+      wraparound: `"pod"` (the assumption: on v2/v3 only a dimension spanning the whole pod wraps, on v4 a
+        multiple of 4) or `"all"` (every dimension is a torus ring), to see what the assumption is worth.
 
     Returns:
       A `Cluster`.
     """
+    if wraparound not in WRAPAROUND:
+        raise ValueError(f"wraparound={wraparound!r}; choose one of {WRAPAROUND}.")
     generation, cores = _parse_slice(name)
     spec = TPU_GENERATIONS[generation]
     shape = spec["shapes"][cores]
@@ -362,8 +371,8 @@ def tpu_slice(name, alpha_us=None):
     rows = math.prod(rest)
     mesh = ReplicaMesh.from_shape(rows, x * per_chip, cores_per_chip=per_chip, is_torus=True)
     pod = spec["pod"]
-    wrap_x = _wraps(x, pod[0], generation)
-    wrap_rest = [_wraps(e, p, generation) for e, p in zip(rest, pod[1:])]
+    wrap_x = _wraps(x, pod[0], generation, wraparound)
+    wrap_rest = [_wraps(e, p, generation, wraparound) for e, p in zip(rest, pod[1:])]
     alpha = spec["link_alpha"] if alpha_us is None else _checked_alpha(alpha_us)
     bandwidth = spec["link_bandwidth"]
     links = {
@@ -372,7 +381,8 @@ def tpu_slice(name, alpha_us=None):
         "all": Link("ici_ring", alpha, _ring_directions(list(shape), [wrap_x] + wrap_rest) * bandwidth),
     }
     local = Link("on_chip", spec["onchip_alpha"], spec["onchip_bandwidth"])
-    sources = spec["sources"] + (_TORUS_ASSUMPTION, _ALPHA_ASSUMPTION)
+    torus_note = _TORUS_ASSUMPTION if wraparound == "pod" else "Every slice dimension taken as a torus ring."
+    sources = spec["sources"] + (torus_note, _ALPHA_ASSUMPTION)
     return Cluster(name, "tpu", mesh, per_chip, "chip", links, local, spec["chips_per_host"], tuple(shape),
                    spec["images_per_sec_per_chip"], sources)
 
@@ -796,7 +806,7 @@ def format_plan(result):
 # --------------------------------------------------------------------------- plot
 
 
-def scaling_series(generation="v3", num_bytes=None, alpha_us=None):
+def scaling_series(generation="v3", num_bytes=None, alpha_us=None, wraparound="pod"):
     """Predicted seconds per algorithm for every slice of a TPU generation.
 
     Returns:
@@ -807,7 +817,7 @@ def scaling_series(generation="v3", num_bytes=None, alpha_us=None):
     if generation not in TPU_GENERATIONS:
         raise ValueError(f"Unknown TPU generation {generation!r}; choose one of {sorted(TPU_GENERATIONS)}.")
     names = slice_names(generation)
-    clusters = [tpu_slice(n, alpha_us) for n in names]
+    clusters = [tpu_slice(n, alpha_us, wraparound) for n in names]
     prices = [price_algorithms(c, num_bytes) for c in clusters]
     return {
         "slices": names,
@@ -818,30 +828,42 @@ def scaling_series(generation="v3", num_bytes=None, alpha_us=None):
 
 
 def plot_scaling(path, generation="v3", num_bytes=None, label="ResNet-50 float32", alpha_us=None, mark=None):
-    """Draws predicted gradient-summation time against chip count for each algorithm (log-log), to `path`."""
+    """Draws predicted gradient-summation time against chip count for each algorithm (log-log), to `path`.
+
+    Solid lines use the default wrap-around assumption; thin dashed lines take every slice as a full torus, so
+    the plot shows what that assumption is worth.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator
 
-    series = scaling_series(generation, num_bytes, alpha_us)
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    pod = scaling_series(generation, num_bytes, alpha_us, "pod")
+    full = scaling_series(generation, num_bytes, alpha_us, "all")
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
     styles = {"ring": ("tab:red", "o"), "torus_2d": ("tab:blue", "s"), "torus_2d_bidirectional": ("tab:green", "^")}
-    for alg, secs in series["seconds"].items():
+    for alg in torus.ALGORITHMS:
         color, marker = styles[alg]
-        ax.plot(series["chips"], [s * 1e3 for s in secs], marker=marker, color=color, label=alg)
-    if mark in series["slices"]:
-        i = series["slices"].index(mark)
-        ax.axvline(series["chips"][i], color="gray", linestyle=":", linewidth=1)
-        ax.annotate(mark, (series["chips"][i], ax.get_ylim()[0]), textcoords="offset points", xytext=(3, 5),
-                    color="gray", fontsize=8)
+        ax.plot(pod["chips"], [s * 1e3 for s in pod["seconds"][alg]], marker=marker, color=color, label=alg)
+        ax.plot(full["chips"], [s * 1e3 for s in full["seconds"][alg]], linestyle="--", linewidth=1,
+                color=color, alpha=0.6)
+    ax.plot([], [], linestyle="--", linewidth=1, color="gray", label="same, every slice a full torus")
+    if mark in pod["slices"]:
+        ax.axvline(pod["chips"][pod["slices"].index(mark)], color="gray", linestyle=":", linewidth=1)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel(f"TPU {generation} chips")
+    ax.set_xticks(pod["chips"])
+    ax.set_xticklabels([f"{c}\n{n}" for c, n in zip(pod["chips"], pod["slices"])], fontsize=8)
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_minor_locator(LogLocator(base=10, subs=(1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+    ax.set_xlabel(f"TPU {generation} chips (slice)")
     ax.set_ylabel("predicted gradient summation (ms)")
-    ax.set_title(f"Predicted gradient summation, {label}, TPU {generation} slices")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.set_title(f"Predicted gradient summation per step, {label}, TPU {generation}")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -1029,6 +1051,8 @@ def _parser():
     hw.add_argument("--gpus_per_host", type=int, help="GPUs per host")
     hw.add_argument("--gpu", default="a100", help=f"GPU type, one of {sorted(GPU_TYPES)} (default a100)")
     hw.add_argument("--alpha_us", type=float, help="per-step latency between nodes, microseconds")
+    hw.add_argument("--wraparound", default="pod", choices=WRAPAROUND,
+                    help="TPU: 'pod' (only full-pod dimensions wrap: the default assumption) or 'all'")
     g = p.add_argument_group("gradient")
     g.add_argument("--model", help=f"one of {sorted(MODELS)} (default resnet50)")
     g.add_argument("--params", type=int, help="parameter count instead of --model")
@@ -1048,12 +1072,12 @@ def _cluster_from_args(args):
     if args.slice and (args.hosts or args.gpus_per_host):
         raise ValueError("Give either --slice (TPU) or --hosts/--gpus_per_host (GPU), not both.")
     if args.slice:
-        return tpu_slice(args.slice, args.alpha_us)
+        return tpu_slice(args.slice, args.alpha_us, args.wraparound)
     if args.hosts or args.gpus_per_host:
         if not (args.hosts and args.gpus_per_host):
             raise ValueError("A GPU cluster needs both --hosts and --gpus_per_host (e.g. --hosts 32 --gpus_per_host 8).")
         return gpu_cluster(args.hosts, args.gpus_per_host, args.gpu, args.alpha_us)
-    return tpu_slice("v3-2048", args.alpha_us)
+    return tpu_slice("v3-2048", args.alpha_us, args.wraparound)
 
 
 def main(argv=None):
