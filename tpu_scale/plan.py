@@ -126,6 +126,8 @@ class Cluster:
       sources: the hardware figures and where they come from (or that they are assumptions).
       flat_rings: True when a group spanning several nodes runs one flat ring through all its replicas (NCCL
         on GPUs); False when a node's replicas combine first and the nodes form the ring (TPU chips).
+      phase_overhead: seconds to launch one collective (one phase), on top of its steps; fitted on CPU
+        replicas, where it dominates; 0 for the TPU and GPU figures, whose alpha covers it.
     """
 
     name: str
@@ -140,6 +142,7 @@ class Cluster:
     images_per_sec_per_node: float
     sources: tuple = ()
     flat_rings: bool = False
+    phase_overhead: float = 0.0
 
     @property
     def num_replicas(self):
@@ -417,7 +420,7 @@ def gpu_cluster(hosts, gpus_per_host, gpu="a100", alpha_us=None):
                    flat_rings=True)
 
 
-def uniform_cluster(mesh, alpha, bandwidth, shared=False, name="uniform", kind="cpu"):
+def uniform_cluster(mesh, alpha, bandwidth, shared=False, name="uniform", kind="cpu", phase_overhead=0.0):
     """A cluster where every replica is its own node and every link costs the same.
 
     Args:
@@ -428,6 +431,7 @@ def uniform_cluster(mesh, alpha, bandwidth, shared=False, name="uniform", kind="
         and columns have their own links (an ideal torus).
       name: a label.
       kind: a label: `"cpu"`, or anything else.
+      phase_overhead: seconds to launch each collective.
 
     Returns:
       A `Cluster`.
@@ -435,7 +439,8 @@ def uniform_cluster(mesh, alpha, bandwidth, shared=False, name="uniform", kind="
     names = ("shared",) * 3 if shared else ("rows", "columns", "all")
     links = {dim: Link(n, alpha, bandwidth) for dim, n in zip(("rows", "columns", "all"), names)}
     return Cluster(name, kind, mesh, 1, "replica", links, Link("local", 0.0, math.inf), 1,
-                   mesh.shape, 0.0, ("Uniform links: alpha and bandwidth given by the caller.",))
+                   mesh.shape, 0.0, ("Uniform links: alpha and bandwidth given by the caller.",),
+                   phase_overhead=float(phase_overhead))
 
 
 def _checked_alpha(alpha_us):
@@ -590,6 +595,9 @@ def price_schedule(schedule, cluster):
         s_latency = 0.0
         segs = []
         for phase in stream:
+            if cluster.phase_overhead:
+                segs.append(("delay", cluster.phase_overhead))
+                s_latency += cluster.phase_overhead
             for part in _phase_parts(phase, cluster, node_ids):
                 segs.append(("delay", part.latency))
                 segs.append(("send", part.link, part.nbytes))
@@ -904,13 +912,14 @@ def _median_time(fn, repeats):
     return float(np.median(times)), float(min(times)), float(max(times))
 
 
-def calibrate(sizes=(2 ** 12, 2 ** 16, 2 ** 20, 2 ** 22, 2 ** 24), repeats=5, model="resnet50", log=print):
+def calibrate(sizes=(2 ** 12, 2 ** 18, 2 ** 21, 2 ** 23), repeats=5, model="resnet50", log=print):
     """Fits alpha and bandwidth on this machine's 8 CPU replicas and checks the fit against a real summation.
 
-    Times `collectives.group_sum` (float32) over groups of 2, 4 and 8 replicas of a `(2, 4)` mesh, fits
-    `T = overhead + alpha * steps + bytes / bandwidth` by least squares, then sums the model's real gradient
-    shapes with `torus.all_reduce_sum` (each algorithm) and with one native `group_sum` per tensor, and reports
-    predicted over measured time.
+    Times `collectives.group_sum` (float32) in one `strategy.run` call: over groups of 2, 4 and 8 replicas of a
+    `(2, 4)` mesh at several sizes, and 1 or 8 small sums in a row. Fits
+    `T = call + collectives * (launch + alpha * steps) + ring_bytes / bandwidth` by non-negative least squares.
+    Then sums the model's real gradient shapes with `torus.all_reduce_sum` (each algorithm) and with one native
+    `group_sum` per tensor, and reports predicted over measured time (ratio < 1: the model is optimistic).
 
     Must run before TensorFlow starts anything else in the process (it creates the 8 logical CPUs).
 
@@ -927,71 +936,78 @@ def calibrate(sizes=(2 ** 12, 2 ** 16, 2 ** 20, 2 ** 22, 2 ** 24), repeats=5, mo
     mesh = strategy.mesh
     n = mesh.num_replicas
 
-    def per_replica(shapes):
-        def make(ctx):
-            rid = ctx.replica_id_in_sync_group
-            return [tf.fill(s, tf.cast(rid + 1, tf.float32)) for s in shapes]
-        return strategy.experimental_distribute_values_from_function(make)
-
     def timed(step_fn, shapes):
-        values = per_replica(shapes)
+        values = strategy.experimental_distribute_values_from_function(
+            lambda ctx: [tf.fill(s, tf.cast(ctx.replica_id_in_sync_group + 1, tf.float32)) for s in shapes])
 
         @tf.function
         def run(v):
-            out = strategy.run(step_fn, args=(v,))
-            return [strategy.experimental_local_results(o)[0][:1] for o in tf.nest.flatten(out)][:1]
+            out = tf.nest.flatten(strategy.run(step_fn, args=(v,)))
+            return strategy.experimental_local_results(out[0])[0][:1]
 
-        return _median_time(lambda: [t.numpy() for t in run(values)], repeats)
+        return _median_time(lambda: run(values).numpy(), repeats)
 
-    # Fit points: one group sum of `size` bytes over rows (groups of 4), columns (2) and everyone (8).
-    group_sets = {"columns": mesh.column_groups(), "rows": mesh.row_groups(), "all": np.arange(n).reshape(1, n)}
-    points = []
-    for size in sizes:
+    def fit_point(groups, size, count):
+        g = groups.shape[1]
         elements = size // 4
-        for dim, groups in group_sets.items():
-            g = groups.shape[1]
-            med, lo, hi = timed(lambda v, groups=groups: [collectives.group_sum(v[0], groups)], [[elements]])
-            points.append({"dimension": dim, "group_size": g, "bytes": size, "steps": 2 * (g - 1),
-                           "ring_bytes": 2 * (g - 1) / g * size, "seconds": med, "min": lo, "max": hi})
-            log(f"  fit point: group of {g}, {_fmt_bytes(size)}: {_fmt_seconds(med)} "
-                f"(min {_fmt_seconds(lo)}, max {_fmt_seconds(hi)})")
-    a = np.array([[1.0, p["steps"], p["ring_bytes"]] for p in points])
+
+        def step(v):
+            x = v[0]
+            for _ in range(count):
+                x = collectives.group_sum(x, groups) * 0.5
+            return [x]
+
+        med, lo, hi = timed(step, [[elements]])
+        log(f"  fit point: {count} sum(s) over groups of {g}, {_fmt_bytes(size)}: {_fmt_seconds(med)} "
+            f"(min {_fmt_seconds(lo)}, max {_fmt_seconds(hi)})")
+        return {"group_size": g, "bytes": size, "collectives": count, "steps": 2 * (g - 1),
+                "ring_bytes": 2 * (g - 1) / g * size, "seconds": med, "min": lo, "max": hi}
+
+    everyone = np.arange(n).reshape(1, n)
+    points = [fit_point(everyone, sizes[0], count) for count in (1, 8)]
+    for size in sizes:
+        for groups in (mesh.column_groups(), mesh.row_groups(), everyone):
+            points.append(fit_point(groups, size, 1))
+    a = np.array([[1.0, p["collectives"], p["collectives"] * p["steps"], p["collectives"] * p["ring_bytes"]]
+                  for p in points])
     t = np.array([p["seconds"] for p in points])
     coef = _nonnegative_lstsq(a, t)
-    overhead, alpha, beta = (float(c) for c in coef)
+    call, launch, alpha, beta = (float(c) for c in coef)
     bandwidth = 1.0 / beta if beta > 0 else math.inf
     residual = a @ coef - t
-    fit = {"overhead_seconds": overhead, "alpha_seconds": alpha, "bandwidth_bytes_per_sec": bandwidth,
-           "rms_relative_error": float(np.sqrt(np.mean((residual / t) ** 2)))}
-    log(f"  fit: overhead {_fmt_seconds(overhead)} per call, alpha {_fmt_seconds(alpha)} per step, "
-        f"bandwidth {bandwidth / 1e9:.2f} GB/s per replica (rms relative error {fit['rms_relative_error']:.0%})")
+    fit = {"call_seconds": call, "launch_seconds": launch, "alpha_seconds": alpha,
+           "bandwidth_bytes_per_sec": bandwidth, "rms_relative_error": float(np.sqrt(np.mean((residual / t) ** 2)))}
+    log(f"  fit: {_fmt_seconds(call)} per call, {_fmt_seconds(launch)} per collective, alpha "
+        f"{_fmt_seconds(alpha)} per step, bandwidth {bandwidth / 1e9:.2f} GB/s per replica "
+        f"(rms relative error {fit['rms_relative_error']:.0%})")
 
     # The model's real gradient: its trainable variables' shapes.
     shapes = _model_shapes(model)
     tensor_bytes = [int(np.prod(s)) * 4 for s in shapes]
-    cluster = uniform_cluster(mesh, alpha, bandwidth, shared=True, name="8 CPU replicas (fitted)")
+    # Eight replicas share this machine's memory and cores: one resource for every phase.
+    cluster = uniform_cluster(mesh, alpha, bandwidth, shared=True, name="8 CPU replicas (fitted)",
+                              phase_overhead=launch)
     comparisons = {}
+
+    def compare(label, predicted, step_fn):
+        med, lo, hi = timed(step_fn, shapes)
+        comparisons[label] = {"predicted_seconds": predicted, "measured_seconds": med, "measured_min": lo,
+                              "measured_max": hi, "ratio": predicted / med}
+        log(f"  {model} via {label}: predicted {_fmt_seconds(predicted)}, measured {_fmt_seconds(med)} "
+            f"(min {_fmt_seconds(lo)}, max {_fmt_seconds(hi)}), predicted/measured {predicted / med:.2f}")
+
     for alg in torus.ALGORITHMS:
         streams = len(torus.build_schedule(mesh, 0, alg).streams)
-        predicted = overhead  # one strategy.run call
-        for pack in pack_sizes(tensor_bytes):
-            schedule = torus.build_schedule(mesh, _padded(pack, 4, n, streams), alg)
-            predicted += price_schedule(schedule, cluster)["seconds"]
-        med, lo, hi = timed(lambda v, alg=alg: torus.all_reduce_sum(v, algorithm=alg), shapes)
-        comparisons[f"torus.all_reduce_sum/{alg}"] = _compare(predicted, med, lo, hi)
-        log(f"  {model} via torus.all_reduce_sum({alg}): predicted {_fmt_seconds(predicted)}, measured "
-            f"{_fmt_seconds(med)} (min {_fmt_seconds(lo)}, max {_fmt_seconds(hi)}), "
-            f"ratio {comparisons[f'torus.all_reduce_sum/{alg}']['ratio']:.2f}")
-    # One native group sum per tensor: each is a ring all-reduce over everyone, one after another.
-    everyone = np.arange(n).reshape(1, n)
-    predicted = overhead + sum(
-        price_schedule(torus.build_schedule(mesh, b, "ring"), cluster)["seconds"] for b in tensor_bytes)
-    med, lo, hi = timed(lambda v: [collectives.group_sum(x, everyone) for x in v], shapes)
-    comparisons["group_sum per tensor"] = _compare(predicted, med, lo, hi)
-    log(f"  {model} via one group_sum per tensor: predicted {_fmt_seconds(predicted)}, measured "
-        f"{_fmt_seconds(med)}, ratio {comparisons['group_sum per tensor']['ratio']:.2f}")
+        predicted = call + sum(
+            price_schedule(torus.build_schedule(mesh, _padded(pack, 4, n, streams), alg), cluster)["seconds"]
+            for pack in pack_sizes(tensor_bytes))
+        compare(f"torus.all_reduce_sum/{alg}", predicted, lambda v, alg=alg: torus.all_reduce_sum(v, algorithm=alg))
+    # One native group sum per tensor: each a ring all-reduce over everyone, one after another.
+    predicted = call + sum(price_schedule(torus.build_schedule(mesh, b, "ring"), cluster)["seconds"]
+                           for b in tensor_bytes)
+    compare("group_sum per tensor", predicted, lambda v: [collectives.group_sum(x, everyone) for x in v])
     return {
-        "machine": "8 virtual CPU replicas, mesh 2x4, float32",
+        "machine": "8 virtual CPU replicas (mesh 2x4) on this host, float32",
         "model": model,
         "gradient_bytes": int(sum(tensor_bytes)),
         "num_tensors": len(shapes),
@@ -1000,11 +1016,6 @@ def calibrate(sizes=(2 ** 12, 2 ** 16, 2 ** 20, 2 ** 22, 2 ** 24), repeats=5, mo
         "points": points,
         "comparisons": comparisons,
     }
-
-
-def _compare(predicted, measured, lo, hi):
-    return {"predicted_seconds": predicted, "measured_seconds": measured, "measured_min": lo,
-            "measured_max": hi, "ratio": predicted / measured}
 
 
 def _nonnegative_lstsq(a, t):
@@ -1064,6 +1075,7 @@ def _parser():
     p.add_argument("--calibrate", action="store_true",
                    help="fit alpha/beta on this machine's 8 CPU replicas and compare predicted with measured")
     p.add_argument("--repeats", type=int, default=5, help="timing repeats for --calibrate")
+    p.add_argument("--quick", action="store_true", help="--calibrate with fewer sizes and 3 repeats")
     p.add_argument("--output", metavar="JSON", help="also write the JSON result (plan or calibration) here")
     return p
 
@@ -1084,7 +1096,8 @@ def main(argv=None):
     args = _parser().parse_args(argv)
     try:
         if args.calibrate:
-            result = calibrate(repeats=args.repeats, model=args.model or "resnet50",
+            sizes = (2 ** 12, 2 ** 20, 2 ** 23) if args.quick else (2 ** 12, 2 ** 18, 2 ** 21, 2 ** 23)
+            result = calibrate(sizes, repeats=3 if args.quick else args.repeats, model=args.model or "resnet50",
                                log=(lambda *a: None) if args.json else print)
             if args.json:
                 print(json.dumps(result, indent=2))
