@@ -281,11 +281,31 @@ def _local_shard_sum(received, group_size):
 # --------------------------------------------------------------------------- eager fallback
 
 
+def _stack_local_results(strategy, value):
+    return tf.stack(strategy.experimental_local_results(value))
+
+
+def _all_replicas_local(ctx):
+    try:
+        return len(ctx.strategy.extended.worker_devices) == ctx.num_replicas_in_sync
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
 def _eager_slot_sum(value, groups, ctx):
-    """Sums `value` placed in this replica's `[group, rank]` slot across all replicas (one strategy all-reduce)."""
+    """Every member's `value`, `[group_size, ...]` in rank order, and this replica's rank in its group.
+
+    On one host the replicas' values are stacked in a merge call, with plain ops: eager collective ops from two
+    strategies over the same devices reuse the same keys and abort the process's collective runtime. Across
+    hosts each value goes in its `[group, rank]` slot and one strategy all-reduce sums the slots.
+    """
     replica_id = _static_replica_id(ctx)
     row, members = _my_group(groups, replica_id)
     rank = int(np.argwhere(members == replica_id)[0, 0])
+    if _all_replicas_local(ctx):
+        # Local results come in replica id order: one host's replicas are 0..n-1.
+        everyone = ctx.merge_call(_stack_local_results, args=(value,))
+        return tf.gather(everyone, members.tolist()), rank
     num_groups, group_size = groups.shape
     one_hot = tf.one_hot(row * group_size + rank, num_groups * group_size, dtype=value.dtype)
     slots = tf.tensordot(one_hot, value, axes=0)  # [groups * size, ...]
