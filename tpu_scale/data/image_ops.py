@@ -102,9 +102,12 @@ def sample_crop_window(
         & (crop_widths <= image_width)
     )
 
+    any_fits = tf.reduce_any(fits)
+    fallback = center_crop_window(image_height, image_width, fallback_image_size)
     first_fit = tf.argmax(tf.cast(fits, tf.int32), output_type=tf.int32)
-    crop_height = crop_heights[first_fit]
-    crop_width = crop_widths[first_fit]
+    # Choosing the size before the offsets keeps the offset ranges non-empty when nothing fits.
+    crop_height = tf.where(any_fits, crop_heights[first_fit], fallback[2])
+    crop_width = tf.where(any_fits, crop_widths[first_fit], fallback[3])
     offsets = tf.random.stateless_uniform(
         [2],
         offset_seed,
@@ -116,8 +119,7 @@ def sample_crop_window(
     offset_y = offsets[0] % (image_height - crop_height + 1)
     offset_x = offsets[1] % (image_width - crop_width + 1)
     sampled = tf.stack([offset_y, offset_x, crop_height, crop_width])
-    fallback = center_crop_window(image_height, image_width, fallback_image_size)
-    return tf.where(tf.reduce_any(fits), sampled, fallback)
+    return tf.where(any_fits, sampled, fallback)
 
 
 def is_complete_jpeg(image_bytes):

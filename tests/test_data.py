@@ -1,0 +1,518 @@
+"""Tests of the input builder (`tpu_scale.data`).
+
+Most tests read "coded" records: each image is a flat colour whose red channel encodes its label and whose
+green and blue channels encode a unique example id. Flat colours survive JPEG, cropping and resizing, so
+every output image can be traced back to its record, and counts, pairing with labels and sharding are
+checked exactly.
+"""
+
+import io
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tpu_scale.data import ImageNetInput, image_ops, make_synthetic_imagenet, write_tfrecords
+from tpu_scale.data.input_pipeline import make_example
+
+NUM_CLASSES = 5
+STEP = 8  # colour levels per code unit: JPEG errors on flat colours stay well below STEP / 2
+IMAGE_SIZE = 8
+
+
+def coded_jpeg(example_id, label, height, width):
+    colour = [STEP * label, STEP * (example_id % 32), STEP * (example_id // 32)]
+    image = np.full((height, width, 3), colour, np.uint8)
+    return tf.io.encode_jpeg(image, quality=95).numpy()
+
+
+def write_coded_records(directory, num_files, per_file, *, first_id=0, bad=None, label_base=1):
+    """Writes `num_files` TFRecord files of coded examples; `bad` maps example ids to broken bytes."""
+    os.makedirs(directory, exist_ok=True)
+    rng = np.random.default_rng(first_id)
+    expected = {}
+    example_id = first_id
+    for file_index in range(num_files):
+        path = os.path.join(directory, f"train-{file_index:05d}-of-{num_files:05d}")
+        with tf.io.TFRecordWriter(path) as writer:
+            for _ in range(per_file):
+                label = example_id % NUM_CLASSES
+                height, width = rng.integers(16, 48, size=2)
+                jpeg = coded_jpeg(example_id, label, height, width)
+                if bad and example_id in bad:
+                    jpeg = bad[example_id](jpeg)
+                else:
+                    expected[example_id] = label
+                writer.write(
+                    make_example(jpeg, label + label_base, height=height, width=width).SerializeToString()
+                )
+                example_id += 1
+    return os.path.join(directory, "train-*"), expected
+
+
+def decode_codes(images):
+    """(label, example id) of each image of a normalized batch."""
+    pixels = images.numpy().astype(np.float32) * image_ops.IMAGENET_STDDEV_RGB + image_ops.IMAGENET_MEAN_RGB
+    codes = np.rint(pixels.mean(axis=(1, 2)) / STEP).astype(int)
+    return codes[:, 0], codes[:, 1] + 32 * codes[:, 2]
+
+
+def collect(dataset, num_batches=None):
+    """Example ids and labels of a dataset's batches, checking each image against its label."""
+    ids, labels, sizes = [], [], []
+    for batch in dataset.take(num_batches) if num_batches else dataset:
+        images, batch_labels = batch[0], batch[1].numpy()
+        coded_labels, batch_ids = decode_codes(images)
+        np.testing.assert_array_equal(coded_labels, batch_labels)  # every image carries its own label
+        ids.extend(batch_ids.tolist())
+        labels.extend(batch_labels.tolist())
+        sizes.append(len(batch_labels))
+    return ids, labels, sizes
+
+
+def context(index, count, replicas=None):
+    return tf.distribute.InputContext(
+        num_input_pipelines=count, input_pipeline_id=index, num_replicas_in_sync=replicas or count
+    )
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    """4 files of 15 coded examples."""
+    return write_coded_records(str(tmp_path_factory.mktemp("coded")), num_files=4, per_file=15)
+
+
+def make_input(pattern, **kwargs):
+    kwargs.setdefault("image_size", IMAGE_SIZE)
+    return ImageNetInput(pattern, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Evaluation path
+
+
+@pytest.mark.parametrize("num_pipelines", [1, 2])
+def test_eval_reads_every_example_once(records, num_pipelines):
+    pattern, expected = records
+    inp = make_input(pattern, is_training=False, global_batch_size=8 * num_pipelines)
+    all_ids = []
+    for index in range(num_pipelines):
+        ids, labels, sizes = collect(inp.dataset(context(index, num_pipelines)))
+        assert all(size == 8 for size in sizes[:-1]) and 0 < sizes[-1] <= 8
+        assert labels == [expected[i] for i in ids]
+        all_ids.extend(ids)
+    assert sorted(all_ids) == sorted(expected)
+
+
+def test_eval_is_deterministic(records):
+    pattern, _ = records
+    inp = make_input(pattern, is_training=False, global_batch_size=16, image_size=12)
+    first = [batch for batch in inp.dataset()]
+    second = [batch for batch in inp.dataset()]
+    for (images_a, labels_a), (images_b, labels_b) in zip(first, second):
+        np.testing.assert_array_equal(images_a.numpy(), images_b.numpy())
+        np.testing.assert_array_equal(labels_a.numpy(), labels_b.numpy())
+
+
+def test_eval_pad_last_batch_gives_static_shapes_and_zero_weights(records):
+    pattern, expected = records
+    inp = make_input(pattern, is_training=False, global_batch_size=16, pad_last_batch=True)
+    dataset = inp.dataset()
+    assert dataset.element_spec[0].shape == (16, IMAGE_SIZE, IMAGE_SIZE, 3)
+    batches = list(dataset)
+    weights = np.concatenate([batch[2].numpy() for batch in batches])
+    assert len(batches) == 4 and weights.sum() == len(expected) == 60
+    assert weights[:60].all() and not weights[60:].any()
+
+
+def test_pad_last_batch_refused_for_training(records):
+    with pytest.raises(ValueError, match="pad_last_batch"):
+        make_input(records[0], is_training=True, global_batch_size=8, pad_last_batch=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training path
+
+
+@pytest.mark.parametrize("num_pipelines", [1, 2])
+def test_train_epochs_are_exact_with_cache(records, num_pipelines):
+    pattern, expected = records
+    # With cache, the shuffle comes before the repeat, so each epoch is one permutation of the shard.
+    inp = make_input(pattern, is_training=True, global_batch_size=6, cache=True, deterministic=True, seed=3)
+    all_ids = []
+    for index in range(num_pipelines):
+        dataset = inp.dataset(context(index, num_pipelines))
+        assert dataset.element_spec[0].shape == (6 // num_pipelines, IMAGE_SIZE, IMAGE_SIZE, 3)
+        epoch = len(expected) // num_pipelines
+        ids, labels, _ = collect(dataset, num_batches=2 * epoch // (6 // num_pipelines))
+        assert sorted(ids[:epoch]) == sorted(ids[epoch:])  # the second epoch repeats the first
+        assert ids[:epoch] != ids[epoch:]  # in a new order
+        all_ids.extend(ids[:epoch])
+    assert sorted(all_ids) == sorted(expected)
+
+
+def test_train_without_cache_repeats_and_mixes_files(records):
+    pattern, expected = records
+    inp = make_input(pattern, is_training=True, global_batch_size=10, shuffle_buffer_size=16)
+    ids, labels, sizes = collect(inp.dataset(), num_batches=24)  # 4 epochs
+    assert set(sizes) == {10}
+    assert set(ids) == set(expected)
+    # The interleave mixes the 4 files (ids 0-14, 15-29, ...) within the first batches.
+    assert len({i // 15 for i in ids[:10]}) >= 3
+
+
+def test_train_deterministic_mode_is_reproducible(records):
+    pattern, _ = records
+
+    def first_batches(seed):
+        inp = make_input(pattern, is_training=True, global_batch_size=8, shuffle_buffer_size=32,
+                         deterministic=True, seed=seed)
+        return np.concatenate([images.numpy() for images, _ in inp.dataset().take(3)])
+
+    np.testing.assert_array_equal(first_batches(7), first_batches(7))
+    assert not np.array_equal(first_batches(7), first_batches(8))
+
+
+def test_train_bfloat16_and_label_dtype(records):
+    inp = make_input(records[0], is_training=True, global_batch_size=4, dtype="bfloat16", shuffle_buffer_size=8)
+    images, labels = next(iter(inp.dataset()))
+    assert images.dtype == tf.bfloat16 and labels.dtype == tf.int32
+
+
+def test_options_are_set(records):
+    inp = make_input(records[0], is_training=True, global_batch_size=4, threadpool_size=3)
+    options = inp.dataset().options()
+    assert options.threading.private_threadpool_size == 3
+    assert options.experimental_optimization.map_and_batch_fusion
+    assert options.autotune.enabled and options.deterministic is False
+
+
+def test_record_level_sharding_with_fewer_files_than_pipelines(tmp_path):
+    pattern, expected = write_coded_records(str(tmp_path), num_files=1, per_file=20)
+    inp = make_input(pattern, is_training=False, global_batch_size=8)
+    all_ids = []
+    for index in range(2):
+        with pytest.warns(UserWarning, match="keeps 1 record in 2"):
+            dataset = inp.dataset(context(index, 2))
+        ids, _, _ = collect(dataset)
+        assert len(ids) == 10
+        all_ids.extend(ids)
+    assert sorted(all_ids) == sorted(expected)
+
+
+@pytest.mark.parametrize("num_replicas", [2, 4])
+def test_distribute_datasets_from_function(records, cpu_devices, num_replicas):
+    strategy = tf.distribute.MirroredStrategy(cpu_devices[:num_replicas])
+    inp = make_input(records[0], is_training=True, global_batch_size=8)
+    distributed = strategy.distribute_datasets_from_function(inp.dataset)
+    images, labels = next(iter(distributed))
+    local_images = strategy.experimental_local_results(images)
+    assert len(local_images) == num_replicas
+    assert all(x.shape == (8 // num_replicas, IMAGE_SIZE, IMAGE_SIZE, 3) for x in local_images)
+    for replica_images, replica_labels in zip(local_images, strategy.experimental_local_results(labels)):
+        np.testing.assert_array_equal(decode_codes(replica_images)[0], replica_labels.numpy())
+
+
+def test_synthetic_source_shapes(cpu_devices):
+    inp = ImageNetInput.synthetic(global_batch_size=8, image_size=16, num_classes=10, dtype=tf.bfloat16)
+    images, labels = next(iter(inp.dataset(context(1, 2))))
+    assert images.shape == (4, 16, 16, 3) and images.dtype == tf.bfloat16
+    assert labels.dtype == tf.int32 and 0 <= labels.numpy().min() and labels.numpy().max() < 10
+
+
+# ----------------------------------------------------------------------------------------------------
+# Image operations
+
+
+def test_random_crop_window_stays_in_inception_ranges():
+    height, width = 375, 500
+    seeds = tf.stack([tf.range(4000, dtype=tf.int64), tf.fill([4000], tf.constant(11, tf.int64))], axis=1)
+    sample = lambda seed: image_ops.sample_crop_window(tf.constant(height), tf.constant(width), seed)
+    windows = tf.function(lambda: tf.map_fn(sample, seeds, fn_output_signature=tf.int32))().numpy()
+    offset_y, offset_x, crop_h, crop_w = windows.T
+    assert (offset_y >= 0).all() and (offset_x >= 0).all()
+    assert (offset_y + crop_h <= height).all() and (offset_x + crop_w <= width).all()
+    area = crop_h * crop_w / (height * width)
+    aspect = crop_w / crop_h
+    # Rounding each side to whole pixels moves area and aspect by at most about one pixel's worth.
+    slack = 1.0 / crop_h + 1.0 / crop_w
+    assert (area >= 0.08 * (1 - slack)).all() and (area <= 1.0).all()
+    assert (aspect >= 0.75 * (1 - slack)).all() and (aspect <= (4 / 3) * (1 + slack)).all()
+    # The distribution matches the definition, simulated here independently with numpy: area fraction
+    # uniform in [0.08, 1], log aspect uniform, first of 10 boxes that fits.
+    rng = np.random.default_rng(0)
+    areas = rng.uniform(0.08, 1.0, (100_000, 10)) * height * width
+    ratios = np.exp(rng.uniform(np.log(3 / 4), np.log(4 / 3), (100_000, 10)))
+    widths, heights = np.rint(np.sqrt(areas * ratios)), np.rint(np.sqrt(areas / ratios))
+    fits = (widths <= width) & (heights <= height)
+    first = fits.argmax(axis=1)
+    rows = np.arange(100_000)
+    expected_area = (widths[rows, first] * heights[rows, first]).mean() / (height * width)
+    expected_aspect = (widths[rows, first] / heights[rows, first]).mean()
+    assert abs(area.mean() - expected_area) < 0.015
+    assert abs(aspect.mean() - expected_aspect) < 0.015
+    assert area.min() < 0.1 and area.max() > 0.9
+    assert aspect.min() < 0.8 and aspect.max() > 1.25
+    # Positions spread over the image rather than sticking to a corner.
+    assert len(set(offset_x.tolist())) > 100
+
+
+def test_random_crop_falls_back_to_center_crop_when_nothing_fits():
+    # A 10x1000 strip: every box with area >= 8% and aspect <= 4/3 is taller than 10 pixels.
+    window = image_ops.sample_crop_window(tf.constant(10), tf.constant(1000), tf.constant([1, 2]))
+    np.testing.assert_array_equal(window, image_ops.center_crop_window(10, 1000, 224))
+
+
+def test_center_crop_window_matches_reference_padding():
+    # 224 / (224 + 32) of the 375-pixel short side.
+    np.testing.assert_array_equal(image_ops.center_crop_window(375, 500, 224), [24, 86, 328, 328])
+
+
+def test_fused_decode_matches_full_decode_then_crop():
+    rng = np.random.default_rng(0)
+    image = tf.image.resize(rng.uniform(0, 255, (1, 12, 16, 3)), (60, 80), "bicubic")[0]
+    # Without chroma subsampling the window decodes exactly like the same pixels of a full decode.
+    jpeg = tf.io.encode_jpeg(
+        tf.cast(tf.clip_by_value(image, 0, 255), tf.uint8), quality=95, chroma_downsampling=False
+    )
+    seed = tf.constant([5, 6], tf.int64)
+    fused = image_ops.decode_and_random_crop(jpeg, 32, seed)
+
+    crop_seed, flip_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
+    y, x, h, w = image_ops.sample_crop_window(60, 80, crop_seed, fallback_image_size=32).numpy()
+    full = tf.io.decode_jpeg(jpeg, channels=3)[y : y + h, x : x + w]
+    reference = tf.image.stateless_random_flip_left_right(tf.image.resize(full, (32, 32)), flip_seed)
+    np.testing.assert_allclose(fused.numpy(), reference.numpy(), atol=2.0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Bad input
+
+
+def test_pattern_matching_nothing_names_the_pattern(tmp_path):
+    pattern = str(tmp_path / "missing-*")
+    inp = make_input(pattern, is_training=True, global_batch_size=4)
+    with pytest.raises(ValueError, match="missing-"):
+        inp.dataset()
+
+
+def truncated(jpeg):
+    return jpeg[: len(jpeg) // 2]
+
+
+def as_png(jpeg):
+    return tf.io.encode_png(tf.io.decode_jpeg(jpeg)).numpy()
+
+
+def bogus_frame_header(jpeg):
+    # Complete file (start and end markers present) whose frame header is nonsense: only libjpeg notices.
+    return jpeg[:2] + b"\xff\xc0\x00\x11\x08\xff\xff\xff\xff" + jpeg[2:]
+
+
+BREAKAGES = {
+    "truncated": truncated,
+    "png": as_png,
+    "empty": lambda jpeg: b"",
+    "garbage": lambda jpeg: b"not an image at all" * 5,
+}
+
+
+@pytest.mark.parametrize("breakage", sorted(BREAKAGES))
+def test_corrupt_record_fails_naming_its_file(tmp_path, breakage):
+    pattern, _ = write_coded_records(str(tmp_path), 2, 6, bad={8: BREAKAGES[breakage]})
+    inp = make_input(pattern, is_training=False, global_batch_size=4)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"(?s)Record.*2.*train-00001-of-00002.*JPEG"):
+        list(inp.dataset())
+
+
+@pytest.mark.parametrize("is_training", [False, True])
+def test_skip_corrupt_drops_and_counts(tmp_path, is_training):
+    bad = {1: truncated, 4: as_png, 7: lambda jpeg: b"", 9: bogus_frame_header}
+    pattern, expected = write_coded_records(str(tmp_path), 2, 6, bad=bad)
+    inp = make_input(
+        pattern,
+        is_training=is_training,
+        global_batch_size=4,
+        skip_corrupt=True,
+        cache=is_training,
+        deterministic=True,
+    )
+    if is_training:
+        ids, _, _ = collect(inp.dataset(), num_batches=2)  # one epoch: 8 good records
+        assert sorted(ids) == sorted(expected)
+        # Prefetching may already be into the next epoch, which drops the same records again.
+        assert inp.skipped_records >= len(bad)
+    else:
+        ids, _, _ = collect(inp.dataset())
+        assert sorted(ids) == sorted(expected)
+        assert inp.skipped_records == len(bad)
+
+
+def test_wrong_feature_keys_list_the_keys_found(tmp_path):
+    path = str(tmp_path / "records")
+    example = tf.train.Example(
+        features=tf.train.Features(
+            feature={
+                "jpeg": tf.train.Feature(bytes_list=tf.train.BytesList(value=[b"x"])),
+                "class": tf.train.Feature(int64_list=tf.train.Int64List(value=[1])),
+            }
+        )
+    )
+    with tf.io.TFRecordWriter(path) as writer:
+        writer.write(example.SerializeToString())
+    inp = make_input(path, is_training=False, global_batch_size=4)
+    with pytest.raises(ValueError, match=r"image/encoded.*Keys found: 'class' \(int64_list\), 'jpeg'"):
+        inp.dataset()
+
+
+def test_negative_label_names_the_file_and_the_fix(tmp_path):
+    pattern, _ = write_coded_records(str(tmp_path), 1, 4, label_base=0)
+    inp = make_input(pattern, is_training=False, global_batch_size=4)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"(?s)train-00000-of-00001.*label_offset=0"):
+        list(inp.dataset())
+
+
+def test_skip_corrupt_with_data_service_is_refused(records):
+    with pytest.raises(ValueError, match="skip_corrupt"):
+        make_input(records[0], is_training=False, global_batch_size=4, skip_corrupt=True,
+                   data_service_address="grpc://localhost:1")
+
+
+# ----------------------------------------------------------------------------------------------------
+# TFDS and tf.data service
+
+
+def test_tfds_mock_imagenet_uses_our_decode():
+    tfds = pytest.importorskip("tensorflow_datasets")
+    skip = {"image": tfds.decode.SkipDecoding()}
+    with tfds.testing.mock_data(num_examples=10):
+        raw = list(tfds.load("imagenet2012", split="validation", decoders=skip))
+        inp = ImageNetInput.from_tfds("imagenet2012", "validation", is_training=False, global_batch_size=4,
+                                      image_size=16)
+        batches = list(inp.dataset())
+        train = ImageNetInput.from_tfds("imagenet2012", "train", is_training=True, global_batch_size=4,
+                                        image_size=16)
+        train_images, train_labels = next(iter(train.dataset()))
+    labels = np.concatenate([labels.numpy() for _, labels in batches])
+    images = np.concatenate([images.numpy() for images, _ in batches])
+    np.testing.assert_array_equal(labels, [int(example["label"]) for example in raw])
+    expected = [
+        image_ops.normalize_image(image_ops.decode_and_center_crop(example["image"], 16)).numpy()
+        for example in raw
+    ]
+    np.testing.assert_allclose(images, np.stack(expected), atol=1e-5)
+    assert train_images.shape == (4, 16, 16, 3) and train_labels.dtype == tf.int32
+
+
+def test_tfds_pipelines_read_even_splits(monkeypatch):
+    tfds = pytest.importorskip("tensorflow_datasets")
+    requested = []
+    original = tfds.core.DatasetBuilder.as_dataset
+
+    def spy(self, split=None, **kwargs):
+        requested.append(str(split))
+        return original(self, split=split, **kwargs)
+
+    monkeypatch.setattr(tfds.core.DatasetBuilder, "as_dataset", spy)
+    with tfds.testing.mock_data(num_examples=4):
+        inp = ImageNetInput.from_tfds("imagenet2012", "validation", is_training=False, global_batch_size=4)
+        for index in range(2):
+            inp.dataset(context(index, 2))
+    assert requested == [str(s) for s in tfds.even_splits("validation", n=2)]
+
+
+@pytest.fixture(scope="module")
+def data_service():
+    service = tf.data.experimental.service
+    dispatcher = service.DispatchServer(service.DispatcherConfig(port=0))
+    address = dispatcher.target.split("://")[1]
+    workers = [service.WorkerServer(service.WorkerConfig(dispatcher_address=address, port=0)) for _ in range(2)]
+    yield dispatcher.target
+    del workers, dispatcher
+
+
+def test_data_service_eval_gives_each_example_once(records, data_service):
+    pattern, expected = records
+    inp = make_input(pattern, is_training=False, global_batch_size=8, data_service_address=data_service)
+    ids, labels, _ = collect(inp.dataset())
+    assert sorted(ids) == sorted(expected)
+
+
+def test_data_service_train(records, data_service):
+    pattern, expected = records
+    inp = make_input(pattern, is_training=True, global_batch_size=8, shuffle_buffer_size=16,
+                     data_service_address=data_service)
+    ids, _, sizes = collect(inp.dataset(), num_batches=20)
+    assert set(sizes) == {8} and set(ids) == set(expected)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Writing TFRecords and the synthetic dataset
+
+
+def _save(path, array, mode, image_format):
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(array).convert(mode).save(buffer, image_format)
+    path.write_bytes(buffer.getvalue())
+
+
+def test_write_tfrecords_from_class_folders(tmp_path):
+    pytest.importorskip("PIL")
+    from tpu_scale.data import write_tfrecords as write_tfrecords_module
+
+    images = tmp_path / "images"
+    for class_index, name in enumerate(["cat", "dog", "eel"]):
+        (images / name).mkdir(parents=True)
+        flat = np.full((20, 30, 3), [STEP * class_index, 0, 0], np.uint8)
+        _save(images / name / "a.jpg", flat, "RGB", "JPEG")
+        _save(images / name / "b.png", flat, "RGB", "PNG")
+    _save(images / "eel" / "c.jpeg", np.full((20, 30, 3), 16, np.uint8), "L", "JPEG")
+    (images / "dog" / "notes.txt").write_text("not an image")
+
+    summary = write_tfrecords(str(images), str(tmp_path / "out"), num_shards=2, prefix="validation")
+    assert summary.num_examples == 7 and summary.num_reencoded == 3
+    assert summary.class_names == ["cat", "dog", "eel"]
+    assert (tmp_path / "out" / "labels.txt").read_text() == "cat\ndog\neel\n"
+    assert write_tfrecords is write_tfrecords_module  # the package exports the function
+
+    inp = make_input(str(tmp_path / "out" / "validation-*"), is_training=False, global_batch_size=8)
+    (images_out, labels_out), = list(inp.dataset())
+    assert sorted(labels_out.numpy().tolist()) == [0, 0, 1, 1, 2, 2, 2]
+    red = decode_codes(images_out)[0]
+    # The grey "eel" JPEG is stored as it is; its (16, 16, 16) grey decodes to red code 2 too.
+    np.testing.assert_array_equal(red, labels_out.numpy())
+
+
+def test_write_tfrecords_command_line_and_errors(tmp_path):
+    from tpu_scale.data.write_tfrecords import main
+
+    with pytest.raises(ValueError, match="no sub-folders"):
+        main(["--image_dir", str(tmp_path), "--output_dir", str(tmp_path / "out")])
+    (tmp_path / "images" / "only").mkdir(parents=True)
+    (tmp_path / "images" / "only" / "broken.jpg").write_bytes(b"broken")
+    with pytest.raises(ValueError, match="broken.jpg"):
+        main(["--image_dir", str(tmp_path / "images"), "--output_dir", str(tmp_path / "out")])
+
+
+def test_synthetic_imagenet_is_deterministic_and_learnable(tmp_path):
+    kwargs = dict(num_classes=4, train_examples=80, eval_examples=40, image_shape=(24, 24))
+    first = make_synthetic_imagenet(str(tmp_path / "a"), **kwargs)
+    make_synthetic_imagenet(str(tmp_path / "b"), **kwargs)
+    for name in sorted(os.listdir(tmp_path / "a")):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+    def features_and_labels(pattern, is_training):
+        inp = ImageNetInput(pattern, is_training=is_training, global_batch_size=40, image_size=16,
+                            deterministic=True)
+        images, labels = next(iter(inp.dataset()))
+        return images.numpy().mean(axis=(1, 2)), labels.numpy()
+
+    # Even a nearest-class-mean colour classifier learns it from random training crops.
+    train_x, train_y = features_and_labels(first["train"], True)
+    eval_x, eval_y = features_and_labels(first["validation"], False)
+    means = np.stack([train_x[train_y == c].mean(axis=0) for c in range(4)])
+    predicted = np.argmin(((eval_x[:, None] - means[None]) ** 2).sum(-1), axis=1)
+    assert (predicted == eval_y).mean() > 0.9
