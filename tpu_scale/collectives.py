@@ -37,7 +37,10 @@ from tensorflow.python.ops import collective_ops, resource_variable_ops
 
 # Every tf.distribute strategy numbers its group keys from 1; ours live far above them.
 _PRIVATE_KEY_BASE = 1 << 30
-_DEFAULT_TIMEOUT_SECONDS = 300.0
+# No timeout by default: the runtime parks one thread per launched op for the whole timeout, so a 300 s
+# timeout on every batch-norm sum grew a training process to thousands of sleeping threads. Mismatched
+# groups are caught before launch instead (`_checked_groups`).
+_DEFAULT_TIMEOUT_SECONDS = 0.0
 
 _lock = threading.Lock()
 _group_keys = {}  # group key -> sorted member tuple, to detect a (very unlikely) hash collision
@@ -47,7 +50,11 @@ _override = threading.local()
 
 
 def timeout_seconds():
-    """Seconds a CPU/GPU collective may wait for its peers before failing (env TPU_SCALE_COLLECTIVE_TIMEOUT)."""
+    """Seconds a CPU/GPU collective may wait for its peers before failing; 0 waits forever.
+
+    Set `TPU_SCALE_COLLECTIVE_TIMEOUT` to debug a suspected hang: each op then holds a runtime thread for up to
+    that long, so keep it off in long training runs.
+    """
     return float(os.environ.get("TPU_SCALE_COLLECTIVE_TIMEOUT", _DEFAULT_TIMEOUT_SECONDS))
 
 
