@@ -170,3 +170,25 @@ def test_tpu_ops_carry_the_group_assignment():
     assert len(assignments) == 2
     np.testing.assert_array_equal(assignments[0], mesh.row_groups())
     np.testing.assert_array_equal(assignments[1], mesh.column_groups())
+
+
+def test_repeated_steps_do_not_grow_threads(strategy):
+    """Each collective op must release its runtime thread: a training loop runs millions of them."""
+    import os
+
+    groups = GROUPINGS["rows"]
+
+    @tf.function
+    def step(x):
+        def replica_fn():
+            return tf.add_n([collectives.group_sum(x + i, groups) for i in range(20)])
+        return strategy.run(replica_fn)
+
+    def threads():
+        return len(os.listdir("/proc/self/task"))
+
+    step(tf.constant(1.0))
+    before = threads()
+    for _ in range(3):
+        step(tf.constant(1.0))
+    assert threads() <= before + 16
