@@ -1,5 +1,7 @@
 """ResNet-50 v1.5 and a small ResNet of the same structure, with grouped batch normalization."""
 
+import numbers
+
 import keras
 
 from tpu_scale.layers import DistributedBatchNormalization
@@ -137,7 +139,7 @@ def small_resnet(
 
 def _resnet(input_shape, num_classes, stem, stem_width, stages, block, bn_group_size,
             kernel_regularizer, name):
-    if not isinstance(num_classes, int) or num_classes < 1:
+    if isinstance(num_classes, bool) or not isinstance(num_classes, numbers.Integral) or num_classes < 1:
         raise ValueError(f"`num_classes` must be a positive integer; received {num_classes!r}.")
     layers = _Layers(bn_group_size, kernel_regularizer)
     inputs = keras.Input(shape=tuple(input_shape), name="images")
