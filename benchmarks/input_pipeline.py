@@ -1,0 +1,379 @@
+"""Input pipeline throughput: `ImageNetInput` against the decode limit, tf-models-official and a naive pipeline.
+
+On generated ImageNet-like JPEG TFRecords (about 500x375, quality 90, about 100 KB each, multi-scale noise so
+the files compress like photographs), in one run, images per second of:
+
+  ours         `tpu_scale.data.ImageNetInput(..., is_training=True)`: the full training path (fused
+               decode-and-crop, resize, flip, normalize, batch), default options.
+  tfm          tf-models-official's ImageNet classification input (`classification_input.Decoder` and
+               `Parser` under its `InputReader`, as its image classification task builds them) on the same
+               files; it pins its own TensorFlow, so it runs with another environment's python
+               (`--tfm_python`, or the TFM_PYTHON environment variable).
+  naive        sequential read, full JPEG decode, resize to 224, flip, normalize, batch; no parallelism.
+  decode_limit the host's ceiling: cores x the one-core rate of decode-and-crop alone (JPEG header, Inception
+               window, `decode_and_crop_jpeg`; no resize, no tf.data), measured pinned to one core.
+
+Each pipeline runs in its own process (own thread pools, own peak RSS), in interleaved rounds so that load
+from other users of the machine hits every pipeline alike; each process times several windows after a
+warm-up. Figures are medians over all windows, with min-max.
+
+Usage:
+    python benchmarks/input_pipeline.py [--quick] [--tfm_python /path/to/venv/bin/python]
+
+Writes `benchmarks/results/input_pipeline.json`.
+"""
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+IMAGE_SIZE = 224
+PIPELINES = ("ours", "tfm", "naive", "decode_limit")
+
+# --------------------------------------------------------------------------- data
+
+
+def _natural_image(rng, height, width):
+    """Smooth structure at several scales plus fine texture: compresses like a photograph at quality 90."""
+    import numpy as np
+    import tensorflow as tf
+
+    image = np.zeros((height, width, 3), np.float32)
+    for cells, amplitude in ((4, 60.0), (16, 35.0), (64, 20.0), (160, 12.0)):
+        coarse = rng.normal(size=(max(2, height * cells // 375), max(2, width * cells // 500), 3))
+        image += amplitude * tf.image.resize(coarse[None].astype(np.float32), (height, width), "bicubic")[0]
+    image += rng.normal(size=(height, width, 3)).astype(np.float32) * 16.0
+    image += rng.uniform(60, 190, size=3).astype(np.float32)
+    return np.clip(image, 0, 255).astype(np.uint8)
+
+
+def generate_records(directory, num_images, num_shards, seed=0):
+    """Writes (once; reused when present) `num_images` ImageNet-like JPEGs as classic-layout TFRecords."""
+    import numpy as np
+    import tensorflow as tf
+
+    from tpu_scale.data.input_pipeline import make_example
+
+    done = os.path.join(directory, "DONE")
+    if os.path.exists(done):
+        with open(done) as f:
+            return json.load(f)
+    os.makedirs(directory, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    # Mostly landscape 500x375, as in ImageNet; some portrait and other aspect ratios.
+    shapes = [(375, 500)] * 6 + [(500, 375), (333, 500), (400, 500), (375, 450)]
+    sizes = []
+    writers = [
+        tf.io.TFRecordWriter(os.path.join(directory, f"train-{i:05d}-of-{num_shards:05d}"))
+        for i in range(num_shards)
+    ]
+    for index in range(num_images):
+        height, width = shapes[rng.integers(len(shapes))]
+        jpeg = tf.io.encode_jpeg(_natural_image(rng, height, width), quality=90).numpy()
+        sizes.append(len(jpeg))
+        example = make_example(jpeg, 1 + index % 1000, height=height, width=width)
+        writers[index % num_shards].write(example.SerializeToString())
+    for writer in writers:
+        writer.close()
+    info = {
+        "pattern": os.path.join(directory, "train-*"),
+        "num_images": num_images,
+        "num_shards": num_shards,
+        "mean_jpeg_kb": round(sum(sizes) / len(sizes) / 1000, 1),
+        "quality": 90,
+    }
+    with open(done, "w") as f:
+        json.dump(info, f)
+    return info
+
+
+# --------------------------------------------------------------------------- workers (one per process)
+
+
+def _time_windows(next_batch, batch_size, warmup_seconds, window_seconds, windows):
+    """Images/s and process CPU milliseconds per image over `windows` timed windows, after a warm-up."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < warmup_seconds:
+        next_batch()
+    rates, cpu_ms = [], []
+    for _ in range(windows):
+        count, start, cpu_start = 0, time.perf_counter(), time.process_time()
+        while time.perf_counter() - start < window_seconds:
+            next_batch()
+            count += batch_size
+        rates.append(count / (time.perf_counter() - start))
+        cpu_ms.append(1000 * (time.process_time() - cpu_start) / count)
+    return rates, cpu_ms
+
+
+def _iterate(dataset):
+    iterator = iter(dataset)
+    return lambda: next(iterator)
+
+
+def worker_ours(args):
+    from tpu_scale.data import ImageNetInput
+
+    inp = ImageNetInput(args.pattern, is_training=True, global_batch_size=args.batch_size, image_size=IMAGE_SIZE)
+    return _time_windows(_iterate(inp.dataset()), args.batch_size, args.warmup, args.window, args.windows)
+
+
+def worker_naive(args):
+    import tensorflow as tf
+
+    from tpu_scale.data import image_ops
+
+    def parse_and_decode(serialized):
+        features = tf.io.parse_single_example(
+            serialized,
+            {
+                "image/encoded": tf.io.FixedLenFeature([], tf.string),
+                "image/class/label": tf.io.FixedLenFeature([], tf.int64),
+            },
+        )
+        image = tf.io.decode_jpeg(features["image/encoded"], channels=3)
+        image = tf.image.resize(image, [IMAGE_SIZE, IMAGE_SIZE])
+        image = tf.image.random_flip_left_right(image)
+        return image_ops.normalize_image(image), tf.cast(features["image/class/label"] - 1, tf.int32)
+
+    files = sorted(tf.io.gfile.glob(args.pattern))
+    dataset = tf.data.TFRecordDataset(files).repeat().map(parse_and_decode).batch(args.batch_size)
+    return _time_windows(_iterate(dataset), args.batch_size, args.warmup, args.window, args.windows)
+
+
+def worker_decode_one_core(args):
+    """Decode-and-crop alone, pinned to one core, one TF thread, a graph loop over in-memory JPEGs."""
+    os.sched_setaffinity(0, {args.core})
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    from tpu_scale.data import image_ops
+
+    jpegs = []
+    for record in tf.data.TFRecordDataset(sorted(tf.io.gfile.glob(args.pattern))).take(256):
+        example = tf.train.Example.FromString(record.numpy())
+        jpegs.append(example.features.feature["image/encoded"].bytes_list.value[0])
+    jpegs = tf.constant(jpegs)
+    chunk = args.batch_size
+
+    def decode_and_crop(inputs):
+        image_bytes, seed = inputs
+        shape = tf.image.extract_jpeg_shape(image_bytes)
+        window = image_ops.sample_crop_window(shape[0], shape[1], seed, fallback_image_size=IMAGE_SIZE)
+        crop = tf.image.decode_and_crop_jpeg(image_bytes, window, channels=3)
+        # Reading one pixel keeps the decode alive without adding work.
+        return tf.cast(crop[0, 0, 0], tf.int32)
+
+    @tf.function
+    def decode_chunk(step):
+        indices = (tf.range(chunk) + step * chunk) % tf.shape(jpegs)[0]
+        seeds = tf.stack([tf.cast(indices, tf.int64), tf.fill([chunk], tf.cast(step, tf.int64))], axis=1)
+        return tf.map_fn(
+            decode_and_crop, (tf.gather(jpegs, indices), seeds), fn_output_signature=tf.int32,
+            parallel_iterations=1,
+        )
+
+    step = tf.Variable(0)
+
+    def next_chunk():
+        step.assign_add(1)
+        decode_chunk(step).numpy()
+
+    return _time_windows(next_chunk, chunk, args.warmup, args.window, args.windows)
+
+
+def worker_tfm(args):
+    """tf-models-official's classification input, built as its image classification task builds it."""
+    from official.common import dataset_fn
+    from official.vision.configs import image_classification as classification_config
+    from official.vision.dataloaders import classification_input, input_reader_factory
+
+    params = classification_config.DataConfig(
+        input_path=args.pattern,
+        global_batch_size=args.batch_size,
+        is_training=True,
+        dtype="float32",
+        # The same shuffle buffer as ours (its default is 10000), so memory figures compare like for like.
+        shuffle_buffer_size=1024,
+    )
+    decoder = classification_input.Decoder(
+        image_field_key=params.image_field_key, label_field_key=params.label_field_key
+    )
+    parser = classification_input.Parser(
+        output_size=[IMAGE_SIZE, IMAGE_SIZE],
+        num_classes=1001,
+        image_field_key=params.image_field_key,
+        label_field_key=params.label_field_key,
+        decode_jpeg_only=params.decode_jpeg_only,
+        aug_rand_hflip=params.aug_rand_hflip,
+        aug_crop=params.aug_crop,
+        dtype=params.dtype,
+        center_crop_fraction=params.center_crop_fraction,
+        tf_resize_method=params.tf_resize_method,
+    )
+    reader = input_reader_factory.input_reader_generator(
+        params,
+        dataset_fn=dataset_fn.pick_dataset_fn(params.file_type),
+        decoder_fn=decoder.decode,
+        parser_fn=parser.parse_fn(params.is_training),
+    )
+    return _time_windows(_iterate(reader.read()), args.batch_size, args.warmup, args.window, args.windows)
+
+
+WORKERS = {
+    "ours": worker_ours,
+    "naive": worker_naive,
+    "decode_one_core": worker_decode_one_core,
+    "tfm": worker_tfm,
+}
+
+
+def run_worker(args):
+    rates, cpu_ms = WORKERS[args.worker](args)
+    import tensorflow as tf
+
+    result = {
+        "images_per_second": rates,
+        "cpu_ms_per_image": cpu_ms,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "tensorflow": tf.__version__,
+    }
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def _spawn(python, worker, info, args, **extra):
+    command = [
+        python, os.path.abspath(__file__), "--worker", worker, "--pattern", info["pattern"],
+        "--batch_size", str(args.batch_size), "--warmup", str(args.warmup), "--window", str(args.window),
+        "--windows", str(args.windows),
+    ]
+    for key, value in extra.items():
+        command += [f"--{key}", str(value)]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
+    completed = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+    for line in completed.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    tail = "\n".join((completed.stderr or completed.stdout).strip().splitlines()[-12:])
+    raise RuntimeError(f"{worker} worker failed (exit {completed.returncode}):\n{tail}")
+
+
+def _summary(rates):
+    return {
+        "median": round(statistics.median(rates), 1),
+        "min": round(min(rates), 1),
+        "max": round(max(rates), 1),
+        "samples": len(rates),
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer images, rounds and windows (~2 minutes)")
+    parser.add_argument("--tfm_python", default=os.environ.get("TFM_PYTHON"),
+                        help="python of an environment with tf-models-official (default: $TFM_PYTHON)")
+    parser.add_argument("--data_dir", default=None, help="where the generated TFRecords are kept")
+    parser.add_argument("--output", default=os.path.join(RESULTS, "input_pipeline.json"))
+    parser.add_argument("--batch_size", type=int, default=64)
+    # Worker-process flags.
+    parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    parser.add_argument("--pattern", help=argparse.SUPPRESS)
+    parser.add_argument("--core", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--warmup", type=float, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--window", type=float, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--windows", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return run_worker(args)
+
+    rounds, args.windows, args.window, args.warmup = (2, 2, 4.0, 3.0) if args.quick else (3, 3, 8.0, 5.0)
+    num_images = 256 if args.quick else 1024
+    data_dir = args.data_dir or os.path.join("/tmp", f"tpu_scale_input_bench_{num_images}")
+    started = time.time()
+    info = generate_records(data_dir, num_images, num_shards=16)
+    print(f"data: {info['num_images']} JPEGs, mean {info['mean_jpeg_kb']} KB, in {data_dir}", flush=True)
+
+    cores = len(os.sched_getaffinity(0))
+    names = ["ours", "naive", "decode_one_core"] + (["tfm"] if args.tfm_python else [])
+    rates = {name: [] for name in names}
+    memory = {name: [] for name in names}
+    cpu_ms = {name: [] for name in names}
+    versions = {}
+    for round_index in range(rounds):
+        for name in names:
+            python = args.tfm_python if name == "tfm" else sys.executable
+            extra = {"core": round_index % cores} if name == "decode_one_core" else {}
+            result = _spawn(python, name, info, args, **extra)
+            rates[name] += result["images_per_second"]
+            memory[name].append(result["peak_rss_mb"])
+            cpu_ms[name] += result["cpu_ms_per_image"]
+            versions[name] = result["tensorflow"]
+            print(f"round {round_index + 1}/{rounds} {name:16s} "
+                  f"{statistics.median(result['images_per_second']):8.1f} images/s  "
+                  f"{statistics.median(result['cpu_ms_per_image']):6.2f} CPU ms/image  "
+                  f"peak RSS {result['peak_rss_mb']:.0f} MB", flush=True)
+
+    pipelines = {
+        name: dict(_summary(rates[name]), cpu_ms_per_image=round(statistics.median(cpu_ms[name]), 3),
+                   peak_rss_mb=round(max(memory[name])), tensorflow=versions[name])
+        for name in names
+    }
+    one_core = pipelines.pop("decode_one_core")
+    pipelines["decode_limit"] = {
+        "median": round(cores * one_core["median"], 1),
+        "min": round(cores * one_core["min"], 1),
+        "max": round(cores * one_core["max"], 1),
+        "one_core": one_core,
+        "cores": cores,
+    }
+    if not args.tfm_python:
+        pipelines["tfm"] = {"skipped": "no --tfm_python given (tf-models-official needs its own environment)"}
+    ours = pipelines["ours"]["median"]
+    ratios = {
+        "ours/decode_limit": round(ours / pipelines["decode_limit"]["median"], 3),
+        "ours/naive": round(ours / pipelines["naive"]["median"], 3),
+    }
+    if args.tfm_python:
+        ratios["ours/tfm"] = round(ours / pipelines["tfm"]["median"], 3)
+    targets = {"ours/decode_limit >= 0.9": ratios["ours/decode_limit"] >= 0.9}
+    if "ours/tfm" in ratios:
+        targets["ours/tfm >= 1.25"] = ratios["ours/tfm"] >= 1.25
+    command = "python benchmarks/input_pipeline.py" + (" --quick" if args.quick else "") + (
+        " --tfm_python " + args.tfm_python if args.tfm_python else "")
+    result = {
+        "command": command,
+        "quick": args.quick,
+        "machine": {"cores": cores, "platform": platform.platform(), "python": platform.python_version()},
+        "data": info,
+        "batch_size": args.batch_size,
+        "image_size": IMAGE_SIZE,
+        "rounds": rounds,
+        "windows_per_round": args.windows,
+        "window_seconds": args.window,
+        "pipelines": pipelines,
+        "ratios": ratios,
+        "targets_met": targets,
+        "seconds": round(time.time() - started, 1),
+    }
+    os.makedirs(os.path.dirname(args.output), exist_ok=True)
+    with open(args.output, "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps({"ratios": ratios, "targets_met": targets}, indent=2))
+    print(f"wrote {args.output} in {result['seconds']} s")
+
+
+if __name__ == "__main__":
+    main()
