@@ -352,10 +352,20 @@ def group_sum(x, group_assignment):
         return tpu_ops.cross_replica_sum(x, groups.astype(np.int32).tolist())
     ctx = tf.distribute.get_replica_context()
     if backend == "eager":
-        slots, _ = _eager_slot_sum(x, groups, ctx)
-        return tf.reduce_sum(slots, axis=0)
+        return _eager_group_sum(x, groups, ctx)
     _, members = _my_group(groups, _static_replica_id(ctx))
     return _collective_sum(x, _Launch(members))
+
+
+def _eager_group_sum(x, groups, ctx):
+    # The one-host fallback stacks the replicas' values in a merge call, which the replica's gradient tape
+    # does not see; without this gradient the other members' share of the gradient would be lost.
+    @tf.custom_gradient
+    def summed(x):
+        slots, _ = _eager_slot_sum(x, groups, ctx)
+        return tf.reduce_sum(slots, axis=0), lambda dy: _eager_group_sum(dy, groups, ctx)
+
+    return summed(x)
 
 
 def all_to_all(x, group_assignment):
