@@ -1,0 +1,289 @@
+"""Gradient summation: the torus schedule against TensorFlow's all-reduces, on ResNet-50's gradients.
+
+(a) One host, 8 virtual CPU replicas, one process: the time to sum ResNet-50's trainable gradients (the shapes
+    of `keras.applications.ResNet50(weights=None)`: 161 float32 tensors, 25.6 M values, 102 MB per replica)
+    with `tpu_scale.torus.all_reduce_sum` on a 2x4 mesh (each algorithm) against TensorFlow's default
+    (`ReplicaContext.all_reduce` under a plain `MirroredStrategy`, which uses `CollectiveAllReduce`, a ring)
+    and `ReductionToOneDevice`.
+(b) Two localhost worker processes x 4 replicas over gRPC (`MultiWorkerMirroredStrategy`, mesh 2x4 with one
+    row per worker): the hierarchical torus (`torus_2d`, what `"auto"` picks across hosts) and the
+    bidirectional one against the default multi-worker all-reduce of the same strategy; with the bytes each
+    one sends across the process boundary, computed from the schedule (`torus.bytes_sent_between`) and, for
+    TensorFlow's single ring over 8 replicas in task order, from the ring algorithm
+    (`torus.ring_bytes_sent_between`: 2 of the 8 ring edges cross, each carrying 2 (n-1)/n of the buffer).
+
+Every method runs the same `tf.function`-wrapped `strategy.run`, in interleaved rounds after a warm-up so that
+load from other users of the machine hits every method alike; figures are medians of the rounds, with min-max.
+
+Usage:
+    python benchmarks/all_reduce.py [--quick]
+
+Writes `benchmarks/results/all_reduce.json`.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+NUM_REPLICAS = 8
+
+
+# --------------------------------------------------------------------------- shared
+
+
+def resnet50_gradient_shapes():
+    """Shapes of ResNet-50's trainable weights (what Keras sums every step)."""
+    import keras
+
+    model = keras.applications.ResNet50(weights=None)
+    shapes = [tuple(int(d) for d in w.shape) for w in model.trainable_weights]
+    keras.backend.clear_session()
+    return shapes
+
+
+def _per_replica_gradients(strategy, shapes):
+    import tensorflow as tf
+
+    def make(ctx):
+        seed = ctx.replica_id_in_sync_group
+        return [tf.random.stateless_uniform(s, seed=[seed, i]) for i, s in enumerate(shapes)]
+
+    return strategy.experimental_distribute_values_from_function(make)
+
+
+def _summer(strategy, reduce_fn):
+    import tensorflow as tf
+
+    @tf.function
+    def step(grads):
+        return strategy.run(reduce_fn, args=(grads,))
+
+    return step
+
+
+def _native(grads):
+    import tensorflow as tf
+
+    return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, grads)
+
+
+def _torus(algorithm, pack_bytes=None):
+    from tpu_scale import torus
+
+    def reduce_fn(grads):
+        kwargs = {} if pack_bytes is None else {"pack_bytes": pack_bytes}
+        return torus.all_reduce_sum(grads, algorithm=algorithm, **kwargs)
+
+    return reduce_fn
+
+
+def _timed_rounds(methods, rounds, warmup):
+    """`{name: [seconds per round]}`; methods run in turn every round so load hits them alike."""
+    import tensorflow as tf
+
+    for _ in range(warmup):
+        for step, args in methods.values():
+            tf.nest.map_structure(lambda t: t, step(*args))
+    times = {name: [] for name in methods}
+    for _ in range(rounds):
+        for name, (step, args) in methods.items():
+            start = time.perf_counter()
+            out = step(*args)
+            # Wait for every replica's result: the last op of every device.
+            for value in tf.nest.flatten(out, expand_composites=True)[-NUM_REPLICAS:]:
+                value.numpy()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def _summary(times, baseline):
+    median = {name: statistics.median(t) for name, t in times.items()}
+    return {
+        name: {
+            "median_s": round(median[name], 4),
+            "min_s": round(min(t), 4),
+            "max_s": round(max(t), 4),
+            "rounds": len(t),
+            f"ratio_to_{baseline}": round(median[name] / median[baseline], 3),
+        }
+        for name, t in times.items()
+    }
+
+
+def _check_equal(step_a, step_b, grads, strategy, rtol=1e-5):
+    """The methods must agree before their times mean anything."""
+    import numpy as np
+
+    a = strategy.experimental_local_results(step_a(grads)[0])[0].numpy()
+    b = strategy.experimental_local_results(step_b(grads)[0])[0].numpy()
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * np.abs(b).max())
+
+
+# --------------------------------------------------------------------------- (a) one host
+
+
+def single_host(rounds, warmup):
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * NUM_REPLICAS)
+    import tpu_scale
+
+    shapes = resnet50_gradient_shapes()
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")][:NUM_REPLICAS]
+    ours = tpu_scale.create_strategy(num_cpu_replicas=NUM_REPLICAS, mesh_shape=(2, 4))
+    default = tf.distribute.MirroredStrategy(devices)
+    to_one = tf.distribute.MirroredStrategy(devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
+    default_kind = type(default.extended._cross_device_ops).__name__
+
+    methods = {}
+    for name, strategy, fn in [
+        ("tf_default_collective", default, _native),
+        ("tf_reduction_to_one_device", to_one, _native),
+        ("torus_ring", ours, _torus("ring")),
+        ("torus_2d", ours, _torus("torus_2d")),
+        ("torus_2d_bidirectional", ours, _torus("torus_2d_bidirectional")),
+        ("torus_2d_one_pack", ours, _torus("torus_2d", pack_bytes=0)),
+    ]:
+        methods[name] = (_summer(strategy, fn), (_per_replica_gradients(strategy, shapes),))
+    for name in methods:
+        if name.startswith("torus"):
+            step, args = methods[name]
+            _check_equal(step, methods["tf_default_collective"][0], args[0], ours)
+    times = _timed_rounds(methods, rounds, warmup)
+    num_values = sum(int(__import__("numpy").prod(s)) for s in shapes)
+    return {
+        "replicas": NUM_REPLICAS,
+        "mesh": [2, 4],
+        "tensors": len(shapes),
+        "values": num_values,
+        "bytes_per_replica": 4 * num_values,
+        "tf_default_cross_device_ops": default_kind,
+        "methods": _summary(times, "tf_default_collective"),
+        "shapes": shapes,
+    }
+
+
+# --------------------------------------------------------------------------- (b) two processes
+
+
+def worker(rounds, warmup, shapes):
+    """Runs in each worker process (see `tpu_scale.multiworker.run_workers`)."""
+    import tensorflow as tf
+
+    import tpu_scale
+
+    strategy = tpu_scale.create_strategy(num_cpu_replicas=int(os.environ["TPU_SCALE_CPUS_PER_WORKER"]))
+    grads = _per_replica_gradients(strategy, [tuple(s) for s in shapes])
+    methods = {
+        "tf_default_multi_worker": (_summer(strategy, _native), (grads,)),
+        "torus_2d_hierarchical": (_summer(strategy, _torus("torus_2d")), (grads,)),
+        "torus_2d_bidirectional": (_summer(strategy, _torus("torus_2d_bidirectional")), (grads,)),
+    }
+    _check_equal(methods["torus_2d_hierarchical"][0], methods["tf_default_multi_worker"][0], grads, strategy)
+    times = _timed_rounds(methods, rounds, warmup)
+    return {"mesh": list(strategy.mesh.shape), "times": times,
+            "cross_device_ops": type(strategy.extended._cross_device_ops).__name__, "tf": tf.__version__}
+
+
+def two_processes(rounds, warmup, shapes):
+    import numpy as np
+
+    from tpu_scale import torus
+    from tpu_scale.mesh import ReplicaMesh
+    from tpu_scale.multiworker import run_workers
+
+    results = run_workers(
+        "all_reduce:worker", num_workers=2, cpus_per_worker=4,
+        kwargs={"rounds": rounds, "warmup": warmup, "shapes": [list(s) for s in shapes]}, timeout=1800,
+    )
+    # A round ends when the slower worker ends: take the max over workers.
+    names = results[0]["times"].keys()
+    times = {n: [max(r["times"][n][i] for r in results) for i in range(rounds)] for n in names}
+    summary = _summary(times, "tf_default_multi_worker")
+    num_bytes = 4 * sum(int(np.prod(s)) for s in shapes)
+    mesh = ReplicaMesh.for_workers(2, 4)
+    host = lambda replica: replica // 4  # noqa: E731
+    crossing = {
+        "tf_default_multi_worker": torus.ring_bytes_sent_between(8, num_bytes, host),
+        "torus_2d_hierarchical": torus.bytes_sent_between(torus.build_schedule(mesh, num_bytes, "torus_2d"), host),
+        "torus_2d_bidirectional": torus.bytes_sent_between(
+            torus.build_schedule(mesh, num_bytes, "torus_2d_bidirectional"), host),
+    }
+    for name in summary:
+        summary[name]["bytes_between_processes"] = crossing[name]
+        summary[name]["bytes_between_processes_per_gradient_byte"] = round(crossing[name] / num_bytes, 3)
+    return {"workers": 2, "replicas_per_worker": 4, "mesh": results[0]["mesh"],
+            "tf_cross_device_ops": results[0]["cross_device_ops"], "methods": summary}
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds (about 3 minutes)")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--skip_multi_worker", action="store_true")
+    args = parser.parse_args()
+    rounds = args.rounds or (3 if args.quick else 9)
+    warmup = 1 if args.quick else 2
+
+    started = time.time()
+    # The single-host part runs in a child process: the workers' parent must not hold 8 logical CPUs'
+    # worth of buffers while they run, and each part then starts TensorFlow fresh.
+    single = _run_child("single", rounds, warmup)
+    result = {
+        "command": "python benchmarks/all_reduce.py" + (" --quick" if args.quick else ""),
+        "machine": f"{platform.node()}: {os.cpu_count()} cores, {platform.processor() or platform.machine()}",
+        "python": platform.python_version(),
+        "single_host": single,
+    }
+    if not args.skip_multi_worker:
+        sys.path.insert(0, HERE)
+        result["two_processes"] = two_processes(rounds, warmup, _shapes_from(single))
+    import tensorflow as tf
+
+    result["tensorflow"] = tf.__version__
+    result["seconds"] = round(time.time() - started, 1)
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "all_reduce.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps(result, indent=2))
+
+
+def _shapes_from(single):
+    return single.pop("shapes")
+
+
+def _run_child(part, rounds, warmup):
+    import subprocess
+    import tempfile
+
+    out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
+    subprocess.run([sys.executable, os.path.abspath(__file__), "--_child", part, str(rounds), str(warmup), out],
+                   check=True)
+    with open(out) as f:
+        return json.load(f)
+
+
+def _child(part, rounds, warmup, out):
+    assert part == "single"
+    result = single_host(int(rounds), int(warmup))
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--_child":
+        _child(*sys.argv[2:])
+    else:
+        main()
