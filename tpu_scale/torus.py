@@ -181,6 +181,8 @@ def ring_bytes_sent_between(num_replicas, num_bytes, host_of):
 
 
 # --------------------------------------------------------------------------- executor
+# TensorFlow is imported inside the functions below: the schedule and its byte counts above stay importable
+# (and cheap) without it, for the planner.
 
 DEFAULT_ALGORITHM = "auto"
 DEFAULT_PACK_BYTES = 32 * 1024 * 1024
@@ -210,6 +212,17 @@ def resolve_algorithm(algorithm, strategy=None, mesh=None):
     return "torus_2d_bidirectional"
 
 
+def _not_converted(fn):
+    """Marks `fn` as `tf.autograph.experimental.do_not_convert` does, without importing TensorFlow here.
+
+    The executor is plain Python over static shapes; AutoGraph would only rewrite it (again) inside every
+    user `tf.function` that calls it.
+    """
+    fn.autograph_info__ = frozenset()
+    return fn
+
+
+@_not_converted
 def all_reduce_sum(grads, strategy=None, mesh=None, algorithm=DEFAULT_ALGORITHM, pack_bytes=DEFAULT_PACK_BYTES):
     """Sums gradients over all replicas with the 2-D torus schedule; call it in replica context.
 
@@ -255,7 +268,7 @@ def all_reduce_sum(grads, strategy=None, mesh=None, algorithm=DEFAULT_ALGORITHM,
         strategy = ctx.strategy if in_sync else None
     algorithm = resolve_algorithm(algorithm, strategy, mesh)
     if pack_bytes is not None and pack_bytes < 0:
-        raise ValueError(f"pack_bytes must be positive, or None for one buffer per dtype; got {pack_bytes}.")
+        raise ValueError(f"pack_bytes must be positive, or None / 0 for one buffer per dtype; got {pack_bytes}.")
 
     flat = tf.nest.flatten(grads)
     dense = [None if g is None else _densify(g) for g in flat]
