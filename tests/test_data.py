@@ -366,9 +366,11 @@ def test_wrong_feature_keys_list_the_keys_found(tmp_path):
         inp.dataset()
 
 
-def test_negative_label_names_the_file_and_the_fix(tmp_path):
+@pytest.mark.parametrize("skip_corrupt", [False, True])
+def test_negative_label_names_the_file_and_the_fix(tmp_path, skip_corrupt):
+    # Label 0 in a file read with label_offset=1: a configuration error, never skipped as corrupt.
     pattern, _ = write_coded_records(str(tmp_path), 1, 4, label_base=0)
-    inp = make_input(pattern, is_training=False, global_batch_size=4)
+    inp = make_input(pattern, is_training=False, global_batch_size=4, skip_corrupt=skip_corrupt)
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"(?s)train-00000-of-00001.*label_offset=0"):
         list(inp.dataset())
 
