@@ -149,7 +149,7 @@ def single_host(rounds, warmup):
         ("tf_default_collective", default, _native),
         ("tf_reduction_to_one_device", to_one, _native),
         ("torus_ring", ours, _torus("ring")),
-        ("torus_2d", ours, _torus("torus_2d")),
+        ("torus_2d", ours, _torus("torus_2d")),  # what "auto" picks off TPU
         ("torus_2d_bidirectional", ours, _torus("torus_2d_bidirectional")),
         ("torus_2d_one_pack", ours, _torus("torus_2d", pack_bytes=0)),
     ]:

@@ -190,26 +190,31 @@ SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 def resolve_algorithm(algorithm, strategy=None, mesh=None):
-    """The concrete algorithm for `"auto"`: hierarchical (`"torus_2d"`) across hosts, bidirectional otherwise.
+    """The concrete algorithm for `"auto"`: bidirectional on a physical torus (TPU), `"torus_2d"` elsewhere.
 
-    With several hosts the mesh rows are hosts, so rows-first keeps the reduce-scatter and all-gather inside a
-    host and only a `1/cols` shard crosses the network; the columns-first half of the bidirectional form would
-    send a whole half across it. On one host and on TPU tori both dimensions' links are worth keeping busy.
+    The bidirectional refinement exists to keep the links of both torus dimensions busy in both phases, so it
+    is on wherever the mesh is a physical torus (`mesh.is_torus`, every TPU slice). CPU/GPU meshes are hosts x
+    local devices with no such links: there rows-first (`"torus_2d"`) is the hierarchical all-reduce (only a
+    `1/cols` shard leaves a host, where the columns-first half would send a whole half across the network),
+    and on one host it is the faster form too (ResNet-50 on 8 CPU replicas: bidirectional ~1.3x slower, twice
+    the collectives of half the size; see benchmarks/README.md).
+
+    Args:
+      algorithm: `"auto"` or one of `ALGORITHMS`.
+      strategy: unused, kept so callers can pass what they have.
+      mesh: the `ReplicaMesh` the sum runs on.
+
+    Returns:
+      One of `ALGORITHMS`.
     """
+    del strategy
     if algorithm != "auto":
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm={algorithm!r}; choose 'auto' or one of {ALGORITHMS}.")
         return algorithm
     if mesh is not None and mesh.is_torus:
         return "torus_2d_bidirectional"
-    if strategy is not None:
-        try:
-            local = len(strategy.extended.worker_devices)
-        except (RuntimeError, NotImplementedError):  # the default strategy has no devices to count
-            local = 0
-        if 0 < local < strategy.num_replicas_in_sync:
-            return "torus_2d"
-    return "torus_2d_bidirectional"
+    return "torus_2d"
 
 
 def _not_converted(fn):
@@ -234,7 +239,8 @@ def all_reduce_sum(grads, strategy=None, mesh=None, algorithm=DEFAULT_ALGORITHM,
       grads: a tensor, `tf.IndexedSlices` or None, or a (nested) list of them. Shapes must be static.
       strategy: the strategy whose mesh to use; defaults to the current replica context's strategy.
       mesh: a `ReplicaMesh` to use instead of the strategy's.
-      algorithm: `"auto"`, `"ring"`, `"torus_2d"` or `"torus_2d_bidirectional"` (see `build_schedule`).
+      algorithm: `"ring"`, `"torus_2d"` or `"torus_2d_bidirectional"` (see `build_schedule`), or `"auto"`:
+        bidirectional on TPU tori, `"torus_2d"` on CPU/GPU hosts (see `resolve_algorithm`).
       pack_bytes: gradients of one dtype are fused into flat buffers of about this many bytes (a larger
         tensor gets its own buffer); `None` or 0 fuses each dtype into one buffer.
 
