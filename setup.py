@@ -13,7 +13,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["tpu_scale", "tpu_scale.*"]),
     python_requires=">=3.9",
-    install_requires=["tensorflow>=2.16", "numpy", "absl-py"],
+    install_requires=["tensorflow>=2.16", "numpy", "absl-py", "tensorboard"],
     extras_require={
         "test": ["pytest", "tensorflow-datasets", "pillow", "matplotlib"],
         "tfds": ["tensorflow-datasets"],
