@@ -277,8 +277,15 @@ def main(argv=None):
         print("(b) accuracy, 16 replicas x 4 examples", flush=True)
         results["accuracy"] = accuracy(args.quick)
         plot(results["accuracy"], os.path.join(RESULTS, "batchnorm_accuracy.png"))
+    # Re-read before writing: the other part may have finished meanwhile.
+    merged = {}
+    if os.path.exists(out_path):
+        with open(out_path) as f:
+            merged = json.load(f)
+    merged.setdefault("commands", {}).update(results.pop("commands"))
+    merged.update(results)
     with open(out_path, "w") as f:
-        json.dump(results, f, indent=2)
+        json.dump(merged, f, indent=2)
     print(json.dumps(results, indent=2))
 
 
