@@ -127,10 +127,10 @@ class _TFRecordSource:
                 f"{len(files)} file(s) match {self.description!r} but there are {shard.count} input "
                 "pipelines: every pipeline reads every file and keeps 1 record in "
                 f"{shard.count}. Write at least as many shards as pipelines to read less.",
-                stacklevel=4,
+                stacklevel=3,
             )
         else:
-            # Contiguous-free, deterministic assignment: pipeline i reads files i, i+n, i+2n, ...
+            # Strided, deterministic assignment: pipeline i reads files i, i+n, i+2n, ... (balanced shards).
             files = files[shard.index :: shard.count]
         dataset = tf.data.Dataset.from_tensor_slices(files)
         # Record-level sharding needs every pipeline to see the same record order, so nothing is shuffled
@@ -261,7 +261,8 @@ class ImageNetInput:
         interleave over `cycle_length` files already mix the data, so the reference recipe's 1024 (about
         110 MB of ImageNet JPEGs) suffices.
       cycle_length: files read at once by the interleave.
-      read_buffer_bytes: read buffer of each file reader.
+      read_buffer_bytes: read buffer of each file reader (large buffers suit network file systems; the
+        readers hold `cycle_length x read_buffer_bytes` of host memory).
       deterministic: reproducible order and crops (slower). With `seed`, two runs give the same batches.
       seed: the seed of the file shuffle, the shuffle buffer and the per-example crop seeds.
       skip_corrupt: drop records that are not decodable JPEGs and count them in `skipped_records`, instead
