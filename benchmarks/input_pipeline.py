@@ -338,7 +338,7 @@ def markdown_table(result):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer images, rounds and windows (~2 minutes)")
+    parser.add_argument("--quick", action="store_true", help="fewer images, rounds and windows (2-3 minutes)")
     parser.add_argument("--tfm_python", default=os.environ.get("TFM_PYTHON"),
                         help="python of an environment with tf-models-official (default: $TFM_PYTHON)")
     parser.add_argument("--data_dir", default=None, help="where the generated TFRecords are kept")
@@ -355,7 +355,7 @@ def main(argv=None):
     if args.worker:
         return run_worker(args)
 
-    rounds, args.windows, args.window, args.warmup = (2, 2, 4.0, 3.0) if args.quick else (3, 3, 8.0, 5.0)
+    rounds, args.windows, args.window, args.warmup = (2, 2, 3.0, 2.0) if args.quick else (3, 3, 8.0, 5.0)
     num_images = 256 if args.quick else 1024
     data_dir = args.data_dir or os.path.join("/tmp", f"tpu_scale_input_bench_{num_images}")
     started = time.time()

@@ -214,6 +214,35 @@ def test_distribute_datasets_from_function(records, cpu_devices, num_replicas):
         np.testing.assert_array_equal(decode_codes(replica_images)[0], replica_labels.numpy())
 
 
+def test_keras_fit_and_evaluate_on_distributed_datasets(records, cpu_devices):
+    import keras
+
+    pattern, expected = records
+    strategy = tf.distribute.MirroredStrategy(cpu_devices[:2])
+    train = make_input(pattern, is_training=True, global_batch_size=8, shuffle_buffer_size=16)
+    evaluation = make_input(pattern, is_training=False, global_batch_size=16, pad_last_batch=True)
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((IMAGE_SIZE, IMAGE_SIZE, 3)),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(NUM_CLASSES),
+        ])
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      weighted_metrics=["accuracy"])
+    history = model.fit(strategy.distribute_datasets_from_function(train.dataset), steps_per_epoch=3,
+                        epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+    # The padded eval batches carry weights, so the padding (4 of 64 slots) does not count.
+    results = model.evaluate(evaluation.dataset(), verbose=0, return_dict=True)
+    correct = [
+        (np.argmax(model(images, training=False), axis=1) == labels.numpy())[weights.numpy() > 0]
+        for images, labels, weights in evaluation.dataset()
+    ]
+    correct = np.concatenate(correct)
+    assert len(correct) == len(expected)
+    assert results["accuracy"] == pytest.approx(correct.mean(), abs=1e-6)
+
+
 def test_synthetic_source_shapes(cpu_devices):
     inp = ImageNetInput.synthetic(global_batch_size=8, image_size=16, num_classes=10, dtype=tf.bfloat16)
     images, labels = next(iter(inp.dataset(context(1, 2))))
