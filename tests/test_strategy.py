@@ -124,3 +124,16 @@ def test_two_workers_keras_fit_agree():
 def test_worker_failure_shows_every_output():
     with pytest.raises(RuntimeError, match=r"worker 0 \(exit code 1\)"):
         run_workers("tpu_scale.no_such_module:f", num_workers=2, timeout=60)
+
+
+def test_strategies_over_different_devices_coexist():
+    """Each strategy gets its own collective keys: reusing key 1 for other devices would abort the runtime."""
+    def all_reduce(strategy):
+        return strategy.experimental_local_results(tf.function(lambda: strategy.run(
+            lambda: tf.distribute.get_replica_context().all_reduce("sum", 1.0)))())
+
+    first = tpu_scale.create_strategy(num_cpu_replicas=8, gradient_reduction="native")
+    assert [float(v) for v in all_reduce(first)] == [8.0] * 8
+    reversed_devices = tpu_scale.strategy.MirroredStrategy([f"/cpu:{i}" for i in (3, 2, 1, 0)])
+    assert [float(v) for v in all_reduce(reversed_devices)] == [4.0] * 4
+    assert [float(v) for v in all_reduce(first)] == [8.0] * 8

@@ -13,6 +13,7 @@ The returned object is a real strategy (a thin subclass of the TensorFlow one) w
 `mesh` (a `ReplicaMesh`) and `gradient_reduction` (`"torus"` or `"native"`, how `model.fit` sums gradients).
 """
 
+import itertools
 import json
 import os
 
@@ -45,6 +46,20 @@ def mesh_of(strategy=None):
 # --------------------------------------------------------------------------- strategy classes
 
 
+_strategies_created = itertools.count(1)
+
+
+def _next_collective_key_base():
+    """A private range of collective group keys for each new strategy in this process.
+
+    TensorFlow numbers every strategy's group keys from 1: a second strategy over other devices (or the same
+    devices in another order) then reuses key 1 for a different group and aborts the process's collective
+    runtime. Workers create their strategies in the same order, so the k-th strategy gets the same range on
+    every worker.
+    """
+    return next(_strategies_created) * 100_000
+
+
 class _MeshMixin:
     """What our strategies add to TensorFlow's: the mesh and the gradient reduction."""
 
@@ -60,6 +75,10 @@ class _MeshMixin:
 
 class MirroredStrategy(_MeshMixin, tf.distribute.MirroredStrategy):
     """`tf.distribute.MirroredStrategy` that knows its replica mesh."""
+
+    def __init__(self, devices=None, cross_device_ops=None):
+        self._collective_key_base = _next_collective_key_base()
+        super().__init__(devices, cross_device_ops)
 
 
 class TPUStrategy(_MeshMixin, tf.distribute.TPUStrategy):
@@ -94,6 +113,7 @@ class MultiWorkerMirroredStrategy(_MeshMixin, tf.distribute.MultiWorkerMirroredS
 
     def __init__(self, cluster_resolver=None, communication_options=None, num_local_cpus=None):
         communication_options = communication_options or tf.distribute.experimental.CommunicationOptions()
+        self._collective_key_base = _next_collective_key_base()
         # Skip TensorFlow's __init__, which would build its own extended with one CPU per worker.
         tf.distribute.Strategy.__init__(
             self, _MultiWorkerExtended(self, cluster_resolver, communication_options, num_local_cpus)
