@@ -348,12 +348,19 @@ def train(config, extra_callbacks=()):
     _check_config(config, strategy)
 
     import keras
-    import tensorflow as tf
 
     keras.utils.set_random_seed(config.seed)
+    previous_policy = keras.mixed_precision.global_policy()
     if config.mixed_precision != "float32":
         keras.mixed_precision.set_global_policy(f"mixed_{config.mixed_precision}")
+    try:
+        return _run(config, strategy, start, extra_callbacks)
+    finally:
+        keras.mixed_precision.set_global_policy(previous_policy)
 
+
+def _run(config, strategy, start, extra_callbacks):
+    """Data, model, `fit` and the final evaluation, under the strategy and the precision policy."""
     config = dataclasses.replace(config)
     config.synthetic_data = not (config.data_dir or config.tfds_name)
     data_dir = config.data_dir
@@ -394,7 +401,6 @@ def train(config, extra_callbacks=()):
         "model": model,
         "model_dir": config.model_dir,
     }
-    del tf
     return summary
 
 

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import tpu_scale.strategy  # its MirroredStrategy has private collective keys: tests share a process
+
 from tpu_scale.data import ImageNetInput, image_ops, make_synthetic_imagenet, write_tfrecords
 from tpu_scale.data.input_pipeline import make_example
 
@@ -203,7 +205,7 @@ def test_record_level_sharding_with_fewer_files_than_pipelines(tmp_path):
 
 @pytest.mark.parametrize("num_replicas", [2, 4])
 def test_distribute_datasets_from_function(records, cpu_devices, num_replicas):
-    strategy = tf.distribute.MirroredStrategy(cpu_devices[:num_replicas])
+    strategy = tpu_scale.strategy.MirroredStrategy(cpu_devices[:num_replicas])
     inp = make_input(records[0], is_training=True, global_batch_size=8)
     distributed = strategy.distribute_datasets_from_function(inp.dataset)
     images, labels = next(iter(distributed))
@@ -218,7 +220,7 @@ def test_keras_fit_and_evaluate_on_distributed_datasets(records, cpu_devices):
     import keras
 
     pattern, expected = records
-    strategy = tf.distribute.MirroredStrategy(cpu_devices[:2])
+    strategy = tpu_scale.strategy.MirroredStrategy(cpu_devices[:2])
     train = make_input(pattern, is_training=True, global_batch_size=8, shuffle_buffer_size=16)
     evaluation = make_input(pattern, is_training=False, global_batch_size=16, pad_last_batch=True)
     with strategy.scope():
