@@ -64,6 +64,18 @@ def make_example(jpeg_bytes, label, *, height, width, synset="", filename=""):
     return tf.train.Example(features=tf.train.Features(feature=feature))
 
 
+def shuffle_each_epoch(dataset, buffer_size, seed):
+    """Repeats `dataset` forever, shuffled anew in each epoch `e` with the seed `seed + e`.
+
+    Unlike `shuffle(..., reshuffle_each_iteration=True).repeat()`, whose orders depend on how many iterators
+    the dataset already had, every new iterator replays the same stream: a resumed run can skip to the step
+    where it stopped and see what an uninterrupted run would have seen.
+    """
+    return tf.data.Dataset.range(2**62).flat_map(
+        lambda epoch: dataset.shuffle(buffer_size, seed=seed + epoch, reshuffle_each_iteration=False)
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class _Shard:
     """Which part of the data one input pipeline reads."""
@@ -135,7 +147,10 @@ class _TFRecordSource:
         dataset = tf.data.Dataset.from_tensor_slices(files)
         # Record-level sharding needs every pipeline to see the same record order, so nothing is shuffled
         # before the cut.
-        if shuffle_files and not record_level:
+        if shuffle_files and not record_level and deterministic and repeat:
+            dataset = shuffle_each_epoch(dataset, len(files), seed)
+            repeat = False
+        elif shuffle_files and not record_level:
             dataset = dataset.shuffle(len(files), seed=seed, reshuffle_each_iteration=True)
         if repeat:
             # Repeating the file list (not the records) lets the interleave run across epoch boundaries.
@@ -442,8 +457,13 @@ class ImageNetInput:
             records = records.shard(shard.count, shard.index)
         if self.cache:
             records = records.cache()
-        if self.is_training:
-            records = records.shuffle(self.shuffle_buffer_size, seed=seed, reshuffle_each_iteration=True)
+        if self.is_training and self.cache and deterministic:
+            records = shuffle_each_epoch(records, self.shuffle_buffer_size, seed)
+        elif self.is_training:
+            # Deterministic: the same stream from every new iterator (without a cache the buffer runs over
+            # the repeated records, so the order still changes from one pass over the data to the next).
+            records = records.shuffle(self.shuffle_buffer_size, seed=seed,
+                                      reshuffle_each_iteration=not deterministic)
             if self.cache:
                 records = records.repeat()
 

@@ -1,0 +1,64 @@
+"""The training example end to end: a tiny run, an interrupted run that resumes, and bad flags."""
+
+import os
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+
+import train_imagenet  # noqa: E402
+
+
+def tiny_config(**overrides):
+    settings = dict(epochs=3, image_size=32, global_batch_size=64, synthetic_train_examples=512,
+                    synthetic_eval_examples=128, deterministic=True, seed=3)
+    settings.update(overrides)
+    return train_imagenet.TrainConfig(**settings)
+
+
+class Interrupt(keras.callbacks.Callback):
+    """Stops the run after `epoch` epochs, as a preempted job would."""
+
+    def __init__(self, after_epochs):
+        super().__init__()
+        self.after_epochs = after_epochs
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch + 1 == self.after_epochs:
+            raise KeyboardInterrupt("preempted")
+
+
+def test_tiny_run_end_to_end(tmp_path):
+    summary = train_imagenet.train(tiny_config(model_dir=str(tmp_path)))
+    line = train_imagenet.summary_line(summary)
+    assert line.startswith("top-1 ") and "images/s" in line and "wall" in line
+    # 10 learnable classes: three short epochs are already far above chance.
+    assert summary["top_1"] > 0.3
+    assert summary["images_per_second"] > 0
+    assert os.listdir(tmp_path / "checkpoints") and os.listdir(tmp_path / "logs")
+
+
+def test_interrupted_run_resumes_where_it_stopped(tmp_path):
+    reference = train_imagenet.train(tiny_config(model_dir=str(tmp_path / "straight")))
+    resumed_dir = str(tmp_path / "resumed")
+    with pytest.raises(KeyboardInterrupt):
+        train_imagenet.train(tiny_config(model_dir=resumed_dir), extra_callbacks=[Interrupt(after_epochs=2)])
+    resumed = train_imagenet.train(tiny_config(model_dir=resumed_dir))
+    for a, b in zip(reference["model"].weights, resumed["model"].weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-5, err_msg=a.path)
+    assert resumed["top_1"] == pytest.approx(reference["top_1"], abs=1e-6)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(global_batch_size=100), r"does not divide over 8 replicas; use a multiple of 8, e.g. 96"),
+    (dict(bn_group_size=3), r"group_size=3 does not divide the 8 replicas"),
+    (dict(data_dir="/tmp", tfds_name="imagenet2012"), "not both"),
+    (dict(model="vgg"), "choose resnet50 or small_resnet"),
+    (dict(mesh_shape="2by4"), "ROWSxCOLS"),
+])
+def test_bad_flags_fail_at_start(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        train_imagenet.train(tiny_config(**overrides))
