@@ -4,12 +4,15 @@
     `BatchNormalization`, `DistributedBatchNormalization` at group sizes 2, 4 and 8, and Keras's
     `BatchNormalization(synchronized=True)`, measured in the same process in interleaved rounds; medians of
     the per-step times, and ratios to local BN.
-(b) Accuracy at a per-replica batch of 4 on 16 virtual replicas: local BN (span 4), group spans of 16, 32
-    and 64 examples, and whole-batch BN on one device (span 64, no strategy), on an in-memory image task,
-    for several seeds; final test accuracy of each, and a PNG plot.
+(b) Accuracy at a per-replica batch of 4 on 16 virtual replicas (global batch 64): Keras's local BN (span 4),
+    `DistributedBatchNormalization` with group spans of 16, 32 and 64 examples, and plain BN over the whole
+    batch of 64 on one device (no strategy), on an in-memory image task, in `model.fit` with the native
+    gradient all-reduce, for several seeds; final test accuracy of each, and a PNG plot. Each variant runs in
+    its own process with a timeout (`--quick`: about 10 minutes in all on a loaded 2-core machine).
 
 Usage:
     python benchmarks/batchnorm.py [--quick] [--part time|accuracy]
+    python benchmarks/batchnorm.py --plot-only      # redraw the accuracy plot from the results file
 
 Each part runs in its own process (they need 8 and 16 virtual replicas); results are merged into one file.
 
@@ -70,11 +73,11 @@ def resnet_style(norm, input_shape=(32, 32, 3), widths=(16, 32, 64), blocks=2, c
     return keras.Model(inputs, keras.layers.Dense(classes)(x))
 
 
-def small_convnet(norm, input_shape=(16, 16, 3), classes=10):
+def small_convnet(norm, input_shape=(16, 16, 3), widths=(32, 64, 64), classes=10):
     """Three conv + BN + ReLU layers and a linear classifier: quick to train, and BN sits on every layer."""
     inputs = keras.Input(input_shape)
     x = inputs
-    for width, stride in ((32, 1), (64, 2), (64, 2)):
+    for width, stride in zip(widths, (1, 2, 2)):
         x = keras.layers.Conv2D(width, 3, strides=stride, padding="same", use_bias=False)(x)
         x = keras.layers.ReLU()(norm()(x))
     x = keras.layers.GlobalAveragePooling2D()(x)
@@ -154,12 +157,29 @@ def step_time(quick):
 # --------------------------------------------------------------------------- (b) accuracy
 
 
+# Settings of part (b). Quick: 12x12 inputs, a narrow net and 192 steps, so that the five variants x three seeds
+# finish in about ten minutes on a loaded 2-core machine (16 replicas meet at a barrier on every grouped BN
+# layer and at the gradient sum, so a step costs 0.1-3 s here depending on what else runs). Full: 16x16
+# inputs, the wider net, 4x the data and 512 steps, five seeds, for a quieter machine.
+ACCURACY_SETTINGS = {
+    True: {"size": 12, "widths": [16, 32, 32], "train_examples": 1536, "epochs": 8, "seeds": [0, 1, 2],
+           "timeout_s": 200},
+    False: {"size": 16, "widths": [32, 64, 64], "train_examples": 4096, "epochs": 8, "seeds": [0, 1, 2, 3, 4],
+            "timeout_s": 7200},
+}
+REPLICAS, PER_REPLICA = 16, 4
+# Spans at a per-replica batch of 4: local 4; groups of 4, 8, 16 replicas -> 16, 32, 64 examples; and the same
+# global batch of 64 on one device with plain BN.
+ACCURACY_VARIANTS = {"local BN (span 4)": ("local", 4), "group span 16": (4, 16), "group span 32": (8, 32),
+                     "group span 64": (16, 64), "one device, whole batch (span 64)": ("one_device", 64)}
+
+
 def make_task(n_train, n_test, seed=1234, size=16, classes=10):
-    """An in-memory image task: each class is a smooth random colour pattern; samples are shifted,
-    re-contrasted, re-lit and noisy copies of it. Learnable in a few epochs, not trivially."""
+    """An in-memory image task: each class is a blocky random colour pattern (4x4-pixel blocks); samples are
+    shifted, re-contrasted, re-lit and noisy copies of it. Learnable in a few epochs, not trivially."""
     rng = np.random.default_rng(seed)
     coarse = rng.normal(size=(classes, size // 4, size // 4, 3))
-    templates = np.kron(coarse, np.ones((1, 4, 4, 1)))  # blocky 16x16 patterns
+    templates = np.kron(coarse, np.ones((1, 4, 4, 1)))
 
     def sample(n):
         labels = rng.integers(0, classes, size=n)
@@ -174,53 +194,97 @@ def make_task(n_train, n_test, seed=1234, size=16, classes=10):
     return sample(n_train), sample(n_test)
 
 
-def _train_one(kind, seed, task, epochs, strategy16):
-    (x, y), (x_test, y_test) = task
-    per_replica, replicas = 4, 16
-    global_batch = per_replica * replicas
-    # One endless iterator for the whole run: destroying a 16-device iterator at each epoch end can hang.
-    dataset = (tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=seed).repeat()
-               .batch(global_batch, drop_remainder=True))
-    if kind == "one_device":
-        scope, norm = tf.distribute.get_strategy().scope(), _norm("local")
+def accuracy_variant(kind, quick, out_path):
+    """Trains one variant for every seed in this process (a fresh one per variant) and writes the accuracies
+    to `out_path` after each seed, so a run stopped by the parent's timeout still reports its finished seeds.
+
+    The model is built, compiled and traced once; each seed then restarts it from that seed's initial weights
+    (and zeroed optimizer state: momentum, step count, hence the learning-rate schedule) with that seed's data
+    order. This saves one 16-replica trace per seed (10-20 s here)."""
+    cfg = ACCURACY_SETTINGS[quick]
+    # Blocking collectives need a thread each: with the default inter-op pool (one thread per core) 16 replicas
+    # waiting at a barrier starve each other. One intra-op thread per op, since 16 replicas already share the cores.
+    tf.config.threading.set_inter_op_parallelism_threads(32)
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    if kind != "one_device":
+        strategy = tpu_scale.create_strategy(num_cpu_replicas=REPLICAS, gradient_reduction="native")
+        assert strategy.num_replicas_in_sync == REPLICAS
     else:
-        scope, norm = strategy16.scope(), _norm(kind)
-    with scope:
+        strategy = tf.distribute.get_strategy()
+    shape, widths = (cfg["size"], cfg["size"], 3), tuple(cfg["widths"])
+    (x, y), (x_test, y_test) = make_task(cfg["train_examples"], 2000, size=cfg["size"])
+    global_batch = PER_REPLICA * REPLICAS
+    steps = cfg["epochs"] * (len(x) // global_batch)
+
+    def initial_weights(seed):
+        # Built outside any strategy, with plain BN: the same weight list as every variant's model.
         keras.utils.set_random_seed(seed)
-        model = small_convnet(norm)
-        steps = epochs * (len(x) // global_batch)
-        schedule = keras.optimizers.schedules.CosineDecay(0.1, steps)
-        model.compile(keras.optimizers.SGD(schedule, momentum=0.9),
+        return small_convnet(_norm("local"), shape, widths).get_weights()
+
+    with strategy.scope():
+        model = small_convnet(_norm("local" if kind == "one_device" else kind), shape, widths)
+        model.compile(keras.optimizers.SGD(keras.optimizers.schedules.CosineDecay(0.1, steps), momentum=0.9),
                       keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    model.fit(dataset, epochs=epochs, steps_per_epoch=len(x) // global_batch, verbose=0)
-    # Evaluate the weights a checkpoint would hold (replica 0's moving statistics) on one device.
-    keras.utils.set_random_seed(seed)
-    evaluator = small_convnet(_norm("local"))
-    evaluator.set_weights(model.get_weights())
-    logits = evaluator.predict(x_test, batch_size=256, verbose=0)
-    return float(np.mean(np.argmax(logits, -1) == y_test))
+    evaluator = small_convnet(_norm("local"), shape, widths)
+    runs = []
+    for seed in cfg["seeds"]:
+        start = time.perf_counter()
+        model.set_weights(initial_weights(seed))
+        for variable in model.optimizer.variables:
+            variable.assign(tf.zeros_like(variable))
+        keras.utils.set_random_seed(seed)
+        dataset = (tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=seed).repeat()
+                   .batch(global_batch, drop_remainder=True))
+        # One epoch of all steps: a single iterator per run (ending 16-device iterators is slow here).
+        history = model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0)
+        # Evaluate the weights a checkpoint would hold (replica 0's moving statistics) on one device.
+        evaluator.set_weights(model.get_weights())
+        logits = evaluator.predict(x_test, batch_size=500, verbose=0)
+        runs.append({"seed": seed, "accuracy": float(np.mean(np.argmax(logits, -1) == y_test)),
+                     "final_train_loss": float(history.history["loss"][-1]),
+                     "seconds": time.perf_counter() - start})
+        print(f"  {kind} seed {seed}: accuracy {runs[-1]['accuracy']:.4f} "
+              f"(train loss {runs[-1]['final_train_loss']:.3f}, {runs[-1]['seconds']:.0f} s)", flush=True)
+        with open(out_path, "w") as f:
+            json.dump({"runs": runs, "steps": steps, "params": int(model.count_params())}, f)
 
 
 def accuracy(quick):
-    strategy16 = tpu_scale.create_strategy(num_cpu_replicas=16, gradient_reduction="native")
-    seeds = [0, 1] if quick else [0, 1, 2, 3, 4]
-    epochs = 3 if quick else 8
-    task = make_task(n_train=1536 if quick else 4096, n_test=2000)
-    # Spans at a per-replica batch of 4: local 4; groups of 4, 8, 16 replicas -> 16, 32, 64 examples.
-    variants = {"local BN (span 4)": "local", "group span 16": 4, "group span 32": 8, "group span 64": 16,
-                "one device, whole batch (span 64)": "one_device"}
-    results = {name: [] for name in variants}
-    for seed in seeds:
-        for name, kind in variants.items():
-            start = time.perf_counter()
-            results[name].append(_train_one(kind, seed, task, epochs, strategy16))
-            print(f"  seed {seed} {name}: accuracy {results[name][-1]:.4f} "
-                  f"({time.perf_counter() - start:.0f} s)", flush=True)
-    summary = {name: {"accuracies": accs, "mean": float(np.mean(accs)), "std": float(np.std(accs)),
-                      "min": float(np.min(accs)), "max": float(np.max(accs))}
-               for name, accs in results.items()}
-    return {"replicas": 16, "per_replica_batch": 4, "global_batch": 64, "epochs": epochs, "seeds": seeds,
-            "train_examples": len(task[0][0]), "test_examples": len(task[1][0]), "variants": summary}
+    """Runs every variant in its own process (16 virtual devices must exist before TensorFlow starts, and a
+    hung 16-replica run then costs only its own timeout) and collects the accuracies."""
+    import tempfile
+
+    cfg = ACCURACY_SETTINGS[quick]
+    summary, steps, params = {}, None, None
+    for name, (kind, span) in ACCURACY_VARIANTS.items():
+        start = time.perf_counter()
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+            out_path = f.name
+        command = [sys.executable, os.path.abspath(__file__), "--accuracy-variant", str(kind), "--out", out_path]
+        status = "done"
+        try:
+            subprocess.run(command + (["--quick"] if quick else []), timeout=cfg["timeout_s"], check=True)
+        except subprocess.TimeoutExpired:
+            status = f"stopped after {cfg['timeout_s']} s"
+        except subprocess.CalledProcessError as e:
+            status = f"failed (exit {e.returncode})"
+        with open(out_path) as f:
+            text = f.read()
+        os.unlink(out_path)
+        report = json.loads(text) if text else {"runs": []}
+        steps, params = report.get("steps", steps), report.get("params", params)
+        accs = [r["accuracy"] for r in report["runs"]]
+        summary[name] = {"kind": str(kind), "span": span, "status": status, "runs": report["runs"],
+                         "accuracies": accs, "seconds": time.perf_counter() - start}
+        if accs:
+            summary[name].update(mean=float(np.mean(accs)), std=float(np.std(accs)),
+                                 min=float(np.min(accs)), max=float(np.max(accs)))
+        print(f"  {name}: {status}, accuracies {accs} ({summary[name]['seconds']:.0f} s)", flush=True)
+    return {"replicas": REPLICAS, "per_replica_batch": PER_REPLICA, "global_batch": PER_REPLICA * REPLICAS,
+            "input": [cfg["size"], cfg["size"], 3], "widths": cfg["widths"], "params": params,
+            "train_examples": cfg["train_examples"], "test_examples": 2000, "epochs": cfg["epochs"],
+            "steps": steps, "optimizer": "SGD momentum 0.9, lr 0.1 cosine to 0", "seeds": cfg["seeds"],
+            "gradient_reduction": "native", "threads": {"inter_op": 32, "intra_op": 1}, "variants": summary}
 
 
 def plot(acc, path):
@@ -229,26 +293,58 @@ def plot(acc, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(acc["variants"])
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for i, name in enumerate(names):
-        values = acc["variants"][name]["accuracies"]
-        ax.scatter([i] * len(values), values, color="tab:blue", alpha=0.6)
-        ax.errorbar(i, np.mean(values), yerr=np.std(values), fmt="_", color="black", markersize=20, capsize=4)
-    ax.set_xticks(range(len(names)))
-    ax.set_xticklabels([n.replace(" (", "\n(") for n in names], fontsize=8)
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    spans, means = [], []
+    for name, v in acc["variants"].items():
+        if v["kind"] == "one_device" or not v["accuracies"]:
+            continue
+        values = v["accuracies"]
+        jitter = np.linspace(-0.04, 0.04, len(values)) if len(values) > 1 else [0.0]
+        ax.scatter([v["span"] * 2 ** j for j in jitter], values, color="tab:blue", alpha=0.6, s=22, zorder=3,
+                   label="per seed" if not spans else None)
+        spans.append(v["span"])
+        means.append(np.mean(values))
+    ax.plot(spans, means, "o-", color="tab:blue", markersize=9, markerfacecolor="white", zorder=2,
+            label=f"BN over the span on {acc['replicas']} replicas (span 4: local), mean")
+    whole = [v for v in acc["variants"].values() if v["kind"] == "one_device" and v["accuracies"]]
+    if whole:
+        values = whole[0]["accuracies"]
+        ax.axhline(np.mean(values), color="tab:orange", linestyle="--", label="one device, whole batch 64, mean")
+        ax.axhspan(min(values), max(values), color="tab:orange", alpha=0.15, label="whole batch, seed range")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(spans)
+    ax.set_xticklabels([f"{s}\n" + ("(local)" if s == acc["per_replica_batch"] else
+                                    f"({s // acc['per_replica_batch']} replicas)") for s in spans])
+    ax.set_xlabel("BN span (examples normalized together)")
     ax.set_ylabel("test accuracy")
-    ax.set_title(f"Batch-norm span at a per-replica batch of {acc['per_replica_batch']} "
-                 f"({acc['replicas']} replicas, {len(acc['seeds'])} seeds)")
+    ax.set_title(f"Accuracy vs. BN span: {acc['replicas']} replicas x {acc['per_replica_batch']} examples, "
+                 f"{acc['steps']} steps, {len(acc['seeds'])} seeds", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats, seeds and epochs (a few minutes)")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats, seeds, steps and a smaller model")
     parser.add_argument("--part", choices=["all", "time", "accuracy"], default="all")
+    parser.add_argument("--accuracy-variant", help=argparse.SUPPRESS)  # internal: one variant of part (b)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--plot-only", action="store_true",
+                        help="redraw the accuracy plot from the results file without training")
     args = parser.parse_args(argv)
+    if args.accuracy_variant:
+        kind = args.accuracy_variant
+        accuracy_variant(int(kind) if kind.isdigit() else kind, args.quick, args.out)
+        return 0
+    os.makedirs(RESULTS, exist_ok=True)
+    out_path = os.path.join(RESULTS, "batchnorm.json")
+    plot_path = os.path.join(RESULTS, "batchnorm_accuracy.png")
+    if args.plot_only:
+        with open(out_path) as f:
+            plot(json.load(f)["accuracy"], plot_path)
+        return 0
     if args.part == "all":
         # One process per part: the two parts need different replica counts, and two MirroredStrategies in
         # one process would share the collective group keys TensorFlow numbers from 1.
@@ -256,27 +352,23 @@ def main(argv=None):
             command = [sys.executable, os.path.abspath(__file__), "--part", part] + (["--quick"] if args.quick else [])
             subprocess.run(command, check=True)
         return 0
-    # Devices must exist before TensorFlow starts: 8 replicas for (a), 16 for (b).
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * (8 if args.part == "time" else 16))
-    os.makedirs(RESULTS, exist_ok=True)
-    out_path = os.path.join(RESULTS, "batchnorm.json")
     results = {}
-    if os.path.exists(out_path):
-        with open(out_path) as f:
-            results = json.load(f)
     results["machine"] = (f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
                           f"TF {tf.__version__}, Keras {keras.__version__}")
-    results.setdefault("commands", {})[args.part] = "python benchmarks/batchnorm.py" + (
-        " --quick" if args.quick else "") + f" --part {args.part}"
+    results["commands"] = {args.part: "python benchmarks/batchnorm.py" + (
+        " --quick" if args.quick else "") + f" --part {args.part}"}
     if args.part == "time":
+        # Devices must exist before TensorFlow starts: 8 replicas for (a).
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 8)
         print("(a) step time, 8 replicas", flush=True)
         results["step_time"] = step_time(args.quick)
     if args.part == "accuracy":
-        print("(b) accuracy, 16 replicas x 4 examples", flush=True)
+        print(f"(b) accuracy, {REPLICAS} replicas x {PER_REPLICA} examples, one process per variant", flush=True)
+        start = time.perf_counter()
         results["accuracy"] = accuracy(args.quick)
-        plot(results["accuracy"], os.path.join(RESULTS, "batchnorm_accuracy.png"))
+        results["accuracy"]["wall_seconds"] = time.perf_counter() - start
+        plot(results["accuracy"], plot_path)
     # Re-read before writing: the other part may have finished meanwhile.
     merged = {}
     if os.path.exists(out_path):
