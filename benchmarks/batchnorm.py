@@ -346,8 +346,8 @@ def main(argv=None):
             plot(json.load(f)["accuracy"], plot_path)
         return 0
     if args.part == "all":
-        # One process per part: the two parts need different replica counts, and two MirroredStrategies in
-        # one process would share the collective group keys TensorFlow numbers from 1.
+        # One process per part: the two parts need different replica counts, and logical devices are fixed
+        # when TensorFlow starts.
         for part in ("time", "accuracy"):
             command = [sys.executable, os.path.abspath(__file__), "--part", part] + (["--quick"] if args.quick else [])
             subprocess.run(command, check=True)

@@ -882,18 +882,9 @@ def plot_scaling(path, generation="v3", num_bytes=None, label="ResNet-50 float32
 
 
 def pack_sizes(tensor_bytes, pack_bytes=torus.DEFAULT_PACK_BYTES):
-    """Bytes of the buffers `torus.all_reduce_sum` fuses a list of same-dtype gradients into.
-
-    Mirrors the executor's rule (in order, a new buffer when the next tensor would pass `pack_bytes`).
-    """
-    packs, size = [], 0
-    for nbytes in tensor_bytes:
-        if size and pack_bytes and size + nbytes > pack_bytes:
-            packs.append(size)
-            size = 0
-        size += nbytes
-    packs.append(size)
-    return packs
+    """Bytes of the buffers `torus.all_reduce_sum` fuses a list of same-dtype gradients into (its own rule)."""
+    tensor_bytes = list(tensor_bytes)
+    return [sum(tensor_bytes[p] for p in pack) for pack in torus.pack_indices(tensor_bytes, pack_bytes)]
 
 
 def _padded(nbytes, itemsize, num_replicas, num_streams):

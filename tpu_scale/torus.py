@@ -317,6 +317,24 @@ def _densify(g):
     return g
 
 
+def pack_indices(tensor_bytes, pack_bytes=DEFAULT_PACK_BYTES):
+    """Splits same-dtype tensors of these byte sizes, in order, into fused buffers: lists of positions.
+
+    A new buffer starts when the next tensor would take the current one past `pack_bytes` (a larger tensor
+    gets a buffer of its own); `None` or 0 puts everything in one buffer. The executor packs with this rule and
+    `tpu_scale.plan` prices the buffers it gives.
+    """
+    packs, current, size = [], [], 0
+    for position, nbytes in enumerate(tensor_bytes):
+        if current and pack_bytes and size + nbytes > pack_bytes:
+            packs.append(current)
+            current, size = [], 0
+        current.append(position)
+        size += nbytes
+    packs.append(current)
+    return packs
+
+
 def _packs(items, pack_bytes):
     """Groups `(index, tensor)` pairs by dtype, in order, into lists of indices of about `pack_bytes` each."""
     by_dtype = {}
@@ -324,15 +342,8 @@ def _packs(items, pack_bytes):
         by_dtype.setdefault(g.dtype, []).append((i, g))
     packs = []
     for members in by_dtype.values():
-        current, size = [], 0
-        for i, g in members:
-            nbytes = g.shape.num_elements() * g.dtype.size
-            if current and pack_bytes and size + nbytes > pack_bytes:
-                packs.append(current)
-                current, size = [], 0
-            current.append(i)
-            size += nbytes
-        packs.append(current)
+        sizes = [g.shape.num_elements() * g.dtype.size for _, g in members]
+        packs.extend([members[p][0] for p in pack] for pack in pack_indices(sizes, pack_bytes))
     return packs
 
 
