@@ -48,15 +48,39 @@ def group_of(groups, replica):
     return groups[np.argwhere(groups == replica)[0, 0]]
 
 
+@pytest.mark.parametrize("latency_bound", [False, True], ids=["collective", "latency_bound"])
 @pytest.mark.parametrize("eager", [False, True], ids=["graph", "eager"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
 @pytest.mark.parametrize("grouping", list(GROUPINGS))
-def test_group_sum(strategy, grouping, dtype, eager):
+def test_group_sum(strategy, grouping, dtype, eager, latency_bound):
     groups = GROUPINGS[grouping]
     values, tensor = replica_inputs((3, 5), dtype)
-    results = run_per_replica(strategy, lambda x: collectives.group_sum(x, groups), tensor, eager)
+    results = run_per_replica(
+        strategy, lambda x: collectives.group_sum(x, groups, latency_bound=latency_bound), tensor, eager)
     for replica, result in enumerate(results):
         np.testing.assert_array_equal(result, values[group_of(groups, replica)].sum(axis=0))
+
+
+def _graph_op_types(strategy, fn):
+    @tf.function
+    def step(x):
+        return strategy.run(fn, args=(x,))
+
+    graph = step.get_concrete_function(tf.TensorSpec([3], tf.float32)).graph
+    types = [op.type for op in graph.get_operations()]
+    for function in graph._functions.values():
+        types += [op.type for op in function.graph.get_operations()]
+    return types
+
+
+def test_latency_bound_sum_on_one_host_is_plain_ops(strategy):
+    """One AddN per group on the group's first device, no collective op; the default stays a collective."""
+    groups = GROUPINGS["rows"]
+    types = _graph_op_types(strategy, lambda x: collectives.group_sum(x, groups, latency_bound=True))
+    assert types.count("AddN") == len(groups)
+    assert not [t for t in types if t.startswith("Collective")]
+    types = _graph_op_types(strategy, lambda x: collectives.group_sum(x, groups))
+    assert types.count("CollectiveReduceV2") == 8
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["graph", "eager"])
@@ -94,15 +118,16 @@ def test_all_to_all_is_its_own_inverse(strategy, eager):
         np.testing.assert_array_equal(result, values[replica])
 
 
+@pytest.mark.parametrize("latency_bound", [False, True], ids=["collective", "latency_bound"])
 @pytest.mark.parametrize("grouping", ["pairs", "strided"])
-def test_gradients_of_a_group_sum(strategy, grouping):
+def test_gradients_of_a_group_sum(strategy, grouping, latency_bound):
     groups = GROUPINGS[grouping]
     values, tensor = replica_inputs((4,), tf.float32)
 
     def fn(x):
         with tf.GradientTape() as tape:
             tape.watch(x)
-            loss = tf.reduce_sum(collectives.group_sum(x * x, groups))
+            loss = tf.reduce_sum(collectives.group_sum(x * x, groups, latency_bound=latency_bound))
         return tape.gradient(loss, x)
 
     # d/dx_i of sum over the group's members' losses: every member's loss holds x_i^2.

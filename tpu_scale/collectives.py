@@ -12,6 +12,8 @@ One backend per platform, chosen here so that layers and the gradient aggregator
   with a private group key per group, call-time instance keys and one ordering token per device. Without the
   token, automatic control dependencies chain every replica's collective in one sequence and the replicas wait
   on each other forever; without private keys, our groups would collide with the strategy's own.
+* Latency-bound sums on one host (`group_sum(..., latency_bound=True)`, e.g. batch-norm statistics): plain
+  ops in the step's graph, summed on the group's first device; no ring of hand-offs for a few kilobytes.
 * Eager replica context (`run_eagerly=True`, eager `strategy.run`): replicas run one after another there, so a
   raw collective would wait for peers that never come. We place each replica's value in its group's slot and
   use the strategy's own all-reduce, which cannot deadlock.
@@ -32,6 +34,7 @@ import zlib
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import device_util
+from tensorflow.python.distribute import values as values_lib
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import collective_ops, resource_variable_ops
 
@@ -288,8 +291,19 @@ def _local_shard_sum(received, group_size):
 # --------------------------------------------------------------------------- eager fallback
 
 
+def _replica_values(strategy, value):
+    """Every local replica's `value` from inside a merge call, in replica id order.
+
+    Replicas that all passed the very same tensor (e.g. a captured constant) arrive as that one tensor.
+    """
+    parts = strategy.experimental_local_results(value)
+    if len(parts) == 1:
+        parts = parts * len(strategy.extended.worker_devices)
+    return parts
+
+
 def _stack_local_results(strategy, value):
-    return tf.stack(strategy.experimental_local_results(value))
+    return tf.stack(_replica_values(strategy, value))
 
 
 def _all_replicas_local(ctx):
@@ -333,12 +347,18 @@ def _dispatch(x, group_assignment):
     return x, backend, _checked_groups(group_assignment, num_replicas)
 
 
-def group_sum(x, group_assignment):
+def group_sum(x, group_assignment, latency_bound=False):
     """Sums `x` over the replicas of this replica's group.
 
     Args:
       x: a tensor, the same shape on every replica.
       group_assignment: int `[num_groups, group_size]` replica ids partitioning all replicas.
+      latency_bound: True for a small tensor on the step's critical path, such as batch-norm statistics.
+        When every replica lives in this process (one host, inside `tf.function`), such a sum is then built
+        from plain ops in the step's graph: each member's value goes to the group's first device, one `AddN`
+        sums it there and each member reads the result back, two hops in all. A collective op would pass
+        the data around a ring in `2 * (group_size - 1)` hand-offs, which for a few kilobytes costs far
+        more than the data. Elsewhere (TPU, several hosts, eager) it changes nothing.
 
     Returns:
       The sum of `x` over the group, on every member of the group.
@@ -353,8 +373,36 @@ def group_sum(x, group_assignment):
     ctx = tf.distribute.get_replica_context()
     if backend == "eager":
         return _eager_group_sum(x, groups, ctx)
+    if latency_bound and _all_replicas_local(ctx):
+        return _in_graph_group_sum(x, groups, ctx)
     _, members = _my_group(groups, _static_replica_id(ctx))
     return _collective_sum(x, _Launch(members))
+
+
+def _in_graph_group_sum(x, groups, ctx):
+    # The merge call sees every replica's value at trace time and adds the cross-device edges; at run time
+    # only the dataflow of the one step graph remains. The replica's gradient tape does not see ops built in
+    # the merge call, hence the custom gradient (the gradient of a group sum is the group sum).
+    @tf.custom_gradient
+    def summed(x):
+        # `groups` goes in the closure: merge-call arguments that differ by identity become PerReplica.
+        total = ctx.merge_call(lambda strategy, value: _sum_on_first_member(strategy, value, groups), args=(x,))
+        return total, lambda dy: _in_graph_group_sum(dy, groups, ctx)
+
+    return summed(x)
+
+
+def _sum_on_first_member(strategy, value, groups):
+    parts = _replica_values(strategy, value)
+    devices = strategy.extended.worker_devices
+    results = [None] * len(parts)
+    for members in groups.tolist():
+        with ops.device(devices[members[0]]):
+            total = tf.add_n([parts[m] for m in members])
+        for m in members:
+            with ops.device(devices[m]):
+                results[m] = tf.identity(total)
+    return values_lib.PerReplica(tuple(results))
 
 
 def _eager_group_sum(x, groups, ctx):

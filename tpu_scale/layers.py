@@ -108,29 +108,39 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
         return self._group_moments(inputs, mask, groups)
 
     def _group_moments(self, inputs, mask, groups):
-        """Mean and variance `[channels]` over this replica's group, with one `group_sum`."""
+        """Mean and variance `[channels]` over this replica's group, with one `group_sum`.
+
+        Each replica computes its own count, mean and variance (two passes, like Keras's local moments) and
+        sends `count * (mean - shift)` and `count * (variance + (mean - shift)^2)`: exactly its
+        `sum(x - shift)` and `sum((x - shift)^2)`, with no full-size `x - shift` tensor to build.
+        """
         dtype = inputs.dtype if inputs.dtype == tf.float64 else tf.float32
-        x = tf.cast(inputs, dtype)
+        count, local_mean, local_variance = self._local_moments(tf.cast(inputs, dtype), mask)
         shift = tf.stop_gradient(tf.cast(self.moving_mean, dtype))
-        centered = x - tf.reshape(shift, self._broadcast_shape(x))
-        axes = self._reduction_axes
-        if mask is None:
-            count = tf.cast(tf.size(x) // tf.shape(x)[self.axis], dtype)
-            count = tf.fill(tf.shape(shift), count)
-        else:
-            weights = tf.broadcast_to(tf.cast(tf.expand_dims(mask, -1), tf.bool), tf.shape(x))
-            centered = tf.where(weights, centered, tf.zeros_like(centered))
-            count = tf.reduce_sum(tf.cast(weights, dtype), axis=axes)
-        local = tf.stack(
-            [tf.reduce_sum(centered, axis=axes), tf.reduce_sum(tf.square(centered), axis=axes), count]
-        )
-        total_sum, total_squares, total_count = tf.unstack(collectives.group_sum(local, groups))
+        offset = local_mean - shift
+        local = tf.stack([count * offset, count * (local_variance + tf.square(offset)), count])
+        total_sum, total_squares, total_count = tf.unstack(
+            collectives.group_sum(local, groups, latency_bound=True))
         shifted_mean = tf.math.divide_no_nan(total_sum, total_count)
         variance = tf.math.divide_no_nan(total_squares, total_count) - tf.square(shifted_mean)
         # Rounding can take E[x^2] - E[x]^2 a little below zero for a constant channel.
         variance = tf.maximum(variance, tf.zeros_like(variance))
         mean = shifted_mean + shift
         return tf.cast(mean, inputs.dtype), tf.cast(variance, inputs.dtype)
+
+    def _local_moments(self, x, mask):
+        """Count, mean and variance `[channels]` of this replica's unmasked elements (0, 0, 0 if none)."""
+        axes = self._reduction_axes
+        if mask is None:
+            mean, variance = tf.nn.moments(x, axes)
+            count = tf.cast(tf.size(x) // tf.shape(x)[self.axis], x.dtype)
+            return tf.fill(tf.shape(mean), count), mean, variance
+        weights = tf.cast(tf.broadcast_to(tf.expand_dims(tf.cast(mask, tf.bool), -1), tf.shape(x)), x.dtype)
+        count = tf.reduce_sum(weights, axis=axes)
+        mean = tf.math.divide_no_nan(tf.reduce_sum(x * weights, axis=axes), count)
+        deviation = x - tf.reshape(tf.stop_gradient(mean), self._broadcast_shape(x))
+        variance = tf.math.divide_no_nan(tf.reduce_sum(tf.square(deviation) * weights, axis=axes), count)
+        return count, mean, variance
 
     def _broadcast_shape(self, x):
         shape = [1] * x.shape.rank
