@@ -50,23 +50,6 @@ from absl import app, flags, logging
 # Runnable from a checkout without installing: the package sits next to this folder.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-def batch_scheduling():
-    """Runs this process (and the threads it starts) under Linux's SCHED_BATCH policy.
-
-    TensorFlow's tf.data autotuning threads can miss their cancellation: the wake-up comes before the
-    "cancelled" flag is set, and a thread woken first sleeps again for up to 60 s. Deleting an iterator then
-    waits that long, once per per-replica iterator of a distributed dataset: Keras deletes one at every
-    evaluation and at the end of `fit`, and the waits added up to minutes. Under SCHED_BATCH a woken thread
-    does not preempt the deleting one, and the race is not lost (0 of 24 deletions stalled, against 13 of 32).
-    Must run before TensorFlow starts its threads; a no-op where the policy does not exist.
-    """
-    if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_BATCH"):
-        try:
-            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-        except OSError:
-            pass
-
-
 IMAGENET_TRAIN_EXAMPLES = 1_281_167
 IMAGENET_EVAL_EXAMPLES = 50_000
 
@@ -443,7 +426,9 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    batch_scheduling()
+    from tpu_scale.strategy import batch_scheduling
+
+    batch_scheduling()  # before TensorFlow starts its threads: see its docstring
     define_flags()
     logging.set_verbosity(logging.INFO)
     # TensorFlow's own INFO lines (one per reduction it traces) would drown the progress lines.

@@ -5,14 +5,12 @@ smaller `MirroredStrategy` over the first devices) can be used from any test mod
 """
 
 import os
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 # Before TensorFlow starts its threads: SCHED_BATCH keeps tf.data iterator deletion from stalling for up to
-# a minute per per-replica iterator (see `batch_scheduling` in the training example).
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-from train_imagenet import batch_scheduling  # noqa: E402
+# a minute per per-replica iterator (see `tpu_scale.strategy.batch_scheduling`).
+from tpu_scale.strategy import batch_scheduling  # noqa: E402
 
 batch_scheduling()
 
