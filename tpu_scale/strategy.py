@@ -183,8 +183,8 @@ def _requested_tpu(tpu):
     return None
 
 
-def batch_scheduling():
-    """Runs this process (and the threads it starts) under Linux's SCHED_BATCH policy.
+def batch_scheduling(enabled=True):
+    """Puts every thread of this process, and the threads it starts later, under Linux's SCHED_BATCH policy.
 
     Worth calling first thing in a program that trains with a multi-replica strategy on a CPU host.
 
@@ -193,13 +193,24 @@ def batch_scheduling():
     waits that long, once per per-replica iterator of a distributed dataset: Keras deletes one at every
     evaluation and at the end of `fit`, and the waits added up to minutes. Under SCHED_BATCH a woken thread
     does not preempt the deleting one, and the race is not lost (0 of 24 deletions stalled, against 13 of 32).
-    Must run before TensorFlow starts its threads; a no-op where the policy does not exist.
+    Threads that already run are switched too, so it also works just before iterators are released.
+    A no-op where the policy does not exist.
+
+    Args:
+      enabled: False switches every thread back to the default policy (SCHED_OTHER), e.g. around a
+        measurement of step times.
     """
-    if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_BATCH"):
+    if not (hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_BATCH")):
+        return
+    try:
+        threads = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        threads = [0]
+    for thread in threads:
         try:
-            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+            os.sched_setscheduler(thread, os.SCHED_BATCH if enabled else os.SCHED_OTHER, os.sched_param(0))
         except OSError:
-            pass
+            pass  # the thread has ended, or the policy is not allowed here
 
 
 def create_strategy(tpu=None, *, num_cpu_replicas=None, mesh_shape=None, gradient_reduction="torus"):
