@@ -381,15 +381,19 @@ def group_sum(x, group_assignment, latency_bound=False):
 
 def _in_graph_group_sum(x, groups, ctx):
     # The merge call sees every replica's value at trace time and adds the cross-device edges; at run time
-    # only the dataflow of the one step graph remains. The replica's gradient tape does not see ops built in
-    # the merge call, hence the custom gradient (the gradient of a group sum is the group sum).
-    @tf.custom_gradient
-    def summed(x):
-        # `groups` goes in the closure: merge-call arguments that differ by identity become PerReplica.
-        total = ctx.merge_call(lambda strategy, value: _sum_on_first_member(strategy, value, groups), args=(x,))
-        return total, lambda dy: _in_graph_group_sum(dy, groups, ctx)
+    # only the dataflow of the one step graph remains. The sum is built outside the custom gradient and
+    # passed in: a graph-mode custom gradient walks back from its outputs to its inputs, and from inside it
+    # that walk would cross into the other replicas' graphs up to their inputs, at every call (tracing
+    # time grew with the group and the model). The replica's gradient tape does not see the merge call's
+    # ops, hence the custom gradient: the gradient of a group sum is the group sum.
+    # `groups` goes in the closure: merge-call arguments that differ by identity become PerReplica.
+    total = ctx.merge_call(lambda strategy, value: _sum_on_first_member(strategy, value, groups), args=(x,))
 
-    return summed(x)
+    @tf.custom_gradient
+    def summed(x, total):
+        return tf.identity(total), lambda dy: (_in_graph_group_sum(dy, groups, ctx), None)
+
+    return summed(x, total)
 
 
 def _sum_on_first_member(strategy, value, groups):
