@@ -47,6 +47,10 @@ from typing import Optional
 
 from absl import app, flags, logging
 
+# TensorFlow's C++ INFO lines (one per cancelled receive when a pass over the evaluation data ends, one per
+# start-up probe) would drown the progress lines; warnings and errors still show.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+
 # Runnable from a checkout without installing: the package sits next to this folder.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
