@@ -141,3 +141,24 @@ def test_strategies_over_different_devices_coexist():
     reversed_devices = tpu_scale.strategy.MirroredStrategy([f"/cpu:{i}" for i in (3, 2, 1, 0)])
     assert [float(v) for v in all_reduce(reversed_devices)] == [4.0] * 4
     assert [float(v) for v in all_reduce(first)] == [8.0] * 8
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies only")
+def test_batch_scheduling_switches_every_running_thread():
+    from tpu_scale.strategy import batch_scheduling
+
+    def policies():
+        result = set()
+        for thread in os.listdir("/proc/self/task"):
+            try:
+                result.add(os.sched_getscheduler(int(thread)))
+            except OSError:
+                pass  # ended meanwhile
+        return result
+
+    try:
+        batch_scheduling(enabled=False)
+        assert policies() == {os.SCHED_OTHER}
+    finally:
+        batch_scheduling()  # the suite runs under SCHED_BATCH (conftest)
+    assert policies() == {os.SCHED_BATCH}
