@@ -334,6 +334,56 @@ def test_behaves_like_keras_without_a_strategy():
     np.testing.assert_array_equal(ours.moving_variance.numpy(), keras_bn.moving_variance.numpy())
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"scale": False, "center": False}, {"epsilon": 0.1, "momentum": 0.5}])
+def test_four_d_training_matches_keras_without_a_strategy(kwargs):
+    # 4-D channels-last training calls normalize with the fused kernel: same values as Keras's element-wise
+    # ops up to rounding, same moving statistics, same gradients.
+    x = tf.constant(np.random.default_rng(1).normal(2.0, 3.0, size=(3, 5, 4, 7)).astype(np.float32))
+    ours, keras_bn = DistributedBatchNormalization(**kwargs), keras.layers.BatchNormalization(**kwargs)
+    outputs, grads = [], []
+    for layer in (ours, keras_bn):
+        layer.build(x.shape)
+        if layer.scale:
+            layer.gamma.assign(np.linspace(0.5, 2.0, 7))
+            layer.beta.assign(np.linspace(-1.0, 1.0, 7))
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=True)
+            loss = tf.reduce_sum(y * tf.range(7, dtype=tf.float32) * y)
+        outputs.append(y)
+        grads.append(tape.gradient(loss, [x] + layer.trainable_weights))
+    np.testing.assert_allclose(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads[0], grads[1]):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(ours.moving_mean.numpy(), keras_bn.moving_mean.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(ours.moving_variance.numpy(), keras_bn.moving_variance.numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape, kwargs, mask, fused", [
+    ((2, 3, 3, 4), {}, False, True),
+    ((2, 3, 3, 4), {"dtype": "mixed_bfloat16"}, False, True),
+    ((2, 3, 3, 4), {"axis": 1}, False, False),  # the kernel here takes NHWC only
+    ((2, 3, 3, 4), {}, True, False),  # masked statistics
+    ((2, 3, 3, 4), {"renorm": True}, False, False),
+    ((2, 5, 4), {}, False, False),  # 3-D
+])
+def test_fused_kernel_only_where_its_contract_holds(shape, kwargs, mask, fused):
+    layer = DistributedBatchNormalization(**kwargs)
+    layer.build(shape)
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            m = tf.ones(shape[:-1], tf.bool) if mask else None
+            loss = tf.reduce_sum(tf.cast(layer(x, training=True, mask=m), tf.float32) ** 2)
+        return tape.gradient(loss, x), layer(x, training=False)
+
+    graph = step.get_concrete_function(tf.TensorSpec(shape, layer.compute_dtype)).graph
+    assert (_count_ops(graph, "FusedBatchNormV3"), _count_ops(graph, "FusedBatchNormGradV3")) == (
+        (1, 1) if fused else (0, 0))
+
+
 # --------------------------------------------------------------------------- model.fit
 
 

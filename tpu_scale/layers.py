@@ -42,6 +42,11 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
     Groups come from the strategy's mesh: `mesh.group_assignment(group_size, tiled=mesh.is_torus)`, i.e.
     contiguous replica ids on CPU/GPU hosts and compact tiles of neighbouring chips on a TPU torus.
 
+    Training calls on 4-D channels-last float inputs without mask or renorm (convolutional networks)
+    normalize with TensorFlow's fused batch-norm kernel given these statistics, with a written-out gradient;
+    outputs then match Keras's element-wise ops up to float rounding, and the step is shorter (on one host
+    every replica of a group runs the ops after the group sum at the same time).
+
     Moving statistics are updated from the group statistics, so all members of a group hold the same values
     (which the shift relies on). As with Keras's own layer under a mirrored strategy, each replica keeps its
     own copy; different groups may differ, and saving or reading the weights outside `strategy.run` gives
