@@ -80,21 +80,25 @@ def sample_crop_window(
     Returns:
       An int32 `[4]` tensor `[offset_y, offset_x, crop_height, crop_width]`.
     """
-    box_seed, offset_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
-    area_seed, ratio_seed = tf.unstack(tf.random.experimental.stateless_split(box_seed, 2))
+    draws = tf.random.stateless_uniform([_draws_per_window(max_attempts)], seed)
+    return _crop_window_from_draws(
+        image_height, image_width, draws, area_range, aspect_ratio_range, max_attempts, fallback_image_size)
+
+
+def _draws_per_window(max_attempts):
+    return 2 * max_attempts + 2  # an area and an aspect ratio per attempt, then the two offsets
+
+
+def _crop_window_from_draws(image_height, image_width, draws, area_range, aspect_ratio_range, max_attempts,
+                            fallback_image_size):
+    # Every random number of the window comes from one uniform draw: this runs once per image, and each
+    # separate random op (seed split, key, draw, scaling) costs the map a few microseconds.
     height = tf.cast(image_height, tf.float32)
     width = tf.cast(image_width, tf.float32)
-
-    target_area = height * width * tf.random.stateless_uniform(
-        [max_attempts], area_seed, minval=area_range[0], maxval=area_range[1]
-    )
-    log_ratio = tf.random.stateless_uniform(
-        [max_attempts],
-        ratio_seed,
-        minval=math.log(aspect_ratio_range[0]),
-        maxval=math.log(aspect_ratio_range[1]),
-    )
-    aspect_ratio = tf.exp(log_ratio)
+    area_draws, ratio_draws = draws[:max_attempts], draws[max_attempts:2 * max_attempts]
+    target_area = height * width * (area_range[0] + (area_range[1] - area_range[0]) * area_draws)
+    log_low, log_high = math.log(aspect_ratio_range[0]), math.log(aspect_ratio_range[1])
+    aspect_ratio = tf.exp(log_low + (log_high - log_low) * ratio_draws)
     crop_widths = tf.cast(tf.round(tf.sqrt(target_area * aspect_ratio)), tf.int32)
     crop_heights = tf.cast(tf.round(tf.sqrt(target_area / aspect_ratio)), tf.int32)
     fits = (
@@ -110,17 +114,11 @@ def sample_crop_window(
     # Choosing the size before the offsets keeps the offset ranges non-empty when nothing fits.
     crop_height = tf.where(any_fits, crop_heights[first_fit], fallback[2])
     crop_width = tf.where(any_fits, crop_widths[first_fit], fallback[3])
-    offsets = tf.random.stateless_uniform(
-        [2],
-        offset_seed,
-        minval=0,
-        maxval=tf.int32.max,
-        dtype=tf.int32,
-    )
-    # Uniform over [0, image - crop]; the modulo bias is negligible for image-sized ranges.
-    offset_y = offsets[0] % (image_height - crop_height + 1)
-    offset_x = offsets[1] % (image_width - crop_width + 1)
-    sampled = tf.stack([offset_y, offset_x, crop_height, crop_width])
+    # Uniform over [0, image - crop]; the minimum guards the (measure-zero) draw of 1.0 after rounding.
+    slack = tf.cast(tf.stack([image_height - crop_height, image_width - crop_width]), tf.float32)
+    offsets = tf.minimum(tf.cast(draws[2 * max_attempts:2 * max_attempts + 2] * (slack + 1.0), tf.int32),
+                         tf.cast(slack, tf.int32))
+    sampled = tf.stack([offsets[0], offsets[1], crop_height, crop_width])
     return tf.where(any_fits, sampled, fallback)
 
 
@@ -160,12 +158,16 @@ def decode_and_random_crop(image_bytes, image_size, seed, *, resize_method="bili
     Returns:
       A float32 `[image_size, image_size, 3]` tensor on the 0-255 scale.
     """
-    crop_seed, flip_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
+    # One draw for the window and the flip: its first values are those `sample_crop_window(..., seed)`
+    # draws (counter-based generator), the last one decides the flip.
+    window_draws = _draws_per_window(MAX_ATTEMPTS)
+    draws = tf.random.stateless_uniform([window_draws + 1], seed)
     shape = tf.image.extract_jpeg_shape(image_bytes)
-    window = sample_crop_window(shape[0], shape[1], crop_seed, fallback_image_size=image_size)
+    window = _crop_window_from_draws(shape[0], shape[1], draws[:window_draws], AREA_RANGE, ASPECT_RATIO_RANGE,
+                                     MAX_ATTEMPTS, image_size)
     image = tf.image.decode_and_crop_jpeg(image_bytes, window, channels=3)
     image = tf.image.resize(image, [image_size, image_size], method=resize_method)
-    return tf.image.stateless_random_flip_left_right(image, flip_seed)
+    return tf.cond(draws[window_draws] < 0.5, lambda: tf.reverse(image, [1]), lambda: image)
 
 
 def decode_and_center_crop(image_bytes, image_size, *, resize_method="bilinear"):
