@@ -277,9 +277,9 @@ def _fused_normalization(x, mean, variance, gamma, beta, epsilon):
                 y_backprop=dy, x=x, scale=gamma, reserve_space_1=mean, reserve_space_2=variance,
                 reserve_space_3=tf.zeros([0], x.dtype), epsilon=epsilon, data_format="NHWC",
                 is_training=False)
-            scaled_inverse = gamma * tf.math.rsqrt(variance + epsilon)
-            d_mean = -scaled_inverse * d_beta
-            d_variance = -0.5 * scaled_inverse * tf.math.rsqrt(variance + epsilon) * d_gamma
+            inverse = tf.math.rsqrt(variance + epsilon)
+            d_mean = -gamma * inverse * d_beta
+            d_variance = -0.5 * gamma * inverse * inverse * d_gamma
             return dx, d_mean, d_variance, d_gamma, d_beta
 
         return y, grad
