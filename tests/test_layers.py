@@ -359,6 +359,23 @@ def test_four_d_training_matches_keras_without_a_strategy(kwargs):
     np.testing.assert_allclose(ours.moving_variance.numpy(), keras_bn.moving_variance.numpy(), rtol=1e-6)
 
 
+@pytest.mark.parametrize("jit_compile", [True, False])
+def test_fit_without_a_strategy_matches_keras(jit_compile):
+    # The fused kernels and written-out gradients also compile with XLA (`jit_compile`, Keras's default
+    # when it can) and train exactly as Keras's layer does.
+    x = np.random.default_rng(2).random((32, 8, 8, 3)).astype(np.float32)
+    y = np.random.default_rng(3).integers(0, 2, 32)
+    losses = []
+    for norm in (DistributedBatchNormalization, keras.layers.BatchNormalization):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8, 8, 3))
+        h = keras.layers.GlobalAveragePooling2D()(norm()(keras.layers.Conv2D(4, 3)(inputs)))
+        model = keras.Model(inputs, keras.layers.Dense(2)(h))
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=jit_compile)
+        losses.append(model.fit(x, y, epochs=3, batch_size=8, verbose=0, shuffle=False).history["loss"])
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
+
+
 @pytest.mark.parametrize("shape, kwargs, mask, fused", [
     ((2, 3, 3, 4), {}, False, True),
     ((2, 3, 3, 4), {"dtype": "mixed_bfloat16"}, False, True),
