@@ -61,7 +61,7 @@ def generate_records(directory, num_images, num_shards, seed=0):
     import numpy as np
     import tensorflow as tf
 
-    from tpu_scale.data.input_pipeline import make_example
+    from tpu_scale.data.schema import make_example
 
     done = os.path.join(directory, "DONE")
     if os.path.exists(done):

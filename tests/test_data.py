@@ -15,8 +15,8 @@ import tensorflow as tf
 
 import tpu_scale.strategy  # its MirroredStrategy has private collective keys: tests share a process
 
-from tpu_scale.data import ImageNetInput, image_ops, make_synthetic_imagenet, write_tfrecords
-from tpu_scale.data.input_pipeline import make_example
+from tpu_scale.data import ImageNetInput, SyntheticImageNetInput, image_ops, make_synthetic_imagenet, write_tfrecords
+from tpu_scale.data.schema import make_example
 
 NUM_CLASSES = 5
 STEP = 8  # colour levels per code unit: JPEG errors on flat colours stay well below STEP / 2
@@ -246,7 +246,7 @@ def test_keras_fit_and_evaluate_on_distributed_datasets(records, cpu_devices):
 
 
 def test_synthetic_source_shapes(cpu_devices):
-    inp = ImageNetInput.synthetic(global_batch_size=8, image_size=16, num_classes=10, dtype=tf.bfloat16)
+    inp = SyntheticImageNetInput(global_batch_size=8, image_size=16, num_classes=10, dtype=tf.bfloat16)
     images, labels = next(iter(inp.dataset(context(1, 2))))
     assert images.shape == (4, 16, 16, 3) and images.dtype == tf.bfloat16
     assert labels.dtype == tf.int32 and 0 <= labels.numpy().min() and labels.numpy().max() < 10

@@ -1,6 +1,7 @@
 """The input builder: ImageNet TFRecords / TFDS on tf.data with fused JPEG decode-and-crop.
 
-  ImageNetInput            the train / eval pipeline (`.dataset(input_context)`, `.from_tfds`, `.synthetic`)
+  ImageNetInput            the train / eval pipeline (`.dataset(input_context)`, `.from_tfds`)
+  SyntheticImageNetInput   random batches with no I/O (the input-free bound of a step)
   write_tfrecords          a folder of class sub-folders of images -> TFRecords in the classic ImageNet layout
   make_synthetic_imagenet  a small, learnable dataset of real JPEGs in that layout (examples and tests)
   image_ops                fused decode-and-crop, center crop, normalization
@@ -9,8 +10,8 @@
 import importlib
 
 from tpu_scale.data import image_ops
-from tpu_scale.data.input_pipeline import ImageNetInput, SyntheticImageNetInput
-from tpu_scale.data.synthetic import make_synthetic_imagenet
+from tpu_scale.data.input_pipeline import ImageNetInput
+from tpu_scale.data.synthetic import SyntheticImageNetInput, make_synthetic_imagenet
 
 
 def __getattr__(name):

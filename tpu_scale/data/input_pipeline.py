@@ -21,216 +21,10 @@ from typing import Any, Callable, Optional, Sequence, Union
 import tensorflow as tf
 
 from tpu_scale.data import image_ops
+from tpu_scale.data.schema import IMAGE_KEY, LABEL_KEY
+from tpu_scale.data.sources import Shard, TFDSSource, TFRecordSource, shuffle_each_epoch
 
 AUTOTUNE = tf.data.AUTOTUNE
-
-IMAGE_KEY = "image/encoded"
-LABEL_KEY = "image/class/label"
-
-
-def _bytes_feature(value):
-    return tf.train.Feature(bytes_list=tf.train.BytesList(value=[value]))
-
-
-def _int64_feature(value):
-    return tf.train.Feature(int64_list=tf.train.Int64List(value=[value]))
-
-
-def make_example(jpeg_bytes, label, *, height, width, synset="", filename=""):
-    """One `tf.train.Example` in the classic ImageNet layout.
-
-    Args:
-      jpeg_bytes: the encoded JPEG.
-      label: the integer class label, as stored (1-based in the classic files).
-      height: image height in pixels.
-      width: image width in pixels.
-      synset: the class name (the ImageNet synset id, or a folder name).
-      filename: the image's file name.
-
-    Returns:
-      A `tf.train.Example`.
-    """
-    feature = {
-        IMAGE_KEY: _bytes_feature(jpeg_bytes),
-        "image/format": _bytes_feature(b"JPEG"),
-        LABEL_KEY: _int64_feature(int(label)),
-        "image/class/synset": _bytes_feature(synset.encode()),
-        "image/filename": _bytes_feature(filename.encode()),
-        "image/height": _int64_feature(int(height)),
-        "image/width": _int64_feature(int(width)),
-        "image/colorspace": _bytes_feature(b"RGB"),
-        "image/channels": _int64_feature(3),
-    }
-    return tf.train.Example(features=tf.train.Features(feature=feature))
-
-
-def shuffle_each_epoch(dataset, buffer_size, seed):
-    """Repeats `dataset` forever, shuffled anew in each epoch `e` with the seed `seed + e`.
-
-    Unlike `shuffle(..., reshuffle_each_iteration=True).repeat()`, whose orders depend on how many iterators
-    the dataset already had, every new iterator replays the same stream: a resumed run can skip to the step
-    where it stopped and see what an uninterrupted run would have seen.
-    """
-    return tf.data.Dataset.range(2**62).flat_map(
-        lambda epoch: dataset.shuffle(buffer_size, seed=seed + epoch, reshuffle_each_iteration=False)
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class _Shard:
-    """Which part of the data one input pipeline reads."""
-
-    index: int = 0
-    count: int = 1
-
-
-class _TFRecordSource:
-    """TFRecord files of `tf.train.Example`s with JPEG bytes and an int64 label (the classic ImageNet layout)."""
-
-    def __init__(self, file_pattern, image_key, label_key, read_buffer_bytes, cycle_length):
-        self.patterns = [file_pattern] if isinstance(file_pattern, (str, bytes)) else list(file_pattern)
-        if not self.patterns:
-            raise ValueError("file_pattern is empty: give a glob such as '/data/imagenet/train-*'.")
-        self.image_key = image_key
-        self.label_key = label_key
-        self.read_buffer_bytes = read_buffer_bytes
-        self.cycle_length = cycle_length
-        self.description = ", ".join(str(p) for p in self.patterns)
-
-    def list_files(self):
-        files = []
-        for pattern in self.patterns:
-            files.extend(tf.io.gfile.glob(pattern))
-        if not files:
-            raise ValueError(
-                f"No files match the pattern {self.description!r}. Check the path, and that the glob "
-                "names the TFRecord shards (for example '/data/imagenet/train-*')."
-            )
-        return sorted(set(files))
-
-    def check_features(self, first_file):
-        """Reads one record so that wrong feature keys fail now, with the keys that are there."""
-        first = next(iter(tf.data.TFRecordDataset(first_file).take(1)), None)
-        if first is None:
-            return
-        example = tf.train.Example.FromString(first.numpy())
-        found = dict(example.features.feature)
-        problems = []
-        if self.image_key not in found or found[self.image_key].WhichOneof("kind") != "bytes_list":
-            problems.append(f"image_key={self.image_key!r} (a bytes feature)")
-        if self.label_key not in found or found[self.label_key].WhichOneof("kind") != "int64_list":
-            problems.append(f"label_key={self.label_key!r} (an int64 feature)")
-        if problems:
-            kinds = ", ".join(f"{k!r} ({v.WhichOneof('kind')})" for k, v in sorted(found.items()))
-            raise ValueError(
-                f"The records of {first_file!r} lack {' and '.join(problems)}. Keys found: {kinds}. "
-                "Pass image_key=... and label_key=... naming the JPEG bytes and the integer label."
-            )
-
-    def records(self, shard, *, repeat, shuffle_files, deterministic, seed):
-        """A dataset of `(origin, record_index, serialized_example)` for this shard, plus whether the
-        shard still has to be cut at record level."""
-        files = self.list_files()
-        with tf.init_scope():
-            self.check_features(files[0])
-        record_level = len(files) < shard.count
-        if record_level:
-            warnings.warn(
-                f"{len(files)} file(s) match {self.description!r} but there are {shard.count} input "
-                "pipelines: every pipeline reads every file and keeps 1 record in "
-                f"{shard.count}. Write at least as many shards as pipelines to read less.",
-                stacklevel=3,
-            )
-        else:
-            # Strided, deterministic assignment: pipeline i reads files i, i+n, i+2n, ... (balanced shards).
-            files = files[shard.index :: shard.count]
-        dataset = tf.data.Dataset.from_tensor_slices(files)
-        # Record-level sharding needs every pipeline to see the same record order, so nothing is shuffled
-        # before the cut.
-        if shuffle_files and not record_level and deterministic and repeat:
-            dataset = shuffle_each_epoch(dataset, len(files), seed)
-            repeat = False
-        elif shuffle_files and not record_level:
-            dataset = dataset.shuffle(len(files), seed=seed, reshuffle_each_iteration=True)
-        if repeat:
-            # Repeating the file list (not the records) lets the interleave run across epoch boundaries.
-            dataset = dataset.repeat()
-        dataset = dataset.interleave(
-            self._read_file,
-            cycle_length=min(self.cycle_length, len(files)),
-            block_length=1,
-            num_parallel_calls=AUTOTUNE,
-            deterministic=True if record_level else deterministic,
-        )
-        return dataset, record_level
-
-    def _read_file(self, filename):
-        records = tf.data.TFRecordDataset(filename, buffer_size=self.read_buffer_bytes)
-        return records.enumerate().map(lambda index, record: (filename, index, record))
-
-    def parse(self, record):
-        origin, index, serialized = record
-        features = tf.io.parse_single_example(
-            serialized,
-            {
-                self.image_key: tf.io.FixedLenFeature([], tf.string),
-                self.label_key: tf.io.FixedLenFeature([], tf.int64),
-            },
-        )
-        return origin, index, features[self.image_key], features[self.label_key]
-
-
-class _TFDSSource:
-    """A TFDS image classification dataset read with TFDS's own image decoding skipped."""
-
-    def __init__(self, name, split, data_dir, image_key, label_key, cycle_length):
-        self.name = name
-        self.split = split
-        self.data_dir = data_dir
-        self.image_key = image_key
-        self.label_key = label_key
-        self.cycle_length = cycle_length
-        self.description = f"tfds:{name}/{split}"
-
-    def records(self, shard, *, repeat, shuffle_files, deterministic, seed):
-        import tensorflow_datasets as tfds
-
-        builder = tfds.builder(self.name, data_dir=self.data_dir)
-        features = builder.info.features
-        missing = [k for k in (self.image_key, self.label_key) if k not in features]
-        if missing:
-            raise ValueError(
-                f"TFDS dataset {self.name!r} has no feature(s) {missing}. Keys found: "
-                f"{sorted(features.keys())}. Pass image_key=... and label_key=..."
-            )
-        split = self.split
-        if shard.count > 1:
-            # Example-level even split: works for any number of files and reads only this pipeline's part.
-            split = tfds.even_splits(split, n=shard.count)[shard.index]
-        read_config = tfds.ReadConfig(
-            shuffle_seed=seed,
-            interleave_cycle_length=self.cycle_length,
-            interleave_block_length=1,
-            try_autocache=False,
-        )
-        dataset = builder.as_dataset(
-            split=split,
-            decoders={self.image_key: tfds.decode.SkipDecoding()},
-            shuffle_files=shuffle_files,
-            read_config=read_config,
-        )
-        if repeat:
-            dataset = dataset.repeat()
-        origin = tf.constant(self.description)
-
-        def to_record(index, example):
-            return origin, index, example[self.image_key], example[self.label_key]
-
-        return dataset.enumerate().map(to_record), False
-
-    def parse(self, record):
-        origin, index, image_bytes, label = record
-        return origin, index, image_bytes, tf.cast(label, tf.int64)
 
 
 def _pipeline_options(*, deterministic, threadpool_size):
@@ -352,7 +146,7 @@ class ImageNetInput:
         self.data_service_job_name = data_service_job_name
         self.threadpool_size = threadpool_size
         self.resize_method = resize_method
-        self.source = _source or _TFRecordSource(
+        self.source = _source or TFRecordSource(
             file_pattern, image_key, label_key, read_buffer_bytes, cycle_length
         )
         with tf.init_scope():
@@ -389,33 +183,8 @@ class ImageNetInput:
         Returns:
           An `ImageNetInput`.
         """
-        source = _TFDSSource(name, split, data_dir, image_key, label_key, cycle_length)
+        source = TFDSSource(name, split, data_dir, image_key, label_key, cycle_length)
         return cls(None, label_offset=label_offset, _source=source, **kwargs)
-
-    @staticmethod
-    def synthetic(
-        *,
-        global_batch_size: int,
-        image_size: int = 224,
-        num_classes: int = 1000,
-        dtype: Any = tf.float32,
-        seed: int = 0,
-    ) -> "SyntheticImageNetInput":
-        """A source of random, already-normalized batches of the right shape, with no I/O and no decoding.
-
-        Use it to measure the training step without the cost of the input pipeline.
-
-        Args:
-          global_batch_size: the batch size over all replicas.
-          image_size: output height and width.
-          num_classes: labels are drawn from `[0, num_classes)`.
-          dtype: image dtype.
-          seed: seed of the random batch.
-
-        Returns:
-          An object with the same `dataset(input_context=None)` method.
-        """
-        return SyntheticImageNetInput(global_batch_size, image_size, num_classes, dtype, seed)
 
     @property
     def skipped_records(self) -> int:
@@ -437,9 +206,9 @@ class ImageNetInput:
           ValueError: if no file matches, or the records lack the configured feature keys.
         """
         if input_context is None:
-            shard, batch_size = _Shard(), self.global_batch_size
+            shard, batch_size = Shard(), self.global_batch_size
         else:
-            shard = _Shard(input_context.input_pipeline_id, input_context.num_input_pipelines)
+            shard = Shard(input_context.input_pipeline_id, input_context.num_input_pipelines)
             batch_size = input_context.get_per_replica_batch_size(self.global_batch_size)
         deterministic = self.deterministic or not self.is_training
         # Different pipelines must draw different crops and shuffles even from one user seed.
@@ -618,37 +387,3 @@ def _pad_batch(images, labels, batch_size):
     weights = tf.pad(tf.ones([count], tf.float32), [[0, padding]])
     images = tf.ensure_shape(images, [batch_size] + images.shape[1:].as_list())
     return images, tf.ensure_shape(labels, [batch_size]), tf.ensure_shape(weights, [batch_size])
-
-
-class SyntheticImageNetInput:
-    """Random, already-normalized batches with no I/O: the input-free upper bound of a training step."""
-
-    def __init__(self, global_batch_size, image_size, num_classes, dtype, seed):
-        self.global_batch_size = global_batch_size
-        self.image_size = image_size
-        self.num_classes = num_classes
-        self.dtype = tf.dtypes.as_dtype(dtype)
-        self.seed = seed
-
-    def dataset(self, input_context: Optional[tf.distribute.InputContext] = None) -> tf.data.Dataset:
-        """One random batch, repeated forever.
-
-        Args:
-          input_context: as for `ImageNetInput.dataset`; only the per-replica batch size is used.
-
-        Returns:
-          A `tf.data.Dataset` of `(images, labels)`.
-        """
-        batch_size = self.global_batch_size
-        if input_context is not None:
-            batch_size = input_context.get_per_replica_batch_size(self.global_batch_size)
-        seed = [self.seed, 0 if input_context is None else input_context.input_pipeline_id]
-        images = tf.random.stateless_normal(
-            [batch_size, self.image_size, self.image_size, 3], seed, dtype=tf.float32
-        )
-        labels = tf.random.stateless_uniform(
-            [batch_size], seed, minval=0, maxval=self.num_classes, dtype=tf.int32
-        )
-        batch = (tf.cast(images, self.dtype), labels)
-        # The batch is a constant of the dataset graph: repeating it costs no host work.
-        return tf.data.Dataset.from_tensors(batch).repeat()

@@ -19,7 +19,7 @@ from typing import List, Optional
 
 import tensorflow as tf
 
-from tpu_scale.data.input_pipeline import make_example
+from tpu_scale.data.schema import make_example
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".gif", ".bmp", ".webp")
 _REENCODE_QUALITY = 95
