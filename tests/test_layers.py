@@ -8,10 +8,10 @@ import pytest
 import tensorflow as tf
 
 import tpu_scale
-from tpu_scale import collectives
+from tpu_scale import context
 from tpu_scale.layers import DistributedBatchNormalization, convert_batch_normalization
 from tpu_scale.mesh import ReplicaMesh
-from tpu_scale.multiworker import run_workers
+from tpu_scale.testing import run_workers
 
 NUM_REPLICAS = 8
 
@@ -253,7 +253,7 @@ def _chip_tiles(x, y, tile_x, tile_y, cores=2):
 
 def _tpu_training_graph(mesh, per_replica_shape, group_size, calls=2, gradients=False):
     graph = tf.Graph()
-    with graph.as_default(), collectives.tpu_graph(mesh):
+    with graph.as_default(), context.tpu_graph(mesh):
         layer = DistributedBatchNormalization(group_size=group_size)
         x = tf.compat.v1.placeholder(tf.float32, per_replica_shape)
         with tf.GradientTape() as tape:

@@ -38,6 +38,8 @@ from tensorflow.python.distribute import values as values_lib
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import collective_ops, resource_variable_ops
 
+from tpu_scale import context
+
 # Every tf.distribute strategy numbers its group keys from 1; ours live far above them.
 _PRIVATE_KEY_BASE = 1 << 30
 # No timeout by default: the runtime parks one thread per launched op for the whole timeout, so a 300 s
@@ -61,27 +63,7 @@ def timeout_seconds():
     return float(os.environ.get("TPU_SCALE_COLLECTIVE_TIMEOUT", _DEFAULT_TIMEOUT_SECONDS))
 
 
-# --------------------------------------------------------------------------- context
-
-
-def is_tpu_strategy(strategy):
-    return isinstance(strategy, (tf.distribute.TPUStrategy, tf.distribute.experimental.TPUStrategy))
-
-
-@contextlib.contextmanager
-def tpu_graph(mesh):
-    """Builds TPU ops for `mesh` in the current graph, with no TPU present.
-
-    Used to inspect the graph a TPU training step would run (op types, group assignments) on a machine without
-    TPUs: inside this context `current_mesh()` is `mesh` and every collective builds its TPU op. The graph
-    cannot run on CPU.
-    """
-    previous = getattr(_override, "mesh", None)
-    _override.mesh = mesh
-    try:
-        yield
-    finally:
-        _override.mesh = previous
+# --------------------------------------------------------------------------- ordering
 
 
 @contextlib.contextmanager
@@ -102,41 +84,6 @@ def ordering_channel(channel):
         yield
     finally:
         _override.channel = previous
-
-
-def current_mesh():
-    """The mesh collectives run over here, or None when there is nothing to communicate with.
-
-    None outside replica context (e.g. a model called under `strategy.scope()` but outside `strategy.run`),
-    under the default strategy, and with a single replica.
-    """
-    forced = getattr(_override, "mesh", None)
-    if forced is not None:
-        return forced
-    ctx = tf.distribute.get_replica_context()
-    if ctx is None or ctx.num_replicas_in_sync == 1:
-        return None
-    from tpu_scale.strategy import mesh_of  # strategy imports this module
-
-    return mesh_of(ctx.strategy)
-
-
-def _backend():
-    if getattr(_override, "mesh", None) is not None:
-        return "tpu"
-    ctx = tf.distribute.get_replica_context()
-    if ctx is None:
-        raise RuntimeError(
-            "tpu_scale collectives run in replica context: call them inside strategy.run(...), a Keras "
-            "train_step or a layer's call, not in cross-replica context."
-        )
-    if ctx.num_replicas_in_sync == 1:
-        return "single"
-    if is_tpu_strategy(ctx.strategy):
-        return "tpu"
-    if tf.executing_eagerly():
-        return "eager"
-    return "collective"
 
 
 def _checked_groups(group_assignment, num_replicas):
@@ -340,8 +287,8 @@ def _eager_slot_sum(value, groups, ctx):
 def _dispatch(x, group_assignment):
     """The tensor, the backend to use, and the checked group assignment."""
     x = tf.convert_to_tensor(x)
-    backend = _backend()
-    forced = getattr(_override, "mesh", None)
+    backend = context.backend()
+    forced = context.forced_mesh()
     num_replicas = forced.num_replicas if forced is not None else \
         tf.distribute.get_replica_context().num_replicas_in_sync
     return x, backend, _checked_groups(group_assignment, num_replicas)

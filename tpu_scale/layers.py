@@ -14,7 +14,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tpu_scale import collectives
+from tpu_scale import collectives, context, keras_hook
 from tpu_scale.mesh import smallest_group_for_span
 
 # The BN span (examples normalized together) `group_size=None` aims for: the smallest group reaching it.
@@ -185,7 +185,7 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
 
     def _group_assignment(self, inputs):
         """This call's `[num_groups, group_size]` replica groups, or None for local statistics."""
-        mesh = collectives.current_mesh()
+        mesh = context.current_mesh()
         if mesh is None:
             return None
         group_size = self._group_size_for(mesh, inputs)
@@ -306,7 +306,7 @@ def convert_batch_normalization(model, group_size=None):
     """
     if not isinstance(model, keras.Model):
         raise TypeError(f"convert_batch_normalization expects a keras.Model, got {type(model).__name__}.")
-    if not isinstance(model, (keras.Sequential, keras.src.models.functional.Functional)):
+    if not keras_hook.is_functional_or_sequential(model):
         raise ValueError(
             f"convert_batch_normalization copies functional and sequential models; {type(model).__name__} is "
             f"a subclassed model. Use DistributedBatchNormalization in its definition instead."
