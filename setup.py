@@ -13,9 +13,10 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["tpu_scale", "tpu_scale.*"]),
     python_requires=">=3.9",
-    install_requires=["tensorflow>=2.16", "numpy", "absl-py", "tensorboard"],
+    # The Keras range is the one tpu_scale.keras_hook supports (it hooks one private method).
+    install_requires=["tensorflow>=2.16", "keras>=3.3,<4", "numpy", "absl-py", "tensorboard"],
     extras_require={
-        "test": ["pytest", "tensorflow-datasets", "pillow", "matplotlib"],
+        "test": ["pytest", "ruff", "tensorflow-datasets", "pillow", "matplotlib", "scikit-learn"],
         "tfds": ["tensorflow-datasets"],
         # tf-models-official pins its own TensorFlow: install it in a separate environment.
         "benchmarks": ["tf-models-official", "matplotlib"],

@@ -8,11 +8,13 @@ import pytest
 import tensorflow as tf
 
 import tpu_scale
-from tpu_scale import collectives, torus
+from tpu_scale import collectives, context, keras_hook, torus
+from tpu_scale.testing import collective_ops as _collective_ops
+from tpu_scale.testing import group_size as _group_size
+from tpu_scale.testing import train_graphs as _train_graphs
 from tpu_scale.mesh import ReplicaMesh
 
 MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
-COLLECTIVE_OPS = ("CollectiveAllToAllV2", "CollectiveReduceV2", "CollectiveGatherV2")
 # Relative error allowed per dtype: float32 as the issue asks; 16-bit types a few roundings of their epsilon
 # (the sum of 8 values is rounded after every ring step).
 RTOL = {tf.float32: 1e-6, tf.bfloat16: 2e-2, tf.float16: 4e-3}
@@ -26,33 +28,6 @@ def _strategy(shape, reduction="torus"):
 # --------------------------------------------------------------------------- graph inspection
 
 
-def _collective_ops(graph, seen=None):
-    """Every collective op of `graph` and of the functions it calls (tf.function, cond, while bodies)."""
-    seen = set() if seen is None else seen
-    found = []
-    for op in graph.get_operations():
-        if op.type in COLLECTIVE_OPS:
-            found.append(op)
-        for attr in ("f", "then_branch", "else_branch", "body", "cond"):
-            try:
-                name = op.get_attr(attr).name
-            except (ValueError, AttributeError, TypeError):
-                continue
-            if name in seen:
-                continue
-            seen.add(name)
-            function = graph._get_function(name)
-            if getattr(function, "graph", None) is not None:
-                found.extend(_collective_ops(function.graph, seen))
-    return found
-
-
-def _group_size(op):
-    size = tf.get_static_value(op.inputs[1])
-    assert size is not None, f"{op.type} has no static group size"
-    return int(size)
-
-
 OP_OF_PHASE = {torus.REDUCE_SCATTER: "CollectiveAllToAllV2", torus.ALL_REDUCE: "CollectiveReduceV2",
                torus.ALL_GATHER: "CollectiveGatherV2"}
 
@@ -60,54 +35,6 @@ OP_OF_PHASE = {torus.REDUCE_SCATTER: "CollectiveAllToAllV2", torus.ALL_REDUCE: "
 def _is_private(op):
     """True for collectives on tpu_scale's own group keys (TensorFlow's strategies number theirs from 1)."""
     return int(tf.get_static_value(op.inputs[2])) >= collectives._PRIVATE_KEY_BASE
-
-
-def _train_graphs(model):
-    """The graphs Keras traced for `model.fit`: every tf.function the train function closes over."""
-    graphs = []
-    for cell in model.train_function.__closure__ or ():
-        obj = cell.cell_contents
-        if isinstance(obj, tf.types.experimental.PolymorphicFunction):
-            graphs.extend(c.graph for c in obj._list_all_concrete_functions())
-    assert graphs, "model.train_function traced no tf.function"
-    return graphs
-
-
-# --------------------------------------------------------------------------- schedule
-
-
-@pytest.mark.parametrize("shape", [(1, 8), (8, 1)])
-@pytest.mark.parametrize("algorithm", ["torus_2d", "torus_2d_bidirectional"])
-def test_degenerate_mesh_is_a_single_ring(shape, algorithm):
-    mesh = ReplicaMesh.from_shape(*shape)
-    schedule = torus.build_schedule(mesh, 1024, algorithm)
-    everyone = set(range(8))
-    for stream in schedule.streams:
-        assert stream, "every stream has work on 8 replicas"
-        for phase in stream:
-            assert phase.groups.shape == (1, 8) and set(phase.groups[0]) == everyone
-    assert sum(torus.stream_sizes(schedule)) == 1024
-
-
-def test_bytes_between_hosts_hierarchical_vs_ring():
-    mesh = ReplicaMesh.for_workers(2, 4)
-    host = lambda replica: replica // 4  # noqa: E731
-    m = 8 * 1024
-    hierarchical = torus.bytes_sent_between(torus.build_schedule(mesh, m, "torus_2d"), host)
-    # Only the column all-reduce of the 1/4 shard crosses: 4 two-member rings, both edges, M/4 each.
-    assert hierarchical == 2 * m
-    assert torus.ring_bytes_sent_between(8, m, host) == 2 * 2 * 7 * m // 8
-    ring_schedule = torus.bytes_sent_between(torus.build_schedule(mesh, m, "ring"), host)
-    assert ring_schedule > hierarchical
-
-
-def test_auto_algorithm():
-    assert torus.resolve_algorithm("auto", mesh=ReplicaMesh.from_shape(2, 4)) == "torus_2d"
-    assert torus.resolve_algorithm("auto", mesh=ReplicaMesh.from_shape(2, 4, is_torus=True)) == \
-        "torus_2d_bidirectional"
-    assert torus.resolve_algorithm("ring") == "ring"
-    with pytest.raises(ValueError, match="choose 'auto' or one of"):
-        torus.resolve_algorithm("tree")
 
 
 # --------------------------------------------------------------------------- executor
@@ -219,7 +146,7 @@ def test_errors_are_clear():
 
 
 def _tpu_ops(mesh, algorithm, num_elements=10):
-    with tf.Graph().as_default() as graph, collectives.tpu_graph(mesh):
+    with tf.Graph().as_default() as graph, context.tpu_graph(mesh):
         torus.all_reduce_sum([tf.zeros([num_elements]), tf.zeros([3, 3], tf.bfloat16)], algorithm=algorithm)
     ops = [op for op in graph.get_operations() if op.type in ("AllToAll", "CrossReplicaSum")]
     return [(op.type, op.outputs[0].dtype, tf.get_static_value(op.inputs[-1]).tolist(),
@@ -311,14 +238,14 @@ def test_fit_eagerly_matches_native(monkeypatch):
 def test_install_is_idempotent_and_other_strategies_keep_native():
     from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
-    torus.install()
-    torus.install()
-    assert torus.is_installed() and TFOptimizer._all_reduce_sum_gradients.original is not \
+    registered = _strategy((2, 4))
+    assert keras_hook.settings_for(registered).algorithm == "auto"
+    keras_hook.install(registered)
+    keras_hook.install(registered)
+    assert keras_hook.is_installed() and TFOptimizer._all_reduce_sum_gradients.original is not \
         TFOptimizer._all_reduce_sum_gradients
-    torus.uninstall()
-    assert not torus.is_installed()
-    torus.install()
-    assert torus.is_installed()
+    native = _strategy((2, 4), "native")
+    assert keras_hook.settings_for(native) is None
 
     # A strategy not made by create_strategy: Keras's own all-reduce, no torus ops. All 8 devices: every
     # strategy numbers its group keys from 1, and key 1 already means a group of 8 in this process.

@@ -6,7 +6,9 @@ import os
 import numpy as np
 import pytest
 
-from tpu_scale.multiworker import run_workers
+from tpu_scale.testing import run_workers
+
+pytestmark = pytest.mark.multiprocess
 
 SHAPES = [(1,), (7,), (1003,), (3, 5), (2, 3, 4)] + [(i % 5 + 1, 3) for i in range(100)]
 DTYPES = ["float32", "float32", "float32", "bfloat16", "float16"] + ["float32", "bfloat16"] * 50
@@ -25,8 +27,8 @@ def cluster_main():
     import tensorflow as tf
 
     import tpu_scale
-    from test_torus import _collective_ops, _group_size, _train_graphs
-    from tpu_scale import torus
+    from tpu_scale import keras_hook, torus
+    from tpu_scale.testing import collective_ops, group_size, train_graphs
 
     strategy = tpu_scale.create_strategy(num_cpu_replicas=int(os.environ["TPU_SCALE_CPUS_PER_WORKER"]))
     local = len(strategy.extended.worker_devices)
@@ -35,7 +37,7 @@ def cluster_main():
         lambda ctx: [tf.cast(v, d) for v, d in zip(_replica_values(ctx.replica_id_in_sync_group), DTYPES)]
     )
     out = {"mesh": strategy.mesh.shape, "task": task, "local": local, "sums": {}, "ops": {},
-           "auto": torus.resolve_algorithm("auto", strategy)}
+           "auto": torus.resolve_algorithm(keras_hook.settings_for(strategy).algorithm, strategy.mesh)}
     for algorithm in ALGORITHMS:
         @tf.function
         def summed(grads, algorithm=algorithm):
@@ -58,7 +60,10 @@ def cluster_main():
     out["weights"], out["fit_ops"] = {}, {}
     for reduction in ("torus", "native"):
         # One MultiWorkerMirroredStrategy per process: switch its reduction between the two fits.
-        strategy.gradient_reduction = reduction
+        if reduction == "torus":
+            keras_hook.install(strategy)
+        else:
+            keras_hook.uninstall(strategy)
         with strategy.scope():
             keras.utils.set_random_seed(1)
             model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(7, activation="tanh"),
@@ -68,7 +73,7 @@ def cluster_main():
         model.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False)
         out["weights"][reduction] = (initial, model.get_weights())
         out["fit_ops"][reduction] = sorted(
-            {(op.type, _group_size(op)) for g in _train_graphs(model) for op in _collective_ops(g)})
+            {(op.type, group_size(op)) for g in train_graphs(model) for op in collective_ops(g)})
     return out
 
 
@@ -110,8 +115,11 @@ def test_hierarchical_graph_crosses_hosts_only_in_the_column_sum(cluster):
 
 
 def test_fit_across_processes_matches_native(cluster):
-    assert cluster[0]["auto"] == "torus_2d"  # hierarchical across hosts
+    # "auto", what create_strategy registers, is the hierarchical sum across hosts: shards inside a worker,
+    # the sum across the two workers, and nothing over all 8 replicas at once (the flat ring).
+    assert cluster[0]["auto"] == "torus_2d"
     torus_ops, native_ops = cluster[0]["fit_ops"]["torus"], cluster[0]["fit_ops"]["native"]
+    assert not [size for _, size in torus_ops if size == 8]
     assert {("CollectiveAllToAllV2", 4), ("CollectiveReduceV2", 2), ("CollectiveGatherV2", 4)} <= set(torus_ops)
     assert not [kind for kind, _ in native_ops if kind == "CollectiveAllToAllV2"]
     for worker in cluster:

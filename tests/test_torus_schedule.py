@@ -1,0 +1,69 @@
+"""Tests for `tpu_scale.torus_schedule`: the gradient sum as data (numpy only, no TensorFlow)."""
+
+import pytest
+
+from tpu_scale import torus_schedule as torus
+from tpu_scale.mesh import ReplicaMesh
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (8, 1)])
+@pytest.mark.parametrize("algorithm", ["torus_2d", "torus_2d_bidirectional"])
+def test_degenerate_mesh_is_a_single_ring(shape, algorithm):
+    mesh = ReplicaMesh.from_shape(*shape)
+    schedule = torus.build_schedule(mesh, 1024, algorithm)
+    everyone = set(range(8))
+    for stream in schedule.streams:
+        assert stream, "every stream has work on 8 replicas"
+        for phase in stream:
+            assert phase.groups.shape == (1, 8) and set(phase.groups[0]) == everyone
+    assert sum(torus.stream_sizes(schedule)) == 1024
+
+
+def test_bytes_between_hosts_hierarchical_vs_ring():
+    mesh = ReplicaMesh.for_workers(2, 4)
+    host = lambda replica: replica // 4  # noqa: E731
+    m = 8 * 1024
+    hierarchical = torus.bytes_sent_between(torus.build_schedule(mesh, m, "torus_2d"), host)
+    # Only the column all-reduce of the 1/4 shard crosses: 4 two-member rings, both edges, M/4 each.
+    assert hierarchical == 2 * m
+    assert torus.ring_bytes_sent_between(8, m, host) == 2 * 2 * 7 * m // 8
+    ring_schedule = torus.bytes_sent_between(torus.build_schedule(mesh, m, "ring"), host)
+    assert ring_schedule > hierarchical
+
+
+def test_auto_algorithm():
+    assert torus.resolve_algorithm("auto", mesh=ReplicaMesh.from_shape(2, 4)) == "torus_2d"
+    assert torus.resolve_algorithm("auto", mesh=ReplicaMesh.from_shape(2, 4, is_torus=True)) == \
+        "torus_2d_bidirectional"
+    assert torus.resolve_algorithm("ring") == "ring"
+    with pytest.raises(ValueError, match="choose 'auto' or one of"):
+        torus.resolve_algorithm("tree")
+
+
+@pytest.mark.parametrize("algorithm", torus.ALGORITHMS)
+def test_padded_length_splits_every_stream_into_shards(algorithm):
+    mesh = ReplicaMesh.from_shape(2, 4)
+    for length in (1, 7, 8, 15, 16, 1003):
+        padded = torus.padded_length(length, mesh, algorithm)
+        assert padded >= length and padded - length < 8 * 2
+        schedule = torus.build_schedule(mesh, padded * 4, algorithm)
+        for share, stream in zip(torus.stream_sizes(schedule), schedule.streams):
+            for phase in stream:
+                assert phase.bytes_in % phase.group_size == 0 or phase.kind == torus.ALL_GATHER
+            assert share % (4 * mesh.num_replicas) == 0
+
+
+def test_pack_indices():
+    assert torus.pack_indices([10, 10, 10], pack_bytes=25) == [[0, 1], [2]]
+    assert torus.pack_indices([40, 5], pack_bytes=25) == [[0], [1]]
+    assert torus.pack_indices([10, 10], pack_bytes=None) == [[0, 1]]
+
+
+def test_schedule_needs_no_tensorflow():
+    import subprocess
+    import sys
+
+    code = "import sys, tpu_scale.torus_schedule, tpu_scale.plan; print('tensorflow' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

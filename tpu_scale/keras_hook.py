@@ -1,0 +1,152 @@
+"""The one module that touches Keras's private API: routes `model.fit`'s gradient sum to the torus sum.
+
+Every Keras 3 optimizer on the TensorFlow backend sums its gradients in
+`keras.src.backend.tensorflow.optimizer.TFOptimizer._all_reduce_sum_gradients`, in replica context, under
+every `tf.distribute` strategy (TPU included). `install(strategy, ...)` replaces that method once per
+process and registers the strategy with its settings; the replacement runs `tpu_scale.torus.all_reduce_sum`
+only for registered strategies, and Keras's own code for every other one. `create_strategy` registers the
+strategies it makes with `gradient_reduction="torus"`; users never call this module themselves.
+
+It also answers the one other question the package asks of Keras's internals:
+`is_functional_or_sequential(model)` (Keras exports no name for its functional model class).
+
+Keras versions: the hook needs `TFOptimizer._all_reduce_sum_gradients` and the module function
+`filter_empty_gradients`; `check_keras()` fails with the versions that have them when they are missing.
+"""
+
+import threading
+import weakref
+
+import keras
+
+from tpu_scale import torus
+
+TESTED_KERAS = "3.15"
+SUPPORTED_KERAS = ">=3.3,<4"
+
+_lock = threading.Lock()
+_settings = weakref.WeakKeyDictionary()  # strategy -> Settings
+
+
+class Settings:
+    """How one strategy's gradients are summed: the torus algorithm and the fused buffer size.
+
+    Args:
+      algorithm: `"auto"` or one of `tpu_scale.torus.ALGORITHMS`.
+      pack_bytes: size of the fused gradient buffers (`None` or 0: one buffer per dtype).
+    """
+
+    def __init__(self, algorithm=torus.DEFAULT_ALGORITHM, pack_bytes=torus.DEFAULT_PACK_BYTES):
+        if algorithm != "auto" and algorithm not in torus.ALGORITHMS:
+            raise ValueError(f"algorithm={algorithm!r}; choose 'auto' or one of {torus.ALGORITHMS}.")
+        if pack_bytes is not None and pack_bytes < 0:
+            raise ValueError(f"pack_bytes must be positive, or None / 0 for one buffer; got {pack_bytes}.")
+        self.algorithm = algorithm
+        self.pack_bytes = pack_bytes
+
+    def __repr__(self):
+        return f"Settings(algorithm={self.algorithm!r}, pack_bytes={self.pack_bytes})"
+
+
+def _keras_optimizer_module():
+    """Keras's TensorFlow optimizer module, checked for what the hook replaces."""
+    try:
+        from keras.src.backend.tensorflow import optimizer as module
+    except ImportError as e:
+        raise ImportError(_version_message(f"keras.src.backend.tensorflow.optimizer is missing ({e})")) from e
+    missing = [
+        name
+        for name, present in (
+            ("TFOptimizer._all_reduce_sum_gradients",
+             hasattr(getattr(module, "TFOptimizer", None), "_all_reduce_sum_gradients")),
+            ("filter_empty_gradients", hasattr(module, "filter_empty_gradients")),
+        )
+        if not present
+    ]
+    if missing:
+        raise ImportError(_version_message(f"{', '.join(missing)} not found"))
+    return module
+
+
+def _version_message(problem):
+    return (
+        f"tpu_scale's model.fit gradient sum cannot hook into Keras {keras.__version__}: {problem}. "
+        f"Install a Keras 3 release the package supports (pip install 'keras{SUPPORTED_KERAS}'; tested with "
+        f"{TESTED_KERAS}), or create the strategy with gradient_reduction='native'."
+    )
+
+
+def check_keras():
+    """Raises ImportError naming the supported Keras versions if the hook cannot be installed."""
+    _keras_optimizer_module()
+
+
+def _all_reduce_sum_gradients(self, grads_and_vars):
+    """Keras's gradient sum, done by `torus.all_reduce_sum` for registered strategies."""
+    import tensorflow as tf
+
+    ctx = tf.distribute.get_replica_context()
+    settings = _settings.get(ctx.strategy) if ctx is not None else None
+    if settings is None:
+        return _all_reduce_sum_gradients.original(self, grads_and_vars)
+    grads_and_vars = list(grads_and_vars)
+    # Keras's own filter: warns about missing gradients, raises when there are none.
+    _keras_optimizer_module().filter_empty_gradients(grads_and_vars)
+    summed = torus.all_reduce_sum(
+        [g for g, _ in grads_and_vars],
+        strategy=ctx.strategy,
+        algorithm=settings.algorithm,
+        pack_bytes=settings.pack_bytes,
+    )
+    return [(g, v) for g, (_, v) in zip(summed, grads_and_vars)]
+
+
+def install(strategy, settings=None):
+    """Makes Keras `model.fit` under `strategy` sum gradients with `torus.all_reduce_sum`.
+
+    Replaces Keras's gradient-sum method once per process (idempotent) and registers `strategy`; every
+    strategy not registered keeps Keras's own sum.
+
+    Args:
+      strategy: a `tf.distribute.Strategy` whose replicas sum gradients with the torus schedule.
+      settings: a `Settings` (default: "auto" algorithm, default buffer size).
+
+    Raises:
+      ImportError: if this Keras lacks what the hook replaces (the message names the versions that work).
+    """
+    module = _keras_optimizer_module()
+    with _lock:
+        _settings[strategy] = settings or Settings()
+        current = module.TFOptimizer._all_reduce_sum_gradients
+        if current is not _all_reduce_sum_gradients:
+            _all_reduce_sum_gradients.original = current
+            module.TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients
+
+
+def settings_for(strategy):
+    """The `Settings` `strategy` was registered with, or None when Keras sums its gradients natively."""
+    return _settings.get(strategy)
+
+
+def uninstall(strategy=None):
+    """Unregisters `strategy`; with no strategy (or none left registered), restores Keras's own method."""
+    module = _keras_optimizer_module()
+    with _lock:
+        if strategy is not None:
+            _settings.pop(strategy, None)
+        if strategy is None or not len(_settings):
+            _settings.clear()
+            if module.TFOptimizer._all_reduce_sum_gradients is _all_reduce_sum_gradients:
+                module.TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients.original
+
+
+def is_installed():
+    """True when Keras optimizers route their gradient sum through this module."""
+    return _keras_optimizer_module().TFOptimizer._all_reduce_sum_gradients is _all_reduce_sum_gradients
+
+
+def is_functional_or_sequential(model):
+    """True for a Keras functional or `Sequential` model: one whose layer graph can be cloned."""
+    from keras.src.models.functional import Functional
+
+    return isinstance(model, (keras.Sequential, Functional))

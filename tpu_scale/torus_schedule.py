@@ -1,0 +1,227 @@
+"""The 2-D torus gradient sum as plain data: phases, their groups and bytes (numpy only).
+
+A 1-D ring all-reduce over N replicas takes 2(N-1) sequential steps. On an R x C mesh the sum is done along
+one dimension, then the other: reduce-scatter along rows, all-reduce the 1/C shard along columns,
+all-gather along rows: about 2(C-1) + 2(R-1) steps for the same bytes per replica. The bidirectional form
+splits the gradient in two halves that run in opposite dimension orders at the same time, so the links of
+both dimensions are busy in both phases. On several hosts (rows = hosts) only a 1/C shard crosses the host
+boundary: it is a hierarchical all-reduce.
+
+A `Schedule` is data: the executor (`tpu_scale.torus.all_reduce_sum`) runs it with the
+`tpu_scale.collectives` primitives and the planner (`tpu_scale.plan`) prices the same objects. The rules both
+must agree on live here too: how gradients are fused into buffers (`pack_indices`), how a buffer is padded
+(`padded_length`) and which algorithm "auto" means (`resolve_algorithm`).
+
+Reference:
+  Ying et al., "Image Classification at Supercomputer Scale", 2018 (arXiv:1811.06992), section 3.3.
+"""
+
+
+import dataclasses
+
+import numpy as np
+
+ALGORITHMS = ("ring", "torus_2d", "torus_2d_bidirectional")
+
+REDUCE_SCATTER = "reduce_scatter"
+ALL_REDUCE = "all_reduce"
+ALL_GATHER = "all_gather"
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One collective step of a schedule, run by every replica in its group.
+
+    Attributes:
+      kind: `"reduce_scatter"`, `"all_reduce"` or `"all_gather"`.
+      dimension: `"rows"`, `"columns"` or `"all"` (the whole mesh as one ring).
+      groups: int `[num_groups, group_size]` replica ids.
+      bytes_in: bytes each replica holds when the phase starts (the shard for an all-gather).
+    """
+
+    kind: str
+    dimension: str
+    groups: np.ndarray
+    bytes_in: int
+
+    @property
+    def group_size(self):
+        return int(self.groups.shape[1])
+
+    @property
+    def bytes_out(self):
+        if self.kind == REDUCE_SCATTER:
+            return self.bytes_in // self.group_size
+        if self.kind == ALL_GATHER:
+            return self.bytes_in * self.group_size
+        return self.bytes_in
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """A gradient summation as concurrent streams of phases.
+
+    Attributes:
+      algorithm: one of `ALGORITHMS`.
+      mesh: the `ReplicaMesh` it runs on.
+      num_bytes: bytes of gradient each replica contributes (after padding).
+      streams: tuple of phase tuples; the streams run at the same time, the phases of a stream in order.
+    """
+
+    algorithm: str
+    mesh: object
+    num_bytes: int
+    streams: tuple
+
+
+def _phases(mesh, order, num_bytes):
+    """reduce-scatter along the first dimension, all-reduce the shard along the second, all-gather back."""
+    groups = {"rows": mesh.row_groups(), "columns": mesh.column_groups()}
+    first, second = order
+    size = groups[first].shape[1]
+    phases = [
+        Phase(REDUCE_SCATTER, first, groups[first], num_bytes),
+        Phase(ALL_REDUCE, second, groups[second], num_bytes // size),
+        Phase(ALL_GATHER, first, groups[first], num_bytes // size),
+    ]
+    # A dimension of length 1 has nothing to do: a 1 x n or n x 1 mesh reduces to a single ring.
+    return tuple(p for p in phases if p.group_size > 1)
+
+
+def build_schedule(mesh, num_bytes, algorithm="torus_2d_bidirectional"):
+    """The schedule that sums `num_bytes` of gradient per replica over `mesh`.
+
+    Args:
+      mesh: a `ReplicaMesh`.
+      num_bytes: gradient bytes per replica; the executor pads buffers so each stream divides evenly.
+      algorithm: `"ring"` (one all-reduce over every replica), `"torus_2d"` (rows then columns) or
+        `"torus_2d_bidirectional"` (half rows-first, half columns-first, at the same time).
+
+    Returns:
+      A `Schedule`.
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm={algorithm!r}; choose one of {ALGORITHMS}.")
+    if num_bytes < 0:
+        raise ValueError(f"num_bytes must be >= 0, got {num_bytes}.")
+    n = mesh.num_replicas
+    if algorithm == "ring":
+        everyone = np.arange(n).reshape(1, n)
+        streams = ((Phase(REDUCE_SCATTER, "all", everyone, num_bytes),
+                    Phase(ALL_GATHER, "all", everyone, num_bytes // n)),) if n > 1 else ((),)
+    elif algorithm == "torus_2d":
+        streams = (_phases(mesh, ("rows", "columns"), num_bytes),)
+    else:
+        half = num_bytes // 2
+        streams = (_phases(mesh, ("rows", "columns"), half),
+                   _phases(mesh, ("columns", "rows"), num_bytes - half))
+    return Schedule(algorithm, mesh, int(num_bytes), tuple(streams))
+
+
+
+def stream_sizes(schedule):
+    """Bytes each stream of `schedule` sums (its first phase's input); they add up to `schedule.num_bytes`."""
+    if not any(schedule.streams):
+        return tuple(schedule.num_bytes if i == 0 else 0 for i in range(len(schedule.streams)))
+    return tuple(stream[0].bytes_in if stream else 0 for stream in schedule.streams)
+
+
+def bytes_sent_between(schedule, host_of):
+    """Bytes a schedule sends from one host to another, summed over every replica.
+
+    The count follows how the collective-op runtime moves data: a reduce-scatter (all-to-all) sends each
+    other member of the group its `1/g` chunk directly; an all-reduce runs a ring over the group in replica
+    order (reduce-scatter then all-gather around the ring: `2 (g - 1) / g` of the input on every ring edge);
+    an all-gather also runs a ring (`(g - 1)` shards on every edge). Only messages whose sender and receiver
+    sit on different hosts count.
+
+    Args:
+      schedule: a `Schedule`.
+      host_of: callable, replica id -> host id.
+
+    Returns:
+      int bytes, over all hosts and both directions.
+    """
+    total = 0
+    for stream in schedule.streams:
+        for phase in stream:
+            g = phase.group_size
+            for members in phase.groups:
+                hosts = [host_of(int(m)) for m in members]
+                if phase.kind == REDUCE_SCATTER:
+                    pairs = sum(a != b for a in hosts for b in hosts)
+                    total += pairs * (phase.bytes_in // g)
+                else:
+                    ring_edges = sum(hosts[i] != hosts[(i + 1) % g] for i in range(g))
+                    per_edge = 2 * (g - 1) * phase.bytes_in // g if phase.kind == ALL_REDUCE else \
+                        (g - 1) * phase.bytes_in
+                    total += ring_edges * per_edge
+    return int(total)
+
+
+def ring_bytes_sent_between(num_replicas, num_bytes, host_of):
+    """Bytes a single ring all-reduce over replicas `0..n-1` sends between hosts (TensorFlow's default).
+
+    Each of the `n` ring edges carries `2 (n - 1) / n` of the buffer (reduce-scatter then all-gather).
+    """
+    n = num_replicas
+    edges = sum(host_of(i) != host_of((i + 1) % n) for i in range(n))
+    return int(edges * 2 * (n - 1) * num_bytes // n) if n > 1 else 0
+
+
+DEFAULT_ALGORITHM = "auto"
+DEFAULT_PACK_BYTES = 32 * 1024 * 1024
+
+
+def resolve_algorithm(algorithm, mesh=None):
+    """The concrete algorithm for `"auto"`: bidirectional on a physical torus (TPU), `"torus_2d"` elsewhere.
+
+    The bidirectional refinement exists to keep the links of both torus dimensions busy in both phases, so it
+    is on wherever the mesh is a physical torus (`mesh.is_torus`, every TPU slice). CPU/GPU meshes are hosts x
+    local devices with no such links: there rows-first (`"torus_2d"`) is the hierarchical all-reduce (only a
+    `1/cols` shard leaves a host, where the columns-first half would send a whole half across the network),
+    and on one host it is the faster form too (ResNet-50 on 8 CPU replicas: bidirectional ~1.3x slower, twice
+    the collectives of half the size; see benchmarks/README.md).
+
+    Args:
+      algorithm: `"auto"` or one of `ALGORITHMS`.
+      mesh: the `ReplicaMesh` the sum runs on.
+
+    Returns:
+      One of `ALGORITHMS`.
+    """
+    if algorithm != "auto":
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm={algorithm!r}; choose 'auto' or one of {ALGORITHMS}.")
+        return algorithm
+    if mesh is not None and mesh.is_torus:
+        return "torus_2d_bidirectional"
+    return "torus_2d"
+
+
+def pack_indices(tensor_bytes, pack_bytes=DEFAULT_PACK_BYTES):
+    """Splits same-dtype tensors of these byte sizes, in order, into fused buffers: lists of positions.
+
+    A new buffer starts when the next tensor would take the current one past `pack_bytes` (a larger tensor
+    gets a buffer of its own); `None` or 0 puts everything in one buffer. The executor packs with this rule and
+    `tpu_scale.plan` prices the buffers it gives.
+    """
+    packs, current, size = [], [], 0
+    for position, nbytes in enumerate(tensor_bytes):
+        if current and pack_bytes and size + nbytes > pack_bytes:
+            packs.append(current)
+            current, size = [], 0
+        current.append(position)
+        size += nbytes
+    packs.append(current)
+    return packs
+
+
+def padded_length(length, mesh, algorithm):
+    """The length a flat buffer of `length` elements is padded to before `algorithm` sums it on `mesh`.
+
+    Every stream's share must split into shards for every group it meets: a multiple of all replicas per
+    stream does. The executor pads with this rule and the planner prices the padded buffers.
+    """
+    quantum = mesh.num_replicas * len(build_schedule(mesh, 0, algorithm).streams)
+    return -(-length // quantum) * quantum
