@@ -23,7 +23,6 @@ Writes `benchmarks/results/batchnorm.json` and `benchmarks/results/batchnorm_acc
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -40,7 +39,7 @@ import tpu_scale  # noqa: E402
 import tpu_scale.strategy  # noqa: E402
 from tpu_scale.layers import DistributedBatchNormalization  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+from common import RESULTS, machine_info  # noqa: E402
 
 
 # --------------------------------------------------------------------------- models
@@ -122,7 +121,7 @@ def step_time(quick):
     # Each warm-up `fit` ends by deleting its iterators, which can stall under the default policy (see the
     # docstring). Timing runs under the default policy again: it is what users run, and under SCHED_BATCH a
     # replica woken at a barrier waits for its time slice.
-    tpu_scale.strategy.batch_scheduling()
+    tpu_scale._workarounds.batch_scheduling()
     for kind in variants:
         started = time.perf_counter()
         with strategy.scope():
@@ -133,7 +132,7 @@ def step_time(quick):
         model.fit(dataset, steps_per_epoch=3, epochs=1, verbose=0)  # trace, build the optimizer
         models[kind] = model
         print(f"  {kind}: built and traced in {time.perf_counter() - started:.0f} s", flush=True)
-    tpu_scale.strategy.batch_scheduling(enabled=False)
+    tpu_scale._workarounds.batch_scheduling(enabled=False)
     for kind, model in models.items():
         iterator = iter(strategy.experimental_distribute_dataset(dataset))
         _step_times(model, iterator, 2)  # warm up on this iterator
@@ -160,7 +159,7 @@ def step_time(quick):
             "ratio_to_local": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
         }
     # The measurement is over: back to SCHED_BATCH before the iterators are released.
-    tpu_scale.strategy.batch_scheduling()
+    tpu_scale._workarounds.batch_scheduling()
     local_model = models["local"][0]
     bn_layers = sum(isinstance(l, keras.layers.BatchNormalization) for l in local_model.layers)
     return {
@@ -353,7 +352,7 @@ def main(argv=None):
     if args.accuracy_variants:
         # Ending a 16-replica fit must not stall (see its docstring). Not for part (a): under SCHED_BATCH a
         # replica woken at a barrier waits for its time slice, which would skew the step times it measures.
-        tpu_scale.strategy.batch_scheduling()
+        tpu_scale._workarounds.batch_scheduling()
         accuracy_variants(args.quick, args.out)
         return 0
     os.makedirs(RESULTS, exist_ok=True)
@@ -371,8 +370,7 @@ def main(argv=None):
             subprocess.run(command, check=True)
         return 0
     results = {}
-    results["machine"] = (f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-                          f"TF {tf.__version__}, Keras {keras.__version__}")
+    results["machine"] = machine_info()
     results["commands"] = {args.part: "python benchmarks/batchnorm.py" + (
         " --quick" if args.quick else "") + f" --part {args.part}"}
     if args.part == "time":

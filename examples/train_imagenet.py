@@ -38,7 +38,6 @@ Two GPU hosts (run on each host, with its own task index; rows of the mesh are t
 
 import dataclasses
 import json
-import math
 import os
 import sys
 import tempfile
@@ -430,9 +429,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from tpu_scale.strategy import batch_scheduling
-
-    batch_scheduling()  # before TensorFlow starts its threads: see its docstring
     define_flags()
     logging.set_verbosity(logging.INFO)
     # TensorFlow's own INFO lines (one per reduction it traces) would drown the progress lines.

@@ -8,7 +8,7 @@ import tensorflow as tf
 
 import tpu_scale
 from tpu_scale import collectives
-from tpu_scale.multiworker import run_workers
+from tpu_scale.testing import run_workers
 
 
 def test_cpu_strategy_has_a_mesh(cpu_devices):
@@ -102,6 +102,7 @@ def worker_fit():
     return {"weights": [w.numpy() for w in model.weights], "loss": history.history["loss"]}
 
 
+@pytest.mark.multiprocess
 def test_two_workers_all_reduce():
     results = run_workers(f"{__name__}:worker_all_reduce", num_workers=2, cpus_per_worker=2, timeout=240)
     for task, result in enumerate(results):
@@ -113,6 +114,7 @@ def test_two_workers_all_reduce():
         assert columns == [4.0, 6.0]  # replicas {0, 2} and {1, 3}: across the two workers
 
 
+@pytest.mark.multiprocess
 def test_two_workers_keras_fit_agree():
     results = run_workers(f"{__name__}:worker_fit", num_workers=2, cpus_per_worker=2, timeout=300)
     first, second = results
@@ -121,6 +123,7 @@ def test_two_workers_keras_fit_agree():
         np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
+@pytest.mark.multiprocess
 def test_worker_failure_shows_every_output():
     # The first worker to fail stops the cluster: the other one is killed before or after its own failure.
     with pytest.raises(RuntimeError) as failure:
@@ -141,24 +144,3 @@ def test_strategies_over_different_devices_coexist():
     reversed_devices = tpu_scale.strategy.MirroredStrategy([f"/cpu:{i}" for i in (3, 2, 1, 0)])
     assert [float(v) for v in all_reduce(reversed_devices)] == [4.0] * 4
     assert [float(v) for v in all_reduce(first)] == [8.0] * 8
-
-
-@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies only")
-def test_batch_scheduling_switches_every_running_thread():
-    from tpu_scale.strategy import batch_scheduling
-
-    def policies():
-        result = set()
-        for thread in os.listdir("/proc/self/task"):
-            try:
-                result.add(os.sched_getscheduler(int(thread)))
-            except OSError:
-                pass  # ended meanwhile
-        return result
-
-    try:
-        batch_scheduling(enabled=False)
-        assert policies() == {os.SCHED_OTHER}
-    finally:
-        batch_scheduling()  # the suite runs under SCHED_BATCH (conftest)
-    assert policies() == {os.SCHED_BATCH}

@@ -11,53 +11,23 @@ One call for every platform:
 
 The returned object is a real strategy (a thin subclass of the TensorFlow one) with two extra attributes:
 `mesh` (a `ReplicaMesh`) and `gradient_reduction` (`"torus"` or `"native"`, how `model.fit` sums gradients).
+The fixes these classes carry for TensorFlow and Keras behaviour live in `tpu_scale._workarounds`.
 """
 
-import itertools
 import json
 import os
 
-from absl import logging
 import tensorflow as tf
-from tensorflow.python.distribute import collective_all_reduce_strategy as _collective_lib
+from absl import logging
 
+from tpu_scale import _workarounds, keras_hook, torus
+from tpu_scale.context import mesh_of  # noqa: F401  (tpu_scale.mesh_of)
 from tpu_scale.mesh import ReplicaMesh
 
 GRADIENT_REDUCTIONS = ("torus", "native")
 
 
-def mesh_of(strategy=None):
-    """The `ReplicaMesh` of a strategy (the current one by default).
-
-    Strategies from `create_strategy` carry their mesh; for any other strategy it is derived: one row per
-    worker for multi-worker strategies, a single row of replicas otherwise.
-    """
-    strategy = strategy or tf.distribute.get_strategy()
-    mesh = getattr(strategy, "mesh", None)
-    if isinstance(mesh, ReplicaMesh):
-        return mesh
-    n = strategy.num_replicas_in_sync
-    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
-        local = len(strategy.extended.worker_devices)
-        return ReplicaMesh.for_workers(n // local, local)
-    return ReplicaMesh.for_devices(n)
-
-
 # --------------------------------------------------------------------------- strategy classes
-
-
-_strategies_created = itertools.count(1)
-
-
-def _next_collective_key_base():
-    """A private range of collective group keys for each new strategy in this process.
-
-    TensorFlow numbers every strategy's group keys from 1: a second strategy over other devices (or the same
-    devices in another order) then reuses key 1 for a different group and aborts the process's collective
-    runtime. Workers create their strategies in the same order, so the k-th strategy gets the same range on
-    every worker.
-    """
-    return next(_strategies_created) * 100_000
 
 
 class _MeshMixin:
@@ -77,7 +47,7 @@ class MirroredStrategy(_MeshMixin, tf.distribute.MirroredStrategy):
     """`tf.distribute.MirroredStrategy` that knows its replica mesh."""
 
     def __init__(self, devices=None, cross_device_ops=None):
-        self._collective_key_base = _next_collective_key_base()
+        self._collective_key_base = _workarounds.next_collective_key_base()
         super().__init__(devices, cross_device_ops)
 
 
@@ -85,48 +55,26 @@ class TPUStrategy(_MeshMixin, tf.distribute.TPUStrategy):
     """`tf.distribute.TPUStrategy` that knows its replica mesh (the slice's torus)."""
 
 
-class _MultiWorkerExtended(_collective_lib.CollectiveAllReduceExtended):
-    """Multi-worker extended that can give each worker several logical CPU devices.
-
-    TensorFlow's version uses exactly one CPU per worker when there is no GPU; virtual replicas let a
-    multi-host mesh be built and tested on CPUs.
-    """
-
-    def __init__(self, container_strategy, cluster_resolver, communication_options, num_local_cpus):
-        self._num_local_cpus = num_local_cpus
-        super().__init__(container_strategy, cluster_resolver, communication_options)
-
-    def _initialize_local_devices(self, cluster_resolver, worker_device):
-        devices, device_type = super()._initialize_local_devices(cluster_resolver, worker_device)
-        if device_type == "CPU" and self._num_local_cpus:
-            devices = tuple(f"{worker_device}/device:CPU:{i}" for i in range(self._num_local_cpus))
-        return devices, device_type
-
-
 class MultiWorkerMirroredStrategy(_MeshMixin, tf.distribute.MultiWorkerMirroredStrategy):
     """`tf.distribute.MultiWorkerMirroredStrategy` with a mesh, several CPUs per worker, and a Keras fix.
 
-    Keras 3 `model.fit` breaks under TensorFlow's class with more than one worker: it asks `reduce` for the
-    mean of a nested `(x, y)` batch while building the model, and for the mean of scalar metrics along axis 0.
-    `reduce` here handles both: it maps over nested values and reduces scalars across replicas.
+    Several logical CPUs per worker: `_workarounds.MultiWorkerExtended`. Keras 3 `model.fit` with more than
+    one worker: `_workarounds.reduce_nested` (keras-team/keras#20585).
     """
 
     def __init__(self, cluster_resolver=None, communication_options=None, num_local_cpus=None):
         communication_options = communication_options or tf.distribute.experimental.CommunicationOptions()
-        self._collective_key_base = _next_collective_key_base()
-        # Skip TensorFlow's __init__, which would build its own extended with one CPU per worker.
-        tf.distribute.Strategy.__init__(
-            self, _MultiWorkerExtended(self, cluster_resolver, communication_options, num_local_cpus)
+        self._collective_key_base = _workarounds.next_collective_key_base()
+        # TensorFlow's __init__ would build its own extended, with one CPU per worker.
+        extended = _workarounds.MultiWorkerExtended(
+            self, cluster_resolver, communication_options, num_local_cpus
         )
+        tf.distribute.Strategy.__init__(self, extended)
 
     def reduce(self, reduce_op, value, axis=None):
-        def reduce_one(v):
-            if axis is not None and self.experimental_local_results(v)[0].shape.rank == 0:
-                # A scalar per replica has no axis 0: its mean over examples is its mean over replicas.
-                return super(MultiWorkerMirroredStrategy, self).reduce(reduce_op, v, axis=None)
-            return super(MultiWorkerMirroredStrategy, self).reduce(reduce_op, v, axis=axis)
-
-        return tf.nest.map_structure(reduce_one, value, expand_composites=False)
+        return _workarounds.reduce_nested(
+            super().reduce, reduce_op, value, axis, self.experimental_local_results
+        )
 
 
 # --------------------------------------------------------------------------- detection
@@ -183,37 +131,15 @@ def _requested_tpu(tpu):
     return None
 
 
-def batch_scheduling(enabled=True):
-    """Puts every thread of this process, and the threads it starts later, under Linux's SCHED_BATCH policy.
-
-    Worth calling first thing in a program that trains with a multi-replica strategy on a CPU host.
-
-    TensorFlow's tf.data autotuning threads can miss their cancellation: the wake-up comes before the
-    "cancelled" flag is set, and a thread woken first sleeps again for up to 60 s. Deleting an iterator then
-    waits that long, once per per-replica iterator of a distributed dataset: Keras deletes one at every
-    evaluation and at the end of `fit`, and the waits added up to minutes. Under SCHED_BATCH a woken thread
-    does not preempt the deleting one, and the race is not lost (0 of 24 deletions stalled, against 13 of 32).
-    Threads that already run are switched too, so it also works just before iterators are released.
-    A no-op where the policy does not exist.
-
-    Args:
-      enabled: False switches every thread back to the default policy (SCHED_OTHER), e.g. around a
-        measurement of step times.
-    """
-    if not (hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_BATCH")):
-        return
-    try:
-        threads = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        threads = [0]
-    for thread in threads:
-        try:
-            os.sched_setscheduler(thread, os.SCHED_BATCH if enabled else os.SCHED_OTHER, os.sched_param(0))
-        except OSError:
-            pass  # the thread has ended, or the policy is not allowed here
-
-
-def create_strategy(tpu=None, *, num_cpu_replicas=None, mesh_shape=None, gradient_reduction="torus"):
+def create_strategy(
+    tpu=None,
+    *,
+    num_cpu_replicas=None,
+    mesh_shape=None,
+    gradient_reduction="torus",
+    gradient_algorithm=torus.DEFAULT_ALGORITHM,
+    gradient_pack_bytes=torus.DEFAULT_PACK_BYTES,
+):
     """Finds the hardware and returns a `tf.distribute` strategy that knows its replica mesh.
 
     Args:
@@ -227,12 +153,19 @@ def create_strategy(tpu=None, *, num_cpu_replicas=None, mesh_shape=None, gradien
         workers x local replicas and TPU meshes follow the torus.
       gradient_reduction: `"torus"` (the 2-D reduction of `tpu_scale.torus`, used by `model.fit`) or
         `"native"` (TensorFlow's own all-reduce).
+      gradient_algorithm: with `"torus"`: `"auto"` or one of `tpu_scale.torus.ALGORITHMS`
+        (see `tpu_scale.torus_schedule.resolve_algorithm`).
+      gradient_pack_bytes: with `"torus"`: gradients are fused into buffers of about this many bytes;
+        `None` or 0 fuses each dtype into one buffer.
 
     Returns:
       A strategy with `.mesh` (`ReplicaMesh`) and `.gradient_reduction`.
     """
     if gradient_reduction not in GRADIENT_REDUCTIONS:
-        raise ValueError(f"gradient_reduction={gradient_reduction!r}; choose one of {GRADIENT_REDUCTIONS}.")
+        raise ValueError(
+            f"gradient_reduction={gradient_reduction!r}; choose one of {GRADIENT_REDUCTIONS}."
+        )
+    settings = keras_hook.Settings(gradient_algorithm, gradient_pack_bytes)
     if num_cpu_replicas is not None and (not isinstance(num_cpu_replicas, int) or num_cpu_replicas < 1):
         raise ValueError(f"num_cpu_replicas must be a positive int, got {num_cpu_replicas!r}.")
 
@@ -256,7 +189,7 @@ def create_strategy(tpu=None, *, num_cpu_replicas=None, mesh_shape=None, gradien
         strategy = MultiWorkerMirroredStrategy(num_local_cpus=num_cpu_replicas)
         local = len(strategy.extended.worker_devices)
         mesh = ReplicaMesh.for_workers(strategy.num_replicas_in_sync // local, local)
-        kind = f"{num_workers} workers x {local} {strategy.extended._local_device_type}"
+        kind = f"{num_workers} workers x {local} {_workarounds.local_device_type(strategy)}"
     elif tf.config.list_physical_devices("GPU"):
         gpus = [d.name for d in tf.config.list_logical_devices("GPU")]
         strategy = MirroredStrategy(gpus)
@@ -273,9 +206,10 @@ def create_strategy(tpu=None, *, num_cpu_replicas=None, mesh_shape=None, gradien
 
     strategy._attach(mesh, gradient_reduction)
     if gradient_reduction == "torus":
-        from tpu_scale import torus
-
-        torus.install()
+        keras_hook.install(strategy, settings)
+    if tpu is None and strategy.num_replicas_in_sync > 1 and \
+            _workarounds.local_device_type(strategy) == "CPU":
+        _workarounds.batch_scheduling()
     logging.info(
         "tpu_scale: %s, %d replicas, mesh %dx%d, gradient reduction %s",
         kind, strategy.num_replicas_in_sync, mesh.shape[0], mesh.shape[1], gradient_reduction,

@@ -1,0 +1,64 @@
+"""Tests for `tpu_scale._workarounds`: each workaround does what it claims, and is applied for the user."""
+
+import os
+
+import pytest
+import tensorflow as tf
+
+import tpu_scale
+from tpu_scale import _workarounds
+from tpu_scale._workarounds import batch_scheduling
+
+LINUX_POLICIES = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies only")
+
+
+def _policies():
+    result = set()
+    for thread in os.listdir("/proc/self/task"):
+        try:
+            result.add(os.sched_getscheduler(int(thread)))
+        except OSError:
+            pass  # ended meanwhile
+    return result
+
+
+@LINUX_POLICIES
+def test_batch_scheduling_switches_every_running_thread():
+    try:
+        batch_scheduling(enabled=False)
+        assert _policies() == {os.SCHED_OTHER}
+    finally:
+        batch_scheduling()
+    assert _policies() == {os.SCHED_BATCH}
+
+
+@LINUX_POLICIES
+def test_create_strategy_applies_batch_scheduling_on_cpu_replicas():
+    batch_scheduling(enabled=False)
+    assert _policies() == {os.SCHED_OTHER}
+    tpu_scale.create_strategy(num_cpu_replicas=8, gradient_reduction="native")
+    assert _policies() == {os.SCHED_BATCH} and _workarounds.batch_scheduling_applied()
+
+
+def test_each_strategy_gets_its_own_key_range():
+    first, second = _workarounds.next_collective_key_base(), _workarounds.next_collective_key_base()
+    assert second - first == 100_000 and first >= 100_000
+
+
+def test_local_device_type_from_device_names(strategy):
+    assert _workarounds.local_device_type(strategy) == "CPU"
+
+
+def test_reduce_nested_maps_structures_and_reduces_scalars_over_replicas(strategy):
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: (tf.constant(float(ctx.replica_id_in_sync_group)), tf.fill([2], 1.0)))
+    calls = []
+
+    def reduce_one(op, value, axis):
+        calls.append(axis)
+        return strategy.reduce(op, value, axis=axis)
+
+    mean, vector = _workarounds.reduce_nested(
+        reduce_one, tf.distribute.ReduceOp.MEAN, values, 0, strategy.experimental_local_results)
+    assert float(mean) == pytest.approx(3.5) and float(vector) == pytest.approx(1.0)
+    assert calls == [None, 0]  # the scalar is reduced over replicas, the vector along its axis
