@@ -24,29 +24,17 @@ Writes `benchmarks/results/all_reduce.json`.
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results")
+from common import HERE, RESULTS, machine_info, run_child, timed_rounds, write_child_output  # noqa: E402
 NUM_REPLICAS = 8
 
 
 # --------------------------------------------------------------------------- shared
-
-
-def resnet50_gradient_shapes():
-    """Shapes of ResNet-50's trainable weights (what Keras sums every step)."""
-    import keras
-
-    model = keras.applications.ResNet50(weights=None)
-    shapes = [tuple(int(d) for d in w.shape) for w in model.trainable_weights]
-    keras.backend.clear_session()
-    return shapes
 
 
 def _per_replica_gradients(strategy, shapes):
@@ -89,19 +77,14 @@ def _timed_rounds(methods, rounds, warmup):
     """`{name: [seconds per round]}`; methods run in turn every round so load hits them alike."""
     import tensorflow as tf
 
-    for _ in range(warmup):
-        for step, args in methods.values():
-            tf.nest.map_structure(lambda t: t, step(*args))
-    times = {name: [] for name in methods}
-    for _ in range(rounds):
-        for name, (step, args) in methods.items():
-            start = time.perf_counter()
-            out = step(*args)
+    def blocking(step, args):
+        def call():
             # Wait for every replica's result: the last op of every device.
-            for value in tf.nest.flatten(out, expand_composites=True)[-NUM_REPLICAS:]:
+            for value in tf.nest.flatten(step(*args), expand_composites=True)[-NUM_REPLICAS:]:
                 value.numpy()
-            times[name].append(time.perf_counter() - start)
-    return times
+        return call
+
+    return timed_rounds({name: blocking(*m) for name, m in methods.items()}, rounds, warmup)
 
 
 def _summary(times, baseline):
@@ -137,7 +120,9 @@ def single_host(rounds, warmup):
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * NUM_REPLICAS)
     import tpu_scale
 
-    shapes = resnet50_gradient_shapes()
+    from tpu_scale.plan.calibrate import model_gradient_shapes
+
+    shapes = [tuple(s) for s in model_gradient_shapes("resnet50")]
     devices = [d.name for d in tf.config.list_logical_devices("CPU")][:NUM_REPLICAS]
     ours = tpu_scale.create_strategy(num_cpu_replicas=NUM_REPLICAS, mesh_shape=(2, 4))
     default = tf.distribute.MirroredStrategy(devices)
@@ -199,7 +184,7 @@ def two_processes(rounds, warmup, shapes):
 
     from tpu_scale import torus
     from tpu_scale.mesh import ReplicaMesh
-    from tpu_scale.multiworker import run_workers
+    from tpu_scale.testing import run_workers
 
     results = run_workers(
         "all_reduce:worker", num_workers=2, cpus_per_worker=4,
@@ -243,8 +228,7 @@ def main():
     single = _run_child("single", rounds, warmup)
     result = {
         "command": "python benchmarks/all_reduce.py" + (" --quick" if args.quick else ""),
-        "machine": f"{platform.node()}: {os.cpu_count()} cores, {platform.processor() or platform.machine()}",
-        "python": platform.python_version(),
+        "machine": machine_info(),
         "single_host": single,
     }
     if not args.skip_multi_worker:
@@ -265,25 +249,13 @@ def _shapes_from(single):
 
 
 def _run_child(part, rounds, warmup):
-    import subprocess
-    import tempfile
-
-    out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
-    subprocess.run([sys.executable, os.path.abspath(__file__), "--_child", part, str(rounds), str(warmup), out],
-                   check=True)
-    with open(out) as f:
-        return json.load(f)
-
-
-def _child(part, rounds, warmup, out):
-    assert part == "single"
-    result = single_host(int(rounds), int(warmup))
-    with open(out, "w") as f:
-        json.dump(result, f)
+    return run_child(os.path.abspath(__file__), ["--_part", part, str(rounds), str(warmup)], timeout=1800)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--_child":
-        _child(*sys.argv[2:])
+    if "--_child_output" in sys.argv:
+        _, _, out, _, part, rounds, warmup = sys.argv
+        assert part == "single"
+        write_child_output(out, single_host(int(rounds), int(warmup)))
     else:
         main()

@@ -10,7 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from tpu_scale import plan, torus
+from tpu_scale import plan
+from tpu_scale import torus_schedule as torus
 from tpu_scale.mesh import ReplicaMesh
 
 ALPHA = 2e-6
