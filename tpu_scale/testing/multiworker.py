@@ -6,7 +6,7 @@ function creates the strategy itself, e.g. with `tpu_scale.create_strategy(num_c
 picklable value; `run_workers` returns every worker's value, or raises with every worker's output when one
 fails or the cluster does not finish in time.
 
-    results = run_workers("tests.helpers:train", num_workers=2, cpus_per_worker=2, kwargs={"steps": 3})
+    results = run_workers("test_strategy:worker_fit", num_workers=2, cpus_per_worker=2)
 
 Workers see `TPU_SCALE_CPUS_PER_WORKER` in their environment, so targets can pass it to `create_strategy`.
 """
@@ -65,8 +65,13 @@ def run_workers(target, num_workers=2, cpus_per_worker=2, kwargs=None, timeout=3
     """
     if ":" not in target:
         raise ValueError(f"target must look like 'package.module:function', got {target!r}.")
+    # The workers' logs and results live only as long as the call: their text is in any error raised.
+    with tempfile.TemporaryDirectory(prefix="tpu_scale_workers_") as workdir:
+        return _run_in(workdir, target, num_workers, cpus_per_worker, kwargs, timeout)
+
+
+def _run_in(workdir, target, num_workers, cpus_per_worker, kwargs, timeout):
     ports = free_ports(num_workers)
-    workdir = tempfile.mkdtemp(prefix="tpu_scale_workers_")
     with open(os.path.join(workdir, "kwargs.pkl"), "wb") as f:
         pickle.dump(kwargs or {}, f)
     env = dict(os.environ)
@@ -78,7 +83,7 @@ def run_workers(target, num_workers=2, cpus_per_worker=2, kwargs=None, timeout=3
         log = open(os.path.join(workdir, f"worker{i}.log"), "w+")
         worker_env = dict(env, TF_CONFIG=tf_config(ports, i))
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "tpu_scale.multiworker", target, workdir, str(i)],
+            [sys.executable, "-m", "tpu_scale.testing.multiworker", target, workdir, str(i)],
             env=worker_env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         ))
         logs.append(log)
@@ -105,6 +110,8 @@ def run_workers(target, num_workers=2, cpus_per_worker=2, kwargs=None, timeout=3
         for i, (p, log) in enumerate(zip(procs, logs)):
             log.seek(0)
             report.append(f"--- worker {i} (exit code {p.returncode}) ---\n{_tail(log.read())}")
+        for log in logs:
+            log.close()
         raise RuntimeError(f"Multi-worker run of {target}: {failed}.\n" + "\n".join(report))
     for log in logs:
         log.close()
