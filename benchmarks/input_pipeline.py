@@ -26,16 +26,15 @@ Writes `benchmarks/results/input_pipeline.json`.
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from common import HERE, RESULTS, machine_info  # noqa: E402
+
 ROOT = os.path.dirname(HERE)
-RESULTS = os.path.join(HERE, "results")
 IMAGE_SIZE = 224
 PIPELINES = ("ours", "tfm", "naive", "decode_limit")
 
@@ -427,7 +426,7 @@ def main(argv=None):
     result = {
         "command": command,
         "quick": args.quick,
-        "machine": {"cores": cores, "platform": platform.platform(), "python": platform.python_version()},
+        "machine": machine_info(),
         "data": info,
         "batch_size": args.batch_size,
         "image_size": IMAGE_SIZE,

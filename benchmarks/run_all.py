@@ -11,18 +11,16 @@ or writes no result is listed at the end, and the exit status is 1.
 """
 
 import argparse
-import importlib.metadata
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from common import HERE, RESULTS, machine_info  # noqa: E402
+
 ROOT = os.path.dirname(HERE)
-RESULTS = os.path.join(HERE, "results")
 
 # name -> (command, result file); `{results}` is the results directory, `{quick}` the quick flag (or nothing).
 BENCHMARKS = {
@@ -86,15 +84,6 @@ def _run(name, quick, timeout):
     return record
 
 
-def _machine():
-    try:
-        tf_version = importlib.metadata.version("tensorflow")
-    except importlib.metadata.PackageNotFoundError:
-        tf_version = None
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-            "tensorflow": tf_version, "load_average": list(os.getloadavg())}
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="each benchmark's quick mode; 10-minute budget")
@@ -126,7 +115,7 @@ def main(argv=None):
         "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
         "seconds": round(time.time() - started, 1),
         "quick": args.quick,
-        "machine": _machine(),
+        "machine": machine_info(),
         "benchmarks": records,
         "plots": sorted(os.path.relpath(os.path.join(RESULTS, f), ROOT) for f in os.listdir(RESULTS)
                         if f.endswith(".png") and os.path.getmtime(os.path.join(RESULTS, f)) >= started),

@@ -1,0 +1,102 @@
+"""What every benchmark shares: the machine it ran on, interleaved timing, summaries, child processes.
+
+    from common import machine_info, summarize, timed_rounds, run_child
+
+Figures are ratios against a baseline measured in the same run, on a shared and noisy machine: methods
+run in interleaved rounds (so a slow spell hits all of them), and summaries give the median with the
+spread (min, max) of the rounds.
+"""
+
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+
+
+def machine_info():
+    """The machine, Python, TensorFlow and Keras versions, and the load average now (no TF import)."""
+
+    def version(package):
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "tensorflow": version("tensorflow"),
+        "keras": version("keras"),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def summarize(values, baseline=None):
+    """Median, min and max of `values`, and the ratio of medians to `baseline`'s values when given."""
+    result = {"median": statistics.median(values), "min": min(values), "max": max(values),
+              "n": len(values)}
+    if baseline is not None:
+        result["ratio"] = result["median"] / statistics.median(baseline)
+    return result
+
+
+def timed_rounds(methods, rounds, warmup=1):
+    """Seconds per call of each method, in `rounds` interleaved rounds after `warmup` untimed calls each.
+
+    Args:
+      methods: dict name -> zero-argument callable that blocks until its work is done.
+      rounds: timed calls of each method; round k calls every method once, in turn.
+      warmup: untimed calls of each method first (tracing, caches).
+
+    Returns:
+      dict name -> list of seconds, one per round.
+    """
+    for fn in methods.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in methods}
+    for _ in range(rounds):
+        for name, fn in methods.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def run_child(script, args, timeout):
+    """Runs `python script --_child_output PATH *args` and returns the JSON the child wrote to PATH.
+
+    Each part that must not share a process (several TensorFlow runtimes, device counts) runs this way;
+    the child calls `write_child_output(args._child_output, result)`.
+
+    Raises:
+      RuntimeError: the child failed or timed out; the message holds the end of its output.
+    """
+    with tempfile.TemporaryDirectory(prefix="tpu_scale_bench_") as workdir:
+        out = os.path.join(workdir, "result.json")
+        command = [sys.executable, script, "--_child_output", out, *args]
+        try:
+            completed = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            raise RuntimeError(f"{' '.join(command)} did not finish within {timeout} s") from e
+        if completed.returncode != 0 or not os.path.exists(out):
+            tail = "\n".join((completed.stdout + completed.stderr).splitlines()[-40:])
+            raise RuntimeError(f"{' '.join(command)} failed (exit {completed.returncode}):\n{tail}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def write_child_output(path, result):
+    """The child's half of `run_child`."""
+    with open(path, "w") as f:
+        json.dump(result, f)
