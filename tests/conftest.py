@@ -1,31 +1,66 @@
-"""Test set-up: 8 virtual CPU replicas, configured before TensorFlow starts.
+"""Test set-up: 8 virtual CPU replicas for the tests that use TensorFlow, none for those that do not.
 
-Every test process sees the same 8 logical CPU devices, so `create_strategy(num_cpu_replicas=8)` (or any
-smaller `MirroredStrategy` over the first devices) can be used from any test module.
+TensorFlow is configured (8 logical CPU devices, before its runtime starts) just before the first test
+module that needs it is imported; the numpy-only modules in `NUMPY_ONLY` never import it, so
+`pytest tests/test_mesh.py tests/test_plan.py` runs without TensorFlow.
+
+Shared fixtures: `cpu_devices` (the 8 device names), `strategy` (8 replicas in a 1x8 mesh, TensorFlow's
+gradient sum) and `strategy_2x4` (the same devices in a 2x4 mesh).
+Marker (declared in pyproject.toml): `multiprocess` for tests that start localhost worker processes
+(`-m "not multiprocess"` leaves them out of a quick run).
 """
 
 import os
 
+import pytest
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-# Before TensorFlow starts its threads: SCHED_BATCH keeps tf.data iterator deletion from stalling for up to
-# a minute per per-replica iterator (see `tpu_scale.strategy.batch_scheduling`).
-from tpu_scale.strategy import batch_scheduling  # noqa: E402
-
-batch_scheduling()
-
-import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
 NUM_CPU_REPLICAS = 8
+NUMPY_ONLY = {"test_mesh.py", "test_plan.py", "test_torus_schedule.py"}
 
-_cpus = tf.config.list_physical_devices("CPU")
-tf.config.set_logical_device_configuration(
-    _cpus[0], [tf.config.LogicalDeviceConfiguration()] * NUM_CPU_REPLICAS
-)
+_tensorflow_ready = False
+
+
+def _start_tensorflow():
+    global _tensorflow_ready
+    if _tensorflow_ready:
+        return
+    import tensorflow as tf
+
+    cpus = tf.config.list_physical_devices("CPU")
+    tf.config.set_logical_device_configuration(
+        cpus[0], [tf.config.LogicalDeviceConfiguration()] * NUM_CPU_REPLICAS
+    )
+    _tensorflow_ready = True
+
+
+def pytest_collect_file(file_path, parent):
+    # Before pytest imports a module that may touch TensorFlow: the devices must exist first.
+    if file_path.suffix == ".py" and file_path.name.startswith("test_") and \
+            file_path.name not in NUMPY_ONLY:
+        _start_tensorflow()
 
 
 @pytest.fixture(scope="session")
 def cpu_devices():
     """The names of the 8 logical CPU devices."""
+    import tensorflow as tf
+
     return [d.name for d in tf.config.list_logical_devices("CPU")]
+
+
+@pytest.fixture(scope="session")
+def strategy():
+    """8 CPU replicas in a 1x8 mesh with TensorFlow's own gradient sum."""
+    import tpu_scale
+
+    return tpu_scale.create_strategy(num_cpu_replicas=8, gradient_reduction="native")
+
+
+@pytest.fixture(scope="session")
+def strategy_2x4():
+    """8 CPU replicas in a 2x4 mesh with TensorFlow's own gradient sum."""
+    import tpu_scale
+
+    return tpu_scale.create_strategy(num_cpu_replicas=8, mesh_shape=(2, 4), gradient_reduction="native")

@@ -2,13 +2,14 @@
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from tpu_scale.mesh import ReplicaMesh, smallest_group_for_span
 
 
 def make_topology(x, y, z=1, cores=2):
     """A TPU `Topology` of an x*y*z-chip slice with `cores` per chip, built without hardware."""
+    import tensorflow as tf  # only the topology tests need it
+
     coords = np.array([[cx, cy, cz, c] for cz in range(z) for cy in range(y) for cx in range(x)
                        for c in range(cores)])
     per_task = min(len(coords), 8)
@@ -114,6 +115,8 @@ def test_v3_tiles_match_the_reference_shapes(cores_in_group, chips):
 
 def test_mesh_with_device_assignment():
     topology = make_topology(2, 2)
+    import tensorflow as tf
+
     assignment = tf.tpu.experimental.DeviceAssignment.build(topology, num_replicas=8)
     mesh = ReplicaMesh.from_topology(topology, assignment)
     for replica in range(8):

@@ -13,10 +13,8 @@ Every stage runs on the host CPU. `dataset(input_context)` is meant to be given 
 id and per-replica batch size.
 """
 
-import dataclasses
 import os
-import warnings
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import tensorflow as tf
 

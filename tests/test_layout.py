@@ -1,0 +1,75 @@
+"""The package's shape: imports run one way, Keras internals stay in one module, modules stay small."""
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).parents[1] / "tpu_scale"
+# The core, lowest first: each may import only those before it.
+CORE = ["mesh", "context", "collectives", "torus_schedule", "torus", "keras_hook", "strategy"]
+MAX_LINES = 600
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        yield name, path
+
+
+def _imports(path):
+    """Every module a file imports, at any depth (function-level imports count)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _graph():
+    names = {name for name, _ in _modules()}
+    return {name: {i for i in _imports(path) if i in names and i != name} for name, path in _modules()}
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    state = {}
+
+    def visit(node, trail):
+        if state.get(node) == "done":
+            return
+        if state.get(node) == "open":
+            cycle = trail[trail.index(node):] + [node]
+            pytest.fail("import cycle: " + " -> ".join(cycle))
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            # A package imports its own submodules to re-export them; that is not a cycle back up.
+            if not nxt.startswith(node + "."):
+                visit(nxt, trail + [node])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        visit(node, [])
+
+
+def test_core_imports_run_one_way():
+    graph = _graph()
+    for i, name in enumerate(CORE):
+        above = {f"tpu_scale.{m}" for m in CORE[i + 1:]}
+        assert not graph[f"tpu_scale.{name}"] & above, f"tpu_scale.{name} imports a module above it"
+
+
+def test_keras_internals_in_one_module():
+    users = sorted(name for name, path in _modules() if "keras.src" in path.read_text())
+    assert users == ["tpu_scale.keras_hook"]
+
+
+@pytest.mark.parametrize("name,path", list(_modules()), ids=[n for n, _ in _modules()])
+def test_every_module_is_small_and_says_what_it_holds(name, path):
+    text = path.read_text()
+    assert len(text.splitlines()) <= MAX_LINES, f"{name} has more than {MAX_LINES} lines"
+    assert ast.get_docstring(ast.parse(text)), f"{name} has no docstring"
