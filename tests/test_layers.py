@@ -230,6 +230,139 @@ def test_one_group_sum_per_training_call(strategy):
     assert not [op for op in graph.get_operations() if op.type.startswith("Collective")]
 
 
+# ------------------------------------------------------------------------ empty and uneven batches
+
+# name: (per-replica batch sizes, group size). The last batch of an epoch batched with
+# `drop_remainder=False` splits like these, with replicas left empty.
+BATCH_PATTERNS = {
+    "one_empty_member": ([3, 0, 2, 1, 2, 2, 0, 3], 4),
+    "all_but_one_empty": ([0, 0, 3, 0, 0, 1, 0, 0], 4),
+    "whole_groups_empty": ([0, 0, 2, 3, 2, 0, 0, 0], 2),  # groups (0, 1) and (6, 7) have nothing
+    "uneven": ([1, 2, 3, 4, 5, 1, 2, 7], 8),
+    "local_empty": ([2, 0, 1, 3, 0, 2, 1, 0], 1),  # local statistics: an empty replica is a group
+}
+# name: (example shape, layer kwargs). "fused" takes the FusedBatchNormV3 path; "masked" counts a
+# random prefix of each example's 6 steps, none at all on replicas 2 and 3.
+BATCH_PATHS = {
+    "fused": ((3, 3, 4), {}),
+    "channels_first": ((4, 3, 3), {"axis": 1}),
+    "dense": ((5,), {}),
+    "masked": ((6, 3), {}),
+    "renorm": ((5,), {"renorm": True, "renorm_clipping": {"rmax": 1.5, "dmax": 0.5}}),
+}
+BATCH_CASES = [(pattern, path, True)
+               for pattern in BATCH_PATTERNS for path in ("fused", "channels_first", "dense")]
+BATCH_CASES += [("whole_groups_empty", "renorm", True), ("whole_groups_empty", "masked", True),
+                ("one_empty_member", "masked", True), ("local_empty", "masked", True),
+                ("whole_groups_empty", "fused", False), ("whole_groups_empty", "dense", False)]
+
+
+def _run_uneven_replicas(strategy, layer, xs, dys, masks=None, dynamic_batch=True):
+    """Each replica r runs `layer(xs[r], training=True)` on its own batch, of any size, and
+    back-propagates `dys[r]`; with `dynamic_batch` the batch dimension is unknown in the graph, as
+    in a partial batch from a dataset.
+
+    Returns per-replica numpy lists: outputs, input gradients, gamma gradients, beta gradients, and
+    the layer's non-trainable weights (moving statistics).
+    """
+    def per_replica(values):
+        return strategy.experimental_distribute_values_from_function(
+            lambda ctx: values[ctx.replica_id_in_sync_group])
+
+    def replica_fn(x, dy, mask):
+        if dynamic_batch:
+            x = tf.compat.v1.placeholder_with_default(x, [None] + x.shape[1:])
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=True, mask=mask)
+            loss = tf.reduce_sum(y * dy)
+        dx, dgamma, dbeta = tape.gradient(loss, [x, layer.gamma.value, layer.beta.value])
+        return y, dx, dgamma, dbeta, [tf.identity(w.value) for w in layer.non_trainable_weights]
+
+    masks = None if masks is None else per_replica(masks)
+    out = tf.function(lambda x, dy, mask: strategy.run(replica_fn, args=(x, dy, mask)))(
+        per_replica(xs), per_replica(dys), masks)
+    local = strategy.experimental_local_results
+    ys, dxs, dgammas, dbetas = ([np.asarray(t) for t in local(o)] for o in out[:4])
+    stats = [[np.asarray(t) for t in local(w)] for w in out[4]]
+    return ys, dxs, dgammas, dbetas, [list(s) for s in zip(*stats)]
+
+
+@pytest.mark.parametrize("pattern, path, dynamic_batch", BATCH_CASES)
+def test_empty_and_uneven_replica_batches_match_the_reference(
+        strategy, pattern, path, dynamic_batch):
+    sizes, group_size = BATCH_PATTERNS[pattern]
+    shape, kwargs = BATCH_PATHS[path]
+    kwargs = dict(kwargs, momentum=0.7)
+    channels = ((None,) + shape)[kwargs.get("axis", -1)]
+    weights = _initial_weights(channels, seed=sum(sizes), renorm=kwargs.get("renorm", False))
+    with strategy.scope():
+        layer = DistributedBatchNormalization(group_size=group_size, **kwargs)
+        layer.build((None,) + shape)
+        layer.set_weights(weights)
+    rng = np.random.default_rng(len(sizes) + group_size)
+    xs = [tf.constant(rng.normal(1.5, 2.0, size=(n,) + shape), tf.float32) for n in sizes]
+    dys = [tf.constant(rng.normal(size=(n,) + shape), tf.float32) for n in sizes]
+    masks = None
+    if path == "masked":
+        lengths = [rng.integers(0 if r in (2, 3) else 1, 1 if r in (2, 3) else 7, size=n)
+                   for r, n in enumerate(sizes)]
+        masks = [tf.constant(np.arange(shape[0]) < length[:, None]) for length in lengths]
+    ys, dxs, dgammas, dbetas, stats = _run_uneven_replicas(
+        strategy, layer, xs, dys, masks, dynamic_batch)
+    for values in (ys, dxs, dgammas, dbetas, stats):
+        assert all(np.all(np.isfinite(v)) for v in values)
+    close = {"rtol": 1e-5, "atol": 2e-5}
+    counted = [n if masks is None else int(np.sum(m)) for n, m in zip(sizes, masks or sizes)]
+    for first in range(0, NUM_REPLICAS, group_size):
+        members = range(first, first + group_size)
+        for r in members:
+            assert ys[r].shape == dxs[r].shape == (sizes[r],) + shape
+            if sizes[r] == 0:  # an empty replica contributes nothing
+                np.testing.assert_array_equal(dgammas[r], 0.0)
+                np.testing.assert_array_equal(dbetas[r], 0.0)
+        if sum(counted[r] for r in members) == 0:
+            # No statistics: the moving statistics (all of them with renorm) keep their values.
+            for r in members:
+                for got, initial in zip(stats[r], weights[2:]):
+                    np.testing.assert_array_equal(got, initial)
+        if sum(sizes[r] for r in members) == 0:
+            continue
+        group_mask = None if masks is None else tf.concat([masks[r] for r in members], 0)
+        x_group = tf.concat([xs[r] for r in members], 0)
+        dy_group = tf.concat([dys[r] for r in members], 0)
+        y_ref, dx_ref, dgamma_ref, dbeta_ref, mean_ref, var_ref = _reference(
+            x_group, dy_group, weights, group_mask, **kwargs)
+        np.testing.assert_allclose(np.concatenate([ys[r] for r in members]), y_ref, **close)
+        np.testing.assert_allclose(np.concatenate([dxs[r] for r in members]), dx_ref, **close)
+        # The group's gamma/beta gradient is the sum of its members'.
+        for got, want in ((dgammas, dgamma_ref), (dbetas, dbeta_ref)):
+            np.testing.assert_allclose(sum(got[r] for r in members), want, rtol=1e-5, atol=2e-4)
+        if sum(counted[r] for r in members) > 0:
+            for r in members:
+                np.testing.assert_allclose(stats[r][0], mean_ref, rtol=1e-5, atol=1e-5)
+                np.testing.assert_allclose(stats[r][1], var_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_empty_batch_without_a_strategy_keeps_the_moving_statistics():
+    # Keras's layer takes the 0 / 0 moments of an empty batch: NaN moving statistics and gamma
+    # gradient.
+    for shape in ((0, 3), (0, 2, 2, 3)):
+        layer = DistributedBatchNormalization()
+        layer.build((None,) + shape[1:])
+        layer.set_weights(_initial_weights(3, seed=0))
+        before = [w.numpy() for w in layer.non_trainable_weights]
+        with tf.GradientTape() as tape:
+            y = layer(tf.zeros(shape), training=True)
+            loss = tf.reduce_sum(y)
+        gradients = tape.gradient(loss, [layer.gamma, layer.beta])
+        assert y.shape == shape
+        for gradient in gradients:
+            np.testing.assert_array_equal(gradient, 0.0)
+        for got, want in zip(layer.non_trainable_weights, before):
+            np.testing.assert_array_equal(got.numpy(), want)
+
+
 # --------------------------------------------------------------------------- TPU graphs
 
 
@@ -404,12 +537,12 @@ def test_fused_kernel_only_where_its_contract_holds(shape, kwargs, mask, fused):
 # --------------------------------------------------------------------------- model.fit
 
 
-def _conv_model(group_size, seed=0):
+def _conv_model(group_size, seed=0, norm=DistributedBatchNormalization):
     keras.utils.set_random_seed(seed)
     return keras.Sequential([
         keras.Input((6, 6, 2)),
         keras.layers.Conv2D(4, 3, padding="same", use_bias=False),
-        DistributedBatchNormalization(group_size=group_size, momentum=0.5),
+        norm(group_size=group_size, momentum=0.5),
         keras.layers.ReLU(),
         keras.layers.GlobalAveragePooling2D(),
         keras.layers.Dense(3),
@@ -453,6 +586,93 @@ def test_default_group_in_fit(strategy):
     _, _, moving = _fit(strategy, group_size=None, run_eagerly=False)
     for r in range(NUM_REPLICAS):
         np.testing.assert_array_equal(moving[r], moving[0])
+
+
+def _partial_last_batch_dataset():
+    """43 examples in global batches of 16, `drop_remainder=False`: the last batch has 11."""
+    rng = np.random.default_rng(4)
+    x = rng.normal(1.0, 2.0, size=(43, 6, 6, 2)).astype(np.float32)
+    y = rng.integers(0, 3, size=43)
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(16, drop_remainder=False)
+
+
+def _keras_synchronized(group_size, **kwargs):
+    assert group_size == NUM_REPLICAS
+    return keras.layers.BatchNormalization(synchronized=True, **kwargs)
+
+
+def _fit_reference(weights, steps, group_size, momentum=0.5, epsilon=1e-3, learning_rate=0.1):
+    """What `model.fit` computes for `_conv_model` under the strategy, written out on one device.
+
+    Each replica's loss is the mean over its own examples (0 without any) divided by the number of
+    replicas; the gradients of all replicas add up into one SGD step. Batch normalization uses the
+    statistics of the group's concatenated batch, and a group without examples keeps its moving
+    statistics. Returns the trainable weights and each group's moving mean and variance.
+    """
+    kernel, gamma, beta, moving_mean, moving_variance, dense_kernel, dense_bias = weights
+    params = [tf.Variable(w) for w in (kernel, gamma, beta, dense_kernel, dense_bias)]
+    moving = [[moving_mean, moving_variance] for _ in range(NUM_REPLICAS // group_size)]
+    cross_entropy = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    for xs, ys in steps:
+        with tf.GradientTape() as tape:
+            kernel, gamma, beta, dense_kernel, dense_bias = params
+            features = [tf.nn.conv2d(x, kernel, 1, "SAME") for x in xs]
+            loss = 0.0
+            for group in range(NUM_REPLICAS // group_size):
+                members = range(group * group_size, (group + 1) * group_size)
+                members = [r for r in members if len(xs[r])]
+                if not members:
+                    continue
+                batch = tf.concat([features[r] for r in members], 0)
+                mean, variance = tf.nn.moments(batch, [0, 1, 2])
+                moving[group] = [old * momentum + new.numpy() * (1.0 - momentum)
+                                 for old, new in zip(moving[group], (mean, variance))]
+                for r in members:
+                    h = (features[r] - mean) * tf.math.rsqrt(variance + epsilon) * gamma + beta
+                    logits = tf.reduce_mean(tf.nn.relu(h), [1, 2]) @ dense_kernel + dense_bias
+                    loss += cross_entropy(ys[r], logits) / NUM_REPLICAS
+        for param, gradient in zip(params, tape.gradient(loss, params)):
+            param.assign_sub(learning_rate * gradient)
+    return [p.numpy() for p in params], moving
+
+
+def _fit_partial(strategy, group_size, norm=DistributedBatchNormalization):
+    with strategy.scope():
+        model = _conv_model(group_size, norm=norm)
+        model.compile(keras.optimizers.SGD(0.1),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    initial = [np.asarray(w) for w in model.get_weights()]
+    history = model.fit(_partial_last_batch_dataset(), epochs=1, verbose=0)
+    bn = model.layers[1]
+    moving = [[np.asarray(v) for v in w.value.values] for w in (bn.moving_mean, bn.moving_variance)]
+    return initial, history.history["loss"][0], [w.numpy() for w in model.trainable_weights], moving
+
+
+@pytest.mark.parametrize("group_size", [2, 8])
+def test_fit_with_a_partial_last_batch_trains_as_the_reference(strategy, group_size):
+    steps = [[[np.asarray(t) for t in strategy.experimental_local_results(part)] for part in batch]
+             for batch in strategy.experimental_distribute_dataset(_partial_last_batch_dataset())]
+    # The last step leaves replicas 6 and 7 empty: with groups of 2 a whole group, and the group
+    # (4, 5) uneven.
+    assert [len(x) for x in steps[-1][0]] == [2, 2, 2, 2, 2, 1, 0, 0]
+    initial, loss, weights, moving = _fit_partial(strategy, group_size)
+    assert np.isfinite(loss)
+    assert all(np.all(np.isfinite(w)) for w in weights + moving[0] + moving[1])
+    expected_weights, expected_moving = _fit_reference(initial, steps, group_size)
+    for got, want in zip(weights, expected_weights):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    for r in range(NUM_REPLICAS):
+        for got, want in zip((moving[0][r], moving[1][r]), expected_moving[r // group_size]):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    if group_size == NUM_REPLICAS:
+        # Over all replicas, Keras's synchronized layer computes the same (its local one turns gamma
+        # NaN in this run, from the 0 / 0 moments of the empty replicas).
+        _, keras_loss, keras_weights, keras_moving = _fit_partial(
+            strategy, group_size, _keras_synchronized)
+        np.testing.assert_allclose(loss, keras_loss, rtol=1e-5)
+        for got, want in zip(weights, keras_weights):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(moving, keras_moving, rtol=1e-4, atol=1e-5)
 
 
 # --------------------------------------------------------------------------- saving and conversion

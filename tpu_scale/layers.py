@@ -25,11 +25,21 @@ DEFAULT_SPAN = 64
 class DistributedBatchNormalization(keras.layers.BatchNormalization):
     """Batch normalization whose training statistics cover a group of replicas.
 
-    A drop-in replacement for `keras.layers.BatchNormalization`: it takes every argument of that layer and
-    behaves exactly like it outside a multi-replica strategy, at inference, and with `group_size=1`. In
-    training under a strategy with several replicas, the mean and variance are those of the concatenated
-    batch of the replica's group, so each replica's output (and gradient) is what plain batch normalization
-    would give on the group's whole batch.
+    A drop-in replacement for `keras.layers.BatchNormalization`: it takes every argument of that
+    layer and behaves exactly like it outside a multi-replica strategy, at inference, and with
+    `group_size=1` (except for batches with no element, below). In training under a strategy with
+    several replicas, the mean and variance are those of the concatenated batch of the replica's
+    group, so each replica's output (and gradient) is what plain batch normalization would give on
+    the group's whole batch.
+
+    Replicas may hold any number of examples, none included: the last batch of an epoch batched with
+    `drop_remainder=False` is split unevenly and can leave replicas empty. A member with no
+    (unmasked) element adds nothing to its group's statistics and gets zero gradients, and the
+    others normalize over the elements the group has. A group with no element at all (every member
+    empty or fully masked; with local statistics, an empty replica) has no batch statistics: its
+    moving statistics keep their values and its gradients are zero. Keras's layer, given an empty
+    batch, takes the 0 / 0 moments and turns its moving statistics and `gamma` gradient NaN (a fully
+    masked one moves the moving mean and variance towards 0).
 
     Each training call makes exactly one cross-replica reduction, through `tpu_scale.collectives.group_sum`:
     the local per-channel `sum(x - shift)`, `sum((x - shift)^2)` and unmasked-element count, packed into a
@@ -104,50 +114,109 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
         return {**super().get_config(), "group_size": self.group_size}
 
     def call(self, inputs, training=None, mask=None):
-        if not self._fused_training_call(inputs, training, mask):
+        if not (training and self.trainable):
             return super().call(inputs, training=training, mask=mask)
-        # Keras's training step (statistics from `_moments`, the same moving-average updates), with the
-        # normalization done by TensorFlow's fused kernel: one op each way instead of about ten
-        # element-wise ones, which on one host all wait on the same group barrier.
-        x = tf.cast(inputs, tf.float32)
-        mean, variance = self._moments(x, None)
-        momentum = self.momentum
-        self.moving_mean.assign(tf.cast(self.moving_mean, x.dtype) * momentum + mean * (1.0 - momentum))
-        self.moving_variance.assign(
-            tf.cast(self.moving_variance, x.dtype) * momentum + variance * (1.0 - momentum))
-        channels = x.shape[-1]
-        gamma = tf.cast(self.gamma, x.dtype) if self.scale else tf.ones([channels], x.dtype)
-        beta = tf.cast(self.beta, x.dtype) if self.center else tf.zeros([channels], x.dtype)
-        outputs = _fused_normalization(x, mean, variance, gamma, beta, self.epsilon)
+        if mask is not None and mask.shape.rank != inputs.shape.rank - 1:
+            raise ValueError(
+                "The mask provided should be one dimension less than the inputs. Received: "
+                f"mask.shape={mask.shape}, inputs.shape={inputs.shape}"
+            )
+        # Keras's training step (upcast, statistics from `_moments`, renorm corrections, moving-
+        # average updates, normalization), with the moving statistics kept where the group counted
+        # nothing, and the normalization of 4-D channels-last inputs done by TensorFlow's fused
+        # kernel: one op each way instead of about ten element-wise ones, which on one host all wait
+        # on the same group barrier.
+        fused = self._fused_training_call(inputs, training, mask)
+        dtype = tf.float32 if fused else keras.backend.result_type(inputs.dtype, "float32")
+        x = tf.cast(inputs, dtype)
+        mean, variance, filled = self._moments(x, mask)
+        gamma = tf.cast(self.gamma, dtype) if self.scale else None
+        beta = tf.cast(self.beta, dtype) if self.center else None
+        if self.renorm:
+            r, d, mean, variance = self._renorm_correction_and_moments(mean, variance)
+            gamma, beta = self._compose_transforms(r, d, gamma, beta, dtype)
+        self._update_moving_statistics(mean, variance, filled)
+        if fused:
+            channels = x.shape[-1]
+            gamma = tf.ones([channels], dtype) if gamma is None else gamma
+            beta = tf.zeros([channels], dtype) if beta is None else beta
+            outputs = _fused_normalization(x, mean, variance, gamma, beta, self.epsilon)
+        else:
+            outputs = keras.ops.batch_normalization(
+                x, mean, variance, axis=self.axis, offset=beta, scale=gamma, epsilon=self.epsilon)
         return tf.cast(outputs, self.compute_dtype)
 
     def _fused_training_call(self, inputs, training, mask):
         """Whether this call can normalize with the fused kernel: a training step on a 4-D channels-last
-        float input without mask or renorm (the kernel's contract); anything else takes Keras's path."""
+        float input without mask or renorm (the kernel's contract); other training steps normalize
+        with Keras's element-wise `batch_normalization`, and inference calls take Keras's path."""
         rank = inputs.shape.rank
         return bool(
             training and self.trainable and mask is None and not self.renorm and rank == 4
             and self.axis % rank == 3 and inputs.dtype in (tf.float32, tf.bfloat16, tf.float16)
         )
 
+    def _update_moving_statistics(self, mean, variance, filled):
+        """Keras's moving-average updates from the batch statistics, except where `filled` is False.
+
+        Where the statistics cover no element there is nothing to average in, and the moving
+        statistics (all five of them with renorm) keep their values exactly.
+        """
+        if self.renorm:
+            tracked = [self.moving_mean, self.moving_variance, self.moving_stddev, self.renorm_mean,
+                       self.renorm_stddev]
+            previous = [] if filled is None else [tf.identity(v.value) for v in tracked]
+            self._update_renorm_statistics(mean, variance)
+            for variable, value in zip(tracked, previous):
+                variable.assign(tf.where(filled, variable.value, value))
+            return
+        for variable, batch_value in ((self.moving_mean, mean), (self.moving_variance, variance)):
+            current = tf.cast(variable, batch_value.dtype)
+            updated = current * self.momentum + batch_value * (1.0 - self.momentum)
+            variable.assign(updated if filled is None else tf.where(filled, updated, current))
+
     # ----------------------------------------------------------------- statistics
 
     def _moments(self, inputs, mask):
+        """Keras's `_moments` hook, with one more result: `(mean, variance, filled)`.
+
+        `filled` is a boolean tensor (per channel, or a scalar), False where the statistics cover no
+        element: a group whose members' batches are all empty or fully masked, or, for local
+        statistics, such a batch of the replica's own. The mean and variance are then 0, as Keras's
+        are for a fully masked batch. `filled` is None when this replica's batch has elements by its
+        static shape, so its group's does too.
+        """
         groups = self._group_assignment(inputs)
-        if groups is None:
-            # Nothing to communicate with: Keras's own (two-pass) local moments.
-            return super()._moments(inputs, mask)
-        return self._group_moments(inputs, mask, groups)
+        if groups is not None:
+            return self._group_moments(inputs, mask, groups)
+        # Nothing to communicate with: Keras's own (two-pass) local moments.
+        mean, variance = super()._moments(inputs, mask)
+        if not self._may_be_empty(inputs, mask):
+            return mean, variance, None
+        filled = tf.size(inputs) > 0 if mask is None else tf.reduce_any(tf.cast(mask, tf.bool))
+        # An empty batch's moments are 0 / 0: NaN.
+        return tf.where(filled, mean, 0.0), tf.where(filled, variance, 0.0), filled
+
+    def _may_be_empty(self, inputs, mask):
+        """Whether the batch may have no counted element: masked, or not statically non-empty."""
+        dims = [inputs.shape[axis] for axis in self._reduction_axes]
+        return mask is not None or not all(d is not None and d > 0 for d in dims)
 
     def _group_moments(self, inputs, mask, groups):
         """Mean and variance `[channels]` over this replica's group, with one `group_sum` each way.
 
-        Each replica computes its own count, mean and variance (two passes, like Keras's local moments) and
-        sends `count * (mean - shift)` and `count * (variance + (mean - shift)^2)`: exactly its
-        `sum(x - shift)` and `sum((x - shift)^2)`, with no full-size `x - shift` tensor to build. The
-        gradient is written out (`_moments_from_group_sums`) rather than derived op by op: two full-size ops
-        and one group sum per layer, where automatic differentiation of the same forward pass built about
-        twenty more per replica, and on one host every replica runs them between the same two barriers.
+        Each replica computes its own count, mean and variance (two passes, like Keras's local
+        moments) and sends `count * (mean - shift)` and `count * (variance + (mean - shift)^2)`:
+        exactly its `sum(x - shift)` and `sum((x - shift)^2)`, with no full-size `x - shift` tensor
+        to build. A replica with no counted element sends zeros, so the group's statistics are those
+        of its other members' elements, whatever the batch sizes. The gradient is written out
+        (`_moments_from_group_sums`) rather than derived op by op: two full-size ops and one group
+        sum per layer, where automatic differentiation of the same forward pass built about twenty
+        more per replica, and on one host every replica runs them between the same two barriers.
+
+        Returns:
+          `(mean, variance, filled)` as `_moments`, `filled` False where the whole group counted
+          nothing.
         """
         dtype = inputs.dtype if inputs.dtype == tf.float64 else tf.float32
         x = tf.cast(inputs, dtype)
@@ -161,15 +230,24 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
         totals = collectives.group_sum(local, groups, latency_bound=True)
         mean, variance = _moments_from_group_sums(
             x, totals, shift, weights, groups, self._broadcast_shape(x))
-        return tf.cast(mean, inputs.dtype), tf.cast(variance, inputs.dtype)
+        filled = None
+        if self._may_be_empty(inputs, mask):
+            # As for local statistics (and Keras's fully masked ones): 0 and 0 where none counted.
+            filled = totals[2] > 0
+            mean, variance = tf.where(filled, mean, 0.0), tf.where(filled, variance, 0.0)
+        return tf.cast(mean, inputs.dtype), tf.cast(variance, inputs.dtype), filled
 
     def _local_moments(self, x, weights):
         """Count, mean and variance `[channels]` of this replica's unmasked elements (0, 0, 0 if none)."""
         axes = self._reduction_axes
         if weights is None:
             mean, variance = tf.nn.moments(x, axes)
-            count = tf.cast(tf.size(x) // tf.shape(x)[self.axis], x.dtype)
-            return tf.fill(tf.shape(mean), count), mean, variance
+            count = tf.fill(tf.shape(mean), tf.cast(tf.size(x) // tf.shape(x)[self.axis], x.dtype))
+            if self._may_be_empty(x, None):
+                # An empty batch's moments are 0 / 0: NaN, which its zero count would not cancel.
+                filled = count > 0
+                mean, variance = tf.where(filled, mean, 0.0), tf.where(filled, variance, 0.0)
+            return count, mean, variance
         count = tf.reduce_sum(weights, axis=axes)
         mean = tf.math.divide_no_nan(tf.reduce_sum(x * weights, axis=axes), count)
         deviation = x - tf.reshape(mean, self._broadcast_shape(x))
