@@ -16,11 +16,6 @@ from tpu_scale.testing import run_workers
 NUM_REPLICAS = 8
 
 
-@pytest.fixture(scope="module")
-def strategy():
-    return tpu_scale.create_strategy(num_cpu_replicas=NUM_REPLICAS, gradient_reduction="native")
-
-
 def _initial_weights(channels, seed, renorm=False):
     """Non-trivial gamma, beta and moving statistics, so the moving-mean shift and the updates matter."""
     rng = np.random.default_rng(seed)

@@ -62,3 +62,23 @@ def test_reduce_nested_maps_structures_and_reduces_scalars_over_replicas(strateg
         reduce_one, tf.distribute.ReduceOp.MEAN, values, 0, strategy.experimental_local_results)
     assert float(mean) == pytest.approx(3.5) and float(vector) == pytest.approx(1.0)
     assert calls == [None, 0]  # the scalar is reduced over replicas, the vector along its axis
+
+
+def test_quiet_cuda_probe_drops_only_the_cuinit_line(capfd, monkeypatch):
+    monkeypatch.setattr(_workarounds, "has_nvidia_driver", lambda: False)
+    with _workarounds.quiet_cuda_probe():
+        os.write(2, b"kept line\nE0000 cuda_platform.cc:52] failed call to cuInit: UNKNOWN ERROR (303)\n")
+        os.write(2, b"another kept line\n")
+    err = capfd.readouterr().err
+    assert "kept line" in err and "another kept line" in err and "cuInit" not in err
+
+
+@pytest.mark.skipif(_workarounds.has_nvidia_driver(), reason="a machine without a GPU driver")
+def test_create_strategy_on_a_cpu_machine_prints_no_cuda_error():
+    import subprocess
+    import sys
+
+    code = "import tpu_scale; tpu_scale.create_strategy(num_cpu_replicas=2)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "cuInit" not in out.stderr

@@ -8,10 +8,14 @@ it can go. Users never call these: `create_strategy` and the strategy classes ap
   MultiWorkerExtended           MultiWorkerMirroredStrategy uses one CPU device per worker
   reduce_nested                 Keras 3 `fit` asks a multi-worker `reduce` for nested and scalar values
   local_device_type             which kind of device a multi-worker strategy's replicas run on
+  quiet_cuda_probe              the spurious "failed call to cuInit" error on machines without a GPU
 """
 
+import contextlib
 import itertools
 import os
+import sys
+import tempfile
 
 import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy as _collective_lib
@@ -149,3 +153,49 @@ def reduce_nested(reduce_one, reduce_op, value, axis, local_results):
         return reduce_one(reduce_op, v, axis)
 
     return tf.nest.map_structure(one, value, expand_composites=False)
+
+
+# --------------------------------------------------------------------------- CPU-only machines
+
+_SPURIOUS_CUDA_LINE = "failed call to cuInit"
+
+
+def has_nvidia_driver():
+    """True when an NVIDIA kernel driver is loaded (Linux), or when that cannot be told."""
+    if not sys.platform.startswith("linux"):
+        return True
+    return os.path.exists("/proc/driver/nvidia/version")
+
+
+@contextlib.contextmanager
+def quiet_cuda_probe():
+    """Drops TensorFlow's "failed call to cuInit" error line while devices are first listed.
+
+    Why: TensorFlow's CUDA build tries to initialize CUDA when it first enumerates devices and logs
+    `E ... failed call to cuInit: ... UNKNOWN ERROR (303)` on every machine without a GPU driver, before
+    its log settings apply (TF_CPP_MIN_LOG_LEVEL does not hide it). Users read it as a failure. On a
+    Linux machine with no NVIDIA driver, stderr is captured around the first device listing and written
+    back without that one line; everything else TensorFlow prints there still shows.
+
+    Upstream: tensorflow/tensorflow#37689 (closed without a fix; tensorflow-cpu does not probe); seen
+    with TF 2.16 to 2.21.
+    How to tell it can go: `python -c "import tensorflow as tf; tf.config.list_physical_devices()"`
+    prints no cuInit line on a machine without a GPU.
+    """
+    if has_nvidia_driver():
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [line for line in captured.read().decode(errors="replace").splitlines(True)
+                    if _SPURIOUS_CUDA_LINE not in line]
+            sys.stderr.write("".join(kept))
+            sys.stderr.flush()

@@ -171,6 +171,8 @@ def create_strategy(
 
     tpu = _requested_tpu(tpu)
     num_workers = _tf_config_workers()
+    with _workarounds.quiet_cuda_probe():
+        tf.config.list_physical_devices()  # the first listing initializes every platform
     if tpu is not None:
         if mesh_shape is not None:
             raise ValueError("mesh_shape cannot be set on a TPU: the mesh follows the slice's torus.")
