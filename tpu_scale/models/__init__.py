@@ -5,6 +5,6 @@ strategy from `tpu_scale.create_strategy` their batch norms normalize over group
 replicas, and both output float32 logits under a `mixed_bfloat16` policy.
 """
 
-from tpu_scale.models.resnet import resnet50, small_resnet
+from tpu_scale.models.resnet import convert_stem, resnet50, small_resnet
 
-__all__ = ["resnet50", "small_resnet"]
+__all__ = ["convert_stem", "resnet50", "small_resnet"]

@@ -4,7 +4,7 @@ import numbers
 
 import keras
 
-from tpu_scale.layers import DistributedBatchNormalization
+from tpu_scale.layers import DistributedBatchNormalization, ImageNormalization, SpaceToDepth
 
 # The batch-norm settings of the reference ResNet-50 on TPU pods.
 _BN_MOMENTUM = 0.9
@@ -16,6 +16,8 @@ def resnet50(
     bn_group_size=None,
     input_shape=(224, 224, 3),
     kernel_regularizer=None,
+    normalize_inputs=False,
+    space_to_depth=False,
     name="resnet50",
 ):
     """Builds ResNet-50 v1.5, the model of the large-batch ImageNet recipe.
@@ -48,6 +50,14 @@ def resnet50(
         kernel_regularizer: Optional regularizer for every convolution and dense kernel.
             Leave it `None` with `tpu_scale.optimizers.LARS`, whose `weight_decay`
             already is the L2 term.
+        normalize_inputs: Boolean. `True` takes uint8 pixels (`ImageNetInput(...,
+            dtype="uint8")`) and normalizes them first thing, on the device, with
+            `tpu_scale.layers.ImageNormalization`; `False` (the default) takes images
+            the pipeline already normalized.
+        space_to_depth: Boolean. `True` computes the 7x7 stride-2 stem as a 4x4
+            stride-1 convolution on 2x2 space-to-depth blocks (`stem_conv` then has a
+            `[4, 4, 12, 64]` kernel): the same function, better suited to TPU matrix
+            units. `tpu_scale.models.convert_stem` converts weights both ways.
         name: Name of the model.
 
     Returns:
@@ -61,12 +71,13 @@ def resnet50(
     return _resnet(
         input_shape=input_shape,
         num_classes=num_classes,
-        stem=_imagenet_stem,
+        stem=_space_to_depth_stem if space_to_depth else _imagenet_stem,
         stem_width=64,
         stages=((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)),
         block=_bottleneck_block,
         bn_group_size=bn_group_size,
         kernel_regularizer=kernel_regularizer,
+        normalize_inputs=normalize_inputs,
         name=name,
     )
 
@@ -79,6 +90,7 @@ def small_resnet(
     bottleneck=False,
     bn_group_size=None,
     kernel_regularizer=None,
+    normalize_inputs=False,
     name="small_resnet",
 ):
     """Builds a small ResNet of the same structure as `resnet50`, for CPU-sized runs.
@@ -103,6 +115,8 @@ def small_resnet(
             `False` (the default) basic blocks of two 3x3 convolutions.
         bn_group_size: Integer or `None`, as for `resnet50`.
         kernel_regularizer: Optional kernel regularizer, as for `resnet50`.
+        normalize_inputs: Boolean, as for `resnet50`: uint8 pixels in, normalized by
+            the model's first layer.
         name: Name of the model.
 
     Returns:
@@ -133,17 +147,20 @@ def small_resnet(
         block=_bottleneck_block if bottleneck else _basic_block,
         bn_group_size=bn_group_size,
         kernel_regularizer=kernel_regularizer,
+        normalize_inputs=normalize_inputs,
         name=name,
     )
 
 
 def _resnet(input_shape, num_classes, stem, stem_width, stages, block, bn_group_size,
-            kernel_regularizer, name):
+            kernel_regularizer, normalize_inputs, name):
     if isinstance(num_classes, bool) or not isinstance(num_classes, numbers.Integral) or num_classes < 1:
         raise ValueError(f"`num_classes` must be a positive integer; received {num_classes!r}.")
     layers = _Layers(bn_group_size, kernel_regularizer)
-    inputs = keras.Input(shape=tuple(input_shape), name="images")
-    x = stem(layers, inputs, stem_width)
+    inputs = keras.Input(shape=tuple(input_shape), dtype="uint8" if normalize_inputs else None,
+                         name="images")
+    x = ImageNormalization(name="normalize")(inputs) if normalize_inputs else inputs
+    x = stem(layers, x, stem_width)
     for s, (width, num_blocks, stride) in enumerate(stages, start=1):
         for b in range(1, num_blocks + 1):
             x = block(layers, x, width, stride if b == 1 else 1, f"stage{s}_block{b}")
@@ -203,6 +220,45 @@ def _imagenet_stem(layers, x, width):
     x = layers.bn(x, "stem_bn")
     x = keras.layers.ReLU(name="stem_relu")(x)
     return keras.layers.MaxPooling2D(3, strides=2, padding="same", name="stem_pool")(x)
+
+
+def _space_to_depth_stem(layers, x, width):
+    # Equal to _imagenet_stem's convolution: see tpu_scale.layers.space_to_depth.
+    x = SpaceToDepth(2, name="stem_space_to_depth")(x)
+    x = keras.layers.ZeroPadding2D(((2, 1), (2, 1)), name="stem_conv_pad")(x)
+    x = keras.layers.Conv2D(width, 4, strides=1, padding="valid", use_bias=False,
+                            kernel_initializer="he_normal",
+                            kernel_regularizer=layers.kernel_regularizer, name="stem_conv")(x)
+    x = layers.bn(x, "stem_bn")
+    x = keras.layers.ReLU(name="stem_relu")(x)
+    return keras.layers.MaxPooling2D(3, strides=2, padding="same", name="stem_pool")(x)
+
+
+def convert_stem(source, target):
+    """Copies `source`'s weights into `target`, two ResNet-50s that differ only in their stem form.
+
+    The `stem_conv` kernel is converted between the 7x7 stride-2 form and the space-to-depth 4x4 form
+    (whichever way the two models differ); every other weight is copied as it is, by layer name.
+
+    Args:
+      source: a `resnet50` model, standard or `space_to_depth=True`.
+      target: a `resnet50` model of the other (or the same) stem form and otherwise the same settings.
+    """
+    from tpu_scale.layers.space_to_depth import (
+        stem_kernel_from_space_to_depth,
+        stem_kernel_to_space_to_depth,
+    )
+
+    for layer in target.layers:
+        weights = source.get_layer(layer.name).get_weights() if layer.weights else []
+        if layer.name == "stem_conv":
+            have, want = weights[0].shape, tuple(layer.weights[0].shape)
+            if have[:2] == (7, 7) and want[:2] == (4, 4):
+                weights = [stem_kernel_to_space_to_depth(weights[0])]
+            elif have[:2] == (4, 4) and want[:2] == (7, 7):
+                weights = [stem_kernel_from_space_to_depth(weights[0])]
+        if weights:
+            layer.set_weights(weights)
 
 
 def _small_stem(layers, x, width):
