@@ -6,7 +6,6 @@ every output image can be traced back to its record, and counts, pairing with la
 checked exactly.
 """
 
-import io
 import os
 
 import numpy as np
@@ -15,7 +14,7 @@ import tensorflow as tf
 
 import tpu_scale.strategy  # its MirroredStrategy has private collective keys: tests share a process
 
-from tpu_scale.data import ImageNetInput, SyntheticImageNetInput, image_ops, make_synthetic_imagenet, write_tfrecords
+from tpu_scale.data import ImageNetInput, SyntheticImageNetInput, image_ops, make_synthetic_imagenet
 from tpu_scale.data.schema import make_example
 
 NUM_CLASSES = 5
@@ -492,53 +491,7 @@ def test_data_service_train(records, data_service):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Writing TFRecords and the synthetic dataset
-
-
-def _save(path, array, mode, image_format):
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.fromarray(array).convert(mode).save(buffer, image_format)
-    path.write_bytes(buffer.getvalue())
-
-
-def test_write_tfrecords_from_class_folders(tmp_path):
-    pytest.importorskip("PIL")
-    from tpu_scale.data import write_tfrecords as write_tfrecords_module
-
-    images = tmp_path / "images"
-    for class_index, name in enumerate(["cat", "dog", "eel"]):
-        (images / name).mkdir(parents=True)
-        flat = np.full((20, 30, 3), [STEP * class_index, 0, 0], np.uint8)
-        _save(images / name / "a.jpg", flat, "RGB", "JPEG")
-        _save(images / name / "b.png", flat, "RGB", "PNG")
-    _save(images / "eel" / "c.jpeg", np.full((20, 30, 3), 16, np.uint8), "L", "JPEG")
-    (images / "dog" / "notes.txt").write_text("not an image")
-
-    summary = write_tfrecords(str(images), str(tmp_path / "out"), num_shards=2, prefix="validation")
-    assert summary.num_examples == 7 and summary.num_reencoded == 3
-    assert summary.class_names == ["cat", "dog", "eel"]
-    assert (tmp_path / "out" / "labels.txt").read_text() == "cat\ndog\neel\n"
-    assert write_tfrecords is write_tfrecords_module  # the package exports the function
-
-    inp = make_input(str(tmp_path / "out" / "validation-*"), is_training=False, global_batch_size=8)
-    (images_out, labels_out), = list(inp.dataset())
-    assert sorted(labels_out.numpy().tolist()) == [0, 0, 1, 1, 2, 2, 2]
-    red = decode_codes(images_out)[0]
-    # The grey "eel" JPEG is stored as it is; its (16, 16, 16) grey decodes to red code 2 too.
-    np.testing.assert_array_equal(red, labels_out.numpy())
-
-
-def test_write_tfrecords_command_line_and_errors(tmp_path):
-    from tpu_scale.data.write_tfrecords import main
-
-    with pytest.raises(ValueError, match="no sub-folders"):
-        main(["--image_dir", str(tmp_path), "--output_dir", str(tmp_path / "out")])
-    (tmp_path / "images" / "only").mkdir(parents=True)
-    (tmp_path / "images" / "only" / "broken.jpg").write_bytes(b"broken")
-    with pytest.raises(ValueError, match="broken.jpg"):
-        main(["--image_dir", str(tmp_path / "images"), "--output_dir", str(tmp_path / "out")])
+# The synthetic dataset
 
 
 def test_synthetic_imagenet_is_deterministic_and_learnable(tmp_path):
