@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tpu_scale.data import write_tfrecords
+from tpu_scale.data import ImageNetInput, write_tfrecords
 from tpu_scale.data.schema import read_label_map
 
 PIL = pytest.importorskip("PIL")
@@ -301,6 +301,19 @@ def test_validation_dir_and_no_validation(tmp_path):
     summary = write_tfrecords(str(tmp_path / "train"), str(tmp_path / "all"), validation_fraction=0)
     assert list(summary.split_counts) == ["train"] and summary.split_counts["train"] == 60
     assert not [n for n in os.listdir(tmp_path / "all") if n.startswith("validation")]
+
+
+def test_reader_takes_offset_and_class_count_from_the_label_map(converted):
+    _, output_dir, sources = converted
+    inp = ImageNetInput(os.path.join(output_dir, "validation-*"), is_training=False,
+                        global_batch_size=64, image_size=16)
+    assert inp.label_offset == 1 and inp.num_classes == 10
+    labels = np.concatenate([labels.numpy() for _, labels in inp.dataset()])
+    validation = read_records(os.path.join(output_dir, "validation-*"))
+    assert sorted(labels.tolist()) == sorted(sources[name] for name, _, _, _ in validation)
+    with pytest.raises(ValueError, match=r"label_offset=0.*labels\.json.*label_offset=1"):
+        ImageNetInput(os.path.join(output_dir, "train-*"), is_training=True, global_batch_size=8,
+                      label_offset=0)
 
 
 def test_package_exports_the_function():
