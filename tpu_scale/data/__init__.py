@@ -2,7 +2,8 @@
 
   ImageNetInput            the train / eval pipeline (`.dataset(input_context)`, `.from_tfds`)
   SyntheticImageNetInput   random batches with no I/O (the input-free bound of a step)
-  write_tfrecords          a folder of class sub-folders of images -> TFRecords in the classic ImageNet layout
+  write_tfrecords          a folder of class sub-folders of images -> train/validation TFRecords + labels.json
+  read_label_map           the label map (`labels.json`) next to the shards: classes, label offset, counts
   make_synthetic_imagenet  a small, learnable dataset of real JPEGs in that layout (examples and tests)
   image_ops                fused decode-and-crop, center crop, normalization
 """
@@ -11,6 +12,7 @@ import importlib
 
 from tpu_scale.data import image_ops
 from tpu_scale.data.input_pipeline import ImageNetInput
+from tpu_scale.data.schema import LabelMap, read_label_map
 from tpu_scale.data.synthetic import SyntheticImageNetInput, make_synthetic_imagenet
 
 
@@ -28,9 +30,11 @@ def __getattr__(name):
 
 __all__ = [
     "ImageNetInput",
+    "LabelMap",
     "SyntheticImageNetInput",
     "TFRecordSummary",
     "image_ops",
     "make_synthetic_imagenet",
+    "read_label_map",
     "write_tfrecords",
 ]

@@ -14,12 +14,13 @@ id and per-replica batch size.
 """
 
 import os
-from typing import Any, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
 import tensorflow as tf
 
-from tpu_scale.data import image_ops
-from tpu_scale.data.schema import IMAGE_KEY, LABEL_KEY
+from tpu_scale.data import image_ops, sources
+from tpu_scale.data.schema import IMAGE_KEY, LABEL_KEY, LABEL_MAP_FILE, read_label_map
 from tpu_scale.data.sources import Shard, TFDSSource, TFRecordSource, shuffle_each_epoch
 
 AUTOTUNE = tf.data.AUTOTUNE
@@ -58,7 +59,12 @@ class ImageNetInput:
       global_batch_size: the batch size over all replicas; each pipeline produces
         `input_context.get_per_replica_batch_size(global_batch_size)` examples per batch.
       image_size: output height and width.
-      label_offset: subtracted from every stored label (1 for the classic 1-based ImageNet files).
+      label_offset: subtracted from every stored label. None (the default): the label map's (the
+        `labels.json` that `write_tfrecords` puts next to the files), else 1, for the classic 1-based
+        ImageNet files. A value that disagrees with the label map is an error.
+      num_classes: labels (after `label_offset`) must lie in `[0, num_classes)`; a record outside fails,
+        naming its file and index (or is skipped with `skip_corrupt=True`). None: the label map's, else
+        unchecked above. A value that disagrees with the label map is an error.
       dtype: `tf.float32` or `tf.bfloat16` (or their names) for the images; labels are always int32.
       image_key: the feature holding the encoded JPEG.
       label_key: the feature holding the integer label.
@@ -72,8 +78,10 @@ class ImageNetInput:
         readers hold `cycle_length x read_buffer_bytes` of host memory).
       deterministic: reproducible order and crops (slower). With `seed`, two runs give the same batches.
       seed: the seed of the file shuffle, the shuffle buffer and the per-example crop seeds.
-      skip_corrupt: drop records that are not decodable JPEGs and count them in `skipped_records`, instead
-        of failing with the file named.
+      skip_corrupt: drop bad records (not an Example, a missing feature, a label out of range, not a
+        decodable JPEG, the truncated end of a file) and count them in `skipped_records` and
+        `skipped_by_reason`, instead of failing with the file and record named. The counts cover the
+        batches the iterator has handed out, not what the pipeline read ahead.
       pad_last_batch: evaluation only: pad the last batch to full size so every batch has a static shape;
         the dataset then yields `(images, labels, weights)` with weight 0 for padding, which Keras
         `evaluate` uses as sample weights so padding does not count.
@@ -88,12 +96,13 @@ class ImageNetInput:
 
     def __init__(
         self,
-        file_pattern: Union[str, Sequence[str], None],
+        file_pattern: str | Sequence[str] | None,
         *,
         is_training: bool,
         global_batch_size: int,
         image_size: int = 224,
-        label_offset: int = 1,
+        label_offset: int | None = None,
+        num_classes: int | None = None,
         dtype: Any = tf.float32,
         image_key: str = IMAGE_KEY,
         label_key: str = LABEL_KEY,
@@ -102,12 +111,12 @@ class ImageNetInput:
         cycle_length: int = 64,
         read_buffer_bytes: int = 8 * 1024 * 1024,
         deterministic: bool = False,
-        seed: Optional[int] = None,
+        seed: int | None = None,
         skip_corrupt: bool = False,
         pad_last_batch: bool = False,
-        data_service_address: Optional[str] = None,
-        data_service_job_name: Optional[str] = None,
-        threadpool_size: Optional[int] = None,
+        data_service_address: str | None = None,
+        data_service_job_name: str | None = None,
+        threadpool_size: int | None = None,
         resize_method: str = "bilinear",
         _source: Any = None,
     ):
@@ -133,7 +142,6 @@ class ImageNetInput:
         self.is_training = is_training
         self.global_batch_size = global_batch_size
         self.image_size = image_size
-        self.label_offset = label_offset
         self.cache = cache
         self.shuffle_buffer_size = shuffle_buffer_size
         self.deterministic = deterministic
@@ -147,15 +155,19 @@ class ImageNetInput:
         self.source = _source or TFRecordSource(
             file_pattern, image_key, label_key, read_buffer_bytes, cycle_length
         )
+        self.label_map = read_label_map(self.source.patterns) if _source is None else None
+        self.label_offset, self.num_classes = _resolve_labels(self.label_map, label_offset, num_classes)
         with tf.init_scope():
-            self._skipped = tf.Variable(0, dtype=tf.int64, trainable=False, name="skipped_records")
+            self._skipped = tf.Variable(
+                tf.zeros([len(sources.FAULT_NAMES)], tf.int64), trainable=False, name="skipped_records"
+            )
 
     @classmethod
     def from_tfds(
         cls,
         name: str,
         split: str,
-        data_dir: Optional[str] = None,
+        data_dir: str | None = None,
         *,
         label_offset: int = 0,
         image_key: str = "image",
@@ -186,10 +198,17 @@ class ImageNetInput:
 
     @property
     def skipped_records(self) -> int:
-        """How many records were dropped as undecodable (`skip_corrupt=True`) by this input's datasets."""
-        return int(self._skipped.numpy())
+        """How many bad records (`skip_corrupt=True`) this input's datasets dropped before the batches
+        their iterators handed out (a distribution strategy may fetch a batch or two ahead)."""
+        return int(tf.reduce_sum(self._skipped).numpy())
 
-    def dataset(self, input_context: Optional[tf.distribute.InputContext] = None) -> tf.data.Dataset:
+    @property
+    def skipped_by_reason(self) -> dict:
+        """`skipped_records` by reason, e.g. `{"not a complete JPEG": 2, "truncated TFRecord file": 1}`."""
+        counts = self._skipped.numpy().tolist()
+        return {name: count for name, count in zip(sources.FAULT_NAMES, counts) if count}
+
+    def dataset(self, input_context: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
         """Builds the dataset of `(images, labels)` batches for one input pipeline.
 
         Args:
@@ -219,6 +238,7 @@ class ImageNetInput:
             shuffle_files=self.is_training,
             deterministic=deterministic,
             seed=seed,
+            skip_corrupt=self.skip_corrupt,
         )
         if record_level:
             records = records.shard(shard.count, shard.index)
@@ -240,9 +260,17 @@ class ImageNetInput:
             # Training shapes must be static for the accelerator; evaluation keeps every example.
             drop_remainder=self.is_training,
         )
+        if self.skip_corrupt:
+            # The skip counts travel with the batches and are added by a sequential map after the
+            # prefetch, which runs as the iterator hands each batch out: read-ahead is not counted.
+            examples = examples.prefetch(AUTOTUNE).map(self._count_skipped)
+            if not self.is_training:
+                examples = examples.filter(lambda images, labels: tf.size(labels) > 0)
         if self.pad_last_batch:
             examples = examples.map(lambda images, labels: _pad_batch(images, labels, batch_size))
         options = _pipeline_options(deterministic=deterministic, threadpool_size=self.threadpool_size)
+        if self.skip_corrupt:
+            options.experimental_optimization.inject_prefetch = False  # would read past the count
         examples = examples.with_options(options)
         if self.data_service_address:
             examples = examples.apply(
@@ -252,7 +280,7 @@ class ImageNetInput:
                     job_name=self.data_service_job_name,
                 )
             )
-        return examples.prefetch(AUTOTUNE)
+        return examples if self.skip_corrupt else examples.prefetch(AUTOTUNE)
 
     def _decode(self, records, seed):
         """Parses and decodes every record into a normalized `(image, label)` example."""
@@ -276,8 +304,7 @@ class ImageNetInput:
         parse = self.source.parse
 
         def parse_check_and_decode(record, crop_seed):
-            origin, index, image_bytes, label = parse(record)
-            image_bytes, label = self._checked(origin, index, image_bytes, label)
+            image_bytes, label = self._checked(*parse(record))
             return self._decode_example(image_bytes, label, crop_seed)
 
         # The batch that follows is fused with this map by tf.data (map_and_batch_fusion).
@@ -285,24 +312,60 @@ class ImageNetInput:
             lambda *element: parse_check_and_decode(*with_crop_seed(*element)), num_parallel_calls=AUTOTUNE
         )
 
-    def _checked(self, origin, index, image_bytes, label, *, check_jpeg=True):
-        """Fails, naming the record, on a record that is not a complete JPEG or has a negative label.
+    def _fault(self, origin, index, image_bytes, stored_label, fault):
+        """The record's fault code (`sources.OK` when it is good) and its label after `label_offset`.
 
-        One assertion for both checks (each stateful op in the map costs per-image time), placed before
-        the decoder so that a broken file fails here, with its name, rather than inside libjpeg.
+        The source's fault (truncated file, not an Example, missing feature) comes first, then the
+        JPEG's structure, then the label's range. Computed with a few scalar ops and no assertion, so
+        that the default path fuses all checks into one assertion and the skipping path can count.
         """
-        label = label - self.label_offset
-        label_ok = label >= 0
-        jpeg_ok = image_ops.is_complete_jpeg(image_bytes) if check_jpeg else tf.constant(True)
-        problem = tf.where(
-            jpeg_ok,
-            f"has a negative label after subtracting label_offset={self.label_offset}: use "
-            "label_offset=0 for 0-based labels.",
-            _NOT_A_JPEG,
+        label = stored_label - self.label_offset
+        label_fault = tf.where(label < 0, sources.NEGATIVE_LABEL, sources.OK)
+        if self.num_classes is not None:
+            label_fault = tf.where(label >= self.num_classes, sources.LABEL_TOO_LARGE, label_fault)
+        jpeg_fault = tf.where(image_ops.is_complete_jpeg(image_bytes), label_fault, sources.NOT_A_JPEG)
+        return tf.where(tf.equal(fault, sources.OK), jpeg_fault, fault), tf.cast(label, tf.int32)
+
+    def _checked(self, origin, index, image_bytes, stored_label, fault):
+        """Fails, naming the file, the record and the fix, on any record fault; returns the JPEG bytes
+        and the label.
+
+        One assertion for all checks (each stateful op in the map costs per-image time), placed before
+        the decoder so that a broken record fails here, with its name, rather than inside libjpeg.
+        """
+        fault, label = self._fault(origin, index, image_bytes, stored_label, fault)
+        problem = tf.gather(self._fault_messages(), fault)
+        check = tf.debugging.Assert(
+            tf.equal(fault, sources.OK),
+            ["Record", index, "of", origin, problem, "Its stored label:", stored_label],
         )
-        check = tf.debugging.Assert(jpeg_ok & label_ok, ["Record", index, "of", origin, problem])
         with tf.control_dependencies([check]):
-            return tf.identity(image_bytes), tf.cast(label, tf.int32)
+            return tf.identity(image_bytes), label
+
+    def _fault_messages(self):
+        """What each fault code means and how to fix it (indexed by code)."""
+        if self.label_map is not None:
+            where = f"the label map {self.label_map.path} says {self.label_map.num_classes} classes"
+        else:
+            where = f"no {LABEL_MAP_FILE} is next to the files"
+        skip = " Or pass skip_corrupt=True to drop and count such records."
+        messages = {
+            sources.OK: "",
+            sources.TRUNCATED_FILE: "is where the file stops being readable: it is truncated or "
+            "corrupted (its size does not match its records). Copy or write the file again." + skip,
+            sources.NOT_AN_EXAMPLE: "is not a serialized tf.train.Example. Check that the file pattern "
+            "names TFRecord files of Examples only." + skip,
+            sources.MISSING_FEATURE: "lacks the image or the label feature (image_key="
+            f"{self.source.image_key!r}, label_key={self.source.label_key!r})." + skip,
+            sources.NOT_A_JPEG: _NOT_A_JPEG,
+            sources.NEGATIVE_LABEL: "has a negative label after subtracting label_offset="
+            f"{self.label_offset}: use label_offset=0 for 0-based labels ({where})." + skip,
+            sources.LABEL_TOO_LARGE: f"has a label >= num_classes={self.num_classes} after "
+            f"subtracting label_offset={self.label_offset} ({where}). Check num_classes and "
+            "label_offset." + skip,
+            sources.UNDECODABLE: "could not be parsed or decoded.",
+        }
+        return tf.constant([messages[code] for code in range(len(sources.FAULT_NAMES))])
 
     def _decode_example(self, image_bytes, label, crop_seed):
         if self.is_training:
@@ -316,59 +379,68 @@ class ImageNetInput:
         return image_ops.normalize_image(image, self.dtype), label
 
     def _decode_skipping_corrupt(self, examples, with_crop_seed):
-        """Drops (and counts) records that are not decodable JPEGs instead of failing.
+        """Drops bad records instead of failing; each kept example carries the skips before it.
 
-        A structural check drops incomplete files; each remaining decode runs in its own one-element dataset
-        whose errors are ignored, so a decoder failure becomes a "failed" marker rather than an error. This
-        costs roughly a tenth more CPU per image than the fused map, hence only with `skip_corrupt=True`.
+        Record faults are found by the same checks as on the default path; each decode then runs in
+        its own one-element dataset whose errors are ignored, so a parser or decoder failure becomes a
+        "failed" marker rather than an error. This costs roughly a tenth more CPU per image than the
+        fused map, hence only with `skip_corrupt=True`. A scan then hands the counts of the dropped
+        records (by reason) to the next kept example; evaluation appends an end marker that carries
+        the trailing ones and is removed from the last batch by `_count_skipped`.
         """
-        skipped = self._skipped
-
-        def keep_or_count(is_good):
-            def count_and_drop():
-                with tf.control_dependencies([skipped.assign_add(1)]):
-                    return tf.constant(False)
-
-            return tf.cond(is_good, lambda: tf.constant(True), count_and_drop)
-
         parse = self.source.parse
-        def parse_with_seed(*element):
-            record, crop_seed = with_crop_seed(*element)
-            origin, index, image_bytes, label = parse(record)
-            # A bad label is a configuration error, not a corrupt record: it fails here, outside the
-            # error-ignoring decode below.
-            image_bytes, label = self._checked(origin, index, image_bytes, label, check_jpeg=False)
-            return (origin, index, image_bytes, label), crop_seed
+        blank = tf.zeros([self.image_size, self.image_size, 3], self.dtype)
+        failed_marker = (blank, tf.constant(-1, tf.int32), tf.constant(sources.UNDECODABLE))
 
-        parsed = examples.map(parse_with_seed)
-        complete = parsed.filter(
-            lambda parsed_record, crop_seed: keep_or_count(image_ops.is_complete_jpeg(parsed_record[2]))
-        )
+        def decode(record, crop_seed):
+            _, _, image_bytes, _, _ = parsed = parse(record)
+            fault, label = self._fault(*parsed)
+            image, label = tf.cond(
+                tf.equal(fault, sources.OK),
+                lambda: self._decode_example(image_bytes, label, crop_seed),
+                lambda: (blank, label),
+            )
+            return image, label, fault
 
-        failed_marker = (
-            tf.zeros([self.image_size, self.image_size, 3], self.dtype),
-            tf.constant(-1, tf.int32),
-            tf.constant(False),
-        )
-
-        def decode(parsed_record, crop_seed):
-            _, _, image_bytes, label = parsed_record
-            image, label = self._decode_example(image_bytes, label, crop_seed)
-            return image, label, tf.constant(True)
-
-        def guarded_decode(parsed_record, crop_seed):
-            attempt = tf.data.Dataset.from_tensors((parsed_record, crop_seed)).map(decode).ignore_errors()
+        def guarded_decode(*element):
+            attempt = tf.data.Dataset.from_tensors(with_crop_seed(*element)).map(decode).ignore_errors()
             return attempt.concatenate(tf.data.Dataset.from_tensors(failed_marker)).take(1)
 
-        decoded = complete.interleave(
+        decoded = examples.interleave(
             guarded_decode,
             cycle_length=2 * (self.threadpool_size or os.cpu_count() or 1),
             block_length=1,
             num_parallel_calls=AUTOTUNE,
         )
-        decoded = decoded.filter(lambda image, label, decoded_ok: keep_or_count(decoded_ok))
-        return decoded.map(lambda image, label, decoded_ok: (image, label))
+        if not self.is_training:
+            end_marker = (blank, tf.constant(_END_LABEL, tf.int32), tf.constant(sources.OK))
+            decoded = decoded.concatenate(tf.data.Dataset.from_tensors(end_marker))
+        no_skips = tf.zeros([len(sources.FAULT_NAMES)], tf.int64)
 
+        def carry_skips(pending, example):
+            image, label, fault = example
+            skipped = tf.not_equal(fault, sources.OK)
+            pending += tf.one_hot(fault, len(sources.FAULT_NAMES), dtype=tf.int64) * tf.cast(
+                skipped, tf.int64)
+            kept = (image, label, tf.where(skipped, no_skips, pending), tf.logical_not(skipped))
+            return tf.where(skipped, pending, no_skips), kept
+
+        decoded = decoded.scan(no_skips, carry_skips)
+        decoded = decoded.filter(lambda image, label, skips, kept: kept)
+        return decoded.map(lambda image, label, skips, kept: (image, label, skips))
+
+    def _count_skipped(self, images, labels, skips):
+        """Adds a batch's skip counts as the batch is handed out; drops the evaluation end marker."""
+        with tf.control_dependencies([self._skipped.assign_add(tf.reduce_sum(skips, axis=0))]):
+            if self.is_training:
+                return tf.identity(images), tf.identity(labels)
+            real = tf.not_equal(labels, _END_LABEL)
+            # Only the last batch holds the marker (as its last row).
+            count = tf.reduce_sum(tf.cast(real, tf.int32))
+            return images[:count], labels[:count]
+
+
+_END_LABEL = -2
 
 _NOT_A_JPEG = (
     "is not a complete JPEG file (another format, empty or truncated). Re-encode it "
@@ -385,3 +457,23 @@ def _pad_batch(images, labels, batch_size):
     weights = tf.pad(tf.ones([count], tf.float32), [[0, padding]])
     images = tf.ensure_shape(images, [batch_size] + images.shape[1:].as_list())
     return images, tf.ensure_shape(labels, [batch_size]), tf.ensure_shape(weights, [batch_size])
+
+
+def _resolve_labels(label_map, label_offset, num_classes):
+    """`(label_offset, num_classes)` from the arguments and the label map, refusing disagreements."""
+    if label_map is not None:
+        for name, given, mapped in (
+            ("label_offset", label_offset, label_map.label_offset),
+            ("num_classes", num_classes, label_map.num_classes),
+        ):
+            if given is not None and given != mapped:
+                raise ValueError(
+                    f"{name}={given} disagrees with the label map {label_map.path!r}, written with "
+                    f"the files: it says {name}={mapped}. Drop {name}= (the label map is read "
+                    f"automatically) or pass {name}={mapped}; if the label map is wrong, rewrite the "
+                    "files with tpu_scale.data.write_tfrecords."
+                )
+        return label_map.label_offset, label_map.num_classes
+    if num_classes is not None and num_classes < 1:
+        raise ValueError(f"num_classes must be at least 1, got {num_classes}.")
+    return (1 if label_offset is None else label_offset), num_classes

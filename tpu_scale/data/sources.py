@@ -1,16 +1,51 @@
 """Where records come from: TFRecord files or a TFDS dataset, sharded per input pipeline.
 
-Each source yields `(origin, record_index, payload)` elements for one pipeline's shard and knows how to
-`parse` them into `(origin, record_index, image_bytes, label)`; `origin` names the file (or TFDS split) so
-that every record-level error can say where the record is.
+Each source yields record elements for one pipeline's shard and knows how to `parse` them into
+`(origin, record_index, image_bytes, label, fault)`; `origin` names the file (or TFDS split) so that every
+record-level error can say where the record is, and `fault` is one of the codes below (`OK` for a record
+whose features were read). Parsing never raises on the common bad records: they come out with their fault
+code, and the pipeline fails naming them or skips and counts them.
 """
 
+import concurrent.futures
 import dataclasses
 import warnings
 
 import tensorflow as tf
+from google.protobuf.message import DecodeError
+
+from tpu_scale.data.schema import is_serialized_example
 
 AUTOTUNE = tf.data.AUTOTUNE
+
+# Record faults, found by the source (the first three) or by the pipeline's checks.
+OK = 0
+TRUNCATED_FILE = 1
+NOT_AN_EXAMPLE = 2
+MISSING_FEATURE = 3
+NOT_A_JPEG = 4
+NEGATIVE_LABEL = 5
+LABEL_TOO_LARGE = 6
+UNDECODABLE = 7
+FAULT_NAMES = (
+    "ok",
+    "truncated TFRecord file",
+    "not a tf.train.Example",
+    "missing feature",
+    "not a complete JPEG",
+    "negative label",
+    "label >= num_classes",
+    "undecodable",
+)
+
+# Defaults that mark a feature missing from a record (no real JPEG or label takes these values).
+_MISSING_IMAGE = b"\x00tpu_scale: missing image feature"
+_MISSING_LABEL = -(2**63)
+# Stands for the end of a file in the record stream; see `TFRecordSource._read_file`.
+_END_OF_FILE = b"\x00tpu_scale: end of file"
+# Bytes a TFRecord adds to each record: its length, the length's CRC and the data's CRC.
+_RECORD_OVERHEAD_BYTES = 16
+_PROBE_RECORDS = 16
 
 
 def shuffle_each_epoch(dataset, buffer_size, seed):
@@ -57,12 +92,32 @@ class TFRecordSource:
             )
         return sorted(set(files))
 
-    def check_features(self, first_file):
-        """Reads one record so that wrong feature keys fail now, with the keys that are there."""
-        first = next(iter(tf.data.TFRecordDataset(first_file).take(1)), None)
-        if first is None:
+    def check_features(self, first_file, skip_corrupt=False):
+        """Reads a record so that wrong feature keys fail now, with the keys that are there.
+
+        The first record that is an Example with features is checked. A first record that is not one
+        fails here, naming it, unless `skip_corrupt` (then the next records are tried).
+        """
+        example = None
+        try:
+            for index, record in enumerate(tf.data.TFRecordDataset(first_file).take(_PROBE_RECORDS)):
+                try:
+                    example = tf.train.Example.FromString(record.numpy())
+                except DecodeError:
+                    example = None
+                if example is not None and example.features.feature:
+                    break
+                if not skip_corrupt:
+                    raise ValueError(
+                        f"Record {index} of {first_file!r} is not a tf.train.Example with features: "
+                        "check that the file pattern names TFRecord files of Examples, or pass "
+                        "skip_corrupt=True to drop and count such records."
+                    )
+                example = None
+        except tf.errors.DataLossError:
+            pass  # a truncated file: the pipeline names it when it gets there
+        if example is None:
             return
-        example = tf.train.Example.FromString(first.numpy())
         found = dict(example.features.feature)
         problems = []
         if self.image_key not in found or found[self.image_key].WhichOneof("kind") != "bytes_list":
@@ -76,12 +131,12 @@ class TFRecordSource:
                 "Pass image_key=... and label_key=... naming the JPEG bytes and the integer label."
             )
 
-    def records(self, shard, *, repeat, shuffle_files, deterministic, seed):
-        """A dataset of `(origin, record_index, serialized_example)` for this shard, plus whether the
-        shard still has to be cut at record level."""
+    def records(self, shard, *, repeat, shuffle_files, deterministic, seed, skip_corrupt=False):
+        """A dataset of `(origin, record_index, serialized_example, file_fault)` for this shard, plus
+        whether the shard still has to be cut at record level."""
         files = self.list_files()
         with tf.init_scope():
-            self.check_features(files[0])
+            self.check_features(files[0], skip_corrupt)
         record_level = len(files) < shard.count
         if record_level:
             warnings.warn(
@@ -93,7 +148,10 @@ class TFRecordSource:
         else:
             # Strided, deterministic assignment: pipeline i reads files i, i+n, i+2n, ... (balanced shards).
             files = files[shard.index :: shard.count]
-        dataset = tf.data.Dataset.from_tensor_slices(files)
+        # The sizes let each file's reader tell a complete file from one that stops early.
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            sizes = list(pool.map(lambda path: tf.io.gfile.stat(path).length, files))
+        dataset = tf.data.Dataset.from_tensor_slices((files, tf.constant(sizes, tf.int64)))
         # Record-level sharding needs every pipeline to see the same record order, so nothing is shuffled
         # before the cut.
         if shuffle_files and not record_level and deterministic and repeat:
@@ -113,20 +171,48 @@ class TFRecordSource:
         )
         return dataset, record_level
 
-    def _read_file(self, filename):
+    def _read_file(self, filename, size):
+        """The records of one file, numbered; a file that cannot be read to its end adds one faulty
+        record where the reading stopped.
+
+        The reader's own error (truncated or corrupted record) would not name the file, so reading
+        simply stops there, and an end marker compares the bytes read with the file's size.
+        """
         records = tf.data.TFRecordDataset(filename, buffer_size=self.read_buffer_bytes)
-        return records.enumerate().map(lambda index, record: (filename, index, record))
+        records = records.ignore_errors().concatenate(tf.data.Dataset.from_tensors(_END_OF_FILE))
+
+        def number(state, record):
+            index, bytes_read = state
+            at_end = tf.equal(record, _END_OF_FILE)
+            file_fault = at_end & tf.not_equal(bytes_read, size)
+            length = tf.cast(tf.strings.length(record), tf.int64) + _RECORD_OVERHEAD_BYTES
+            return (index + 1, bytes_read + length), (filename, index, record, file_fault)
+
+        records = records.scan((tf.constant(0, tf.int64), tf.constant(0, tf.int64)), number)
+        return records.filter(
+            lambda origin, index, record, file_fault: file_fault | tf.not_equal(record, _END_OF_FILE)
+        )
 
     def parse(self, record):
-        origin, index, serialized = record
+        origin, index, serialized, file_fault = record
+        is_example = is_serialized_example(serialized)
+        # A record that is not an Example is parsed as an empty one, so the parser cannot fail on it.
+        serialized = tf.cond(is_example, lambda: serialized, lambda: tf.constant(b""))
         features = tf.io.parse_single_example(
             serialized,
             {
-                self.image_key: tf.io.FixedLenFeature([], tf.string),
-                self.label_key: tf.io.FixedLenFeature([], tf.int64),
+                self.image_key: tf.io.FixedLenFeature([], tf.string, default_value=_MISSING_IMAGE),
+                self.label_key: tf.io.FixedLenFeature([], tf.int64, default_value=_MISSING_LABEL),
             },
         )
-        return origin, index, features[self.image_key], features[self.label_key]
+        image_bytes, label = features[self.image_key], features[self.label_key]
+        missing = tf.equal(image_bytes, _MISSING_IMAGE) | tf.equal(label, _MISSING_LABEL)
+        fault = tf.where(
+            file_fault,
+            TRUNCATED_FILE,
+            tf.where(is_example, tf.where(missing, MISSING_FEATURE, OK), NOT_AN_EXAMPLE),
+        )
+        return origin, index, image_bytes, label, fault
 
 
 class TFDSSource:
@@ -141,7 +227,7 @@ class TFDSSource:
         self.cycle_length = cycle_length
         self.description = f"tfds:{name}/{split}"
 
-    def records(self, shard, *, repeat, shuffle_files, deterministic, seed):
+    def records(self, shard, *, repeat, shuffle_files, deterministic, seed, skip_corrupt=False):
         import tensorflow_datasets as tfds
 
         builder = tfds.builder(self.name, data_dir=self.data_dir)
@@ -179,4 +265,4 @@ class TFDSSource:
 
     def parse(self, record):
         origin, index, image_bytes, label = record
-        return origin, index, image_bytes, tf.cast(label, tf.int64)
+        return origin, index, image_bytes, tf.cast(label, tf.int64), tf.constant(OK)

@@ -1,42 +1,168 @@
 """Turns a folder of class sub-folders of images into TFRecord shards in the classic ImageNet layout.
 
-    python -m tpu_scale.data.write_tfrecords --image_dir photos/train --output_dir records --num_shards 16
+    python -m tpu_scale.data.write_tfrecords --image_dir photos --output_dir records
 
-`photos/train/<class name>/<image>` becomes `records/train-00000-of-00016` ... with one `tf.train.Example`
-per image: `image/encoded` (JPEG bytes), `image/class/label` (int64, `label_offset` + the class's index in
-sorted folder order, so 1-based by default like the ImageNet files), `image/class/synset` (the folder name),
-`image/filename`, `image/height`, `image/width`, `image/format`. `labels.txt` lists the class names in label
-order. JPEGs are stored byte for byte; other formats (PNG, GIF, BMP, WebP) and CMYK JPEGs are re-encoded as
-RGB JPEGs, because the input pipeline's fused decode reads JPEG only.
+`photos/<class name>/<image>` becomes `records/train-00000-of-00008` ... and
+`records/validation-00000-of-00002` ...: a seeded split, stratified by class (`--validation_fraction`,
+10% by default; 0 for none, or `--validation_dir` for a folder that already holds the validation images).
+Each record is one `tf.train.Example`: `image/encoded` (JPEG bytes), `image/class/label` (int64, the
+class id + `label_offset`, so 1-based by default like the ImageNet files), `image/class/synset` (the
+folder name), `image/filename`, `image/height`, `image/width`, `image/format`.
+
+Beside the shards, `labels.json` (see `tpu_scale.data.schema`) records the class names, their ids, the
+label offset and the counts per split; `ImageNetInput` reads it, so the reader's `label_offset` and
+`num_classes` come from the writer. `labels.txt` lists the class names in id order.
+
+What is checked, so that training never meets a bad image:
+  - Every image is decoded in full before it is stored. JPEGs are stored byte for byte; other formats
+    (PNG, GIF, BMP, WebP) and CMYK JPEGs are re-encoded as RGB JPEGs, because the input pipeline's fused
+    decode reads JPEG only. Undecodable or truncated files are skipped, counted and named in the summary.
+  - Files of other types (`.txt`, `.tiff`, ...) are skipped, counted and named.
+  - Class folders without images are skipped with a warning and get no id: the ids are those of the
+    non-empty classes in sorted folder order, and the summary lists the skipped folders.
+  - `--strict` turns every skipped file and empty class folder into an error naming them.
+  - No shard is empty: a split with fewer images than shards gets fewer shards.
+
+The output appears atomically: the shards and label map are written into a hidden folder next to
+`output_dir` (`.<name>.incomplete-*`) and moved into place at the end, so an aborted conversion leaves
+nothing that looks finished. An `output_dir` that already holds a conversion is refused unless
+`--overwrite` is given, which replaces it as a whole; a non-empty folder holding anything else is always
+refused. (On object stores, which cannot rename folders, the files are moved one by one and `labels.json`
+goes last: a folder without it is unfinished.)
 """
 
 import argparse
 import concurrent.futures
 import dataclasses
+import fnmatch
+import math
 import os
 import random
-from typing import List, Optional
+import shutil
+import sys
+import tempfile
+import uuid
+from collections.abc import Sequence
 
 import tensorflow as tf
 
-from tpu_scale.data.schema import make_example
+from tpu_scale.data import image_ops
+from tpu_scale.data.schema import LABEL_MAP_FILE, LABELS_TXT_FILE, make_example, write_label_map
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".gif", ".bmp", ".webp")
+DEFAULT_VALIDATION_FRACTION = 0.1
+# About 110 MB of ImageNet-sized JPEGs per shard; at least `_MIN_SHARDS` files so that several hosts and
+# the reader's parallel interleave have files to share.
+EXAMPLES_PER_SHARD = 1024
+_MIN_SHARDS = 8
 _REENCODE_QUALITY = 95
+_MAX_NAMES = 10
+
+# Why a file was skipped (the keys of `TFRecordSummary.skipped`).
+UNSUPPORTED_TYPE = "unsupported file type"
+UNDECODABLE = "not a decodable image"
+CORRUPT_JPEG = "truncated or corrupt JPEG"
+UNREADABLE = "unreadable file"
+NOT_IN_CLASS_FOLDER = "not in a class folder"
+NESTED_FOLDER = "folder inside a class folder (not searched)"
 
 
 @dataclasses.dataclass
 class TFRecordSummary:
-    """What `write_tfrecords` wrote."""
+    """What `write_tfrecords` wrote.
 
-    paths: List[str]
-    num_examples: int
-    class_names: List[str]
+    Attributes:
+      output_dir: the folder of the shards.
+      class_names: the class names in id order (empty class folders excluded).
+      label_offset: the stored label of class 0.
+      split_paths: the shard paths of each split (`"train"`, `"validation"`).
+      split_counts: the examples of each split.
+      class_counts: the examples of each class (in id order), per split.
+      num_reencoded: images stored re-encoded as JPEG (other formats, CMYK JPEGs).
+      skipped: the skipped files by reason (`UNSUPPORTED_TYPE`, `UNDECODABLE`, `CORRUPT_JPEG`, ...).
+      empty_classes: class folders without images, skipped (they get no id).
+      label_map_path: the `labels.json` written.
+      replaced_existing: whether an earlier conversion in `output_dir` was replaced (`overwrite=True`).
+    """
+
+    output_dir: str
+    class_names: list[str]
+    label_offset: int
+    split_paths: dict[str, list[str]]
+    split_counts: dict[str, int]
+    class_counts: dict[str, list[int]]
     num_reencoded: int
+    skipped: dict[str, list[str]]
+    empty_classes: list[str]
+    label_map_path: str
+    replaced_existing: bool = False
+
+    @property
+    def paths(self) -> list[str]:
+        """All shard paths, split by split."""
+        return [path for paths in self.split_paths.values() for path in paths]
+
+    @property
+    def num_examples(self) -> int:
+        """The examples of all splits."""
+        return sum(self.split_counts.values())
+
+    @property
+    def num_skipped(self) -> int:
+        """The files skipped for any reason."""
+        return sum(len(paths) for paths in self.skipped.values())
+
+    def describe(self, max_names: int = _MAX_NAMES) -> str:
+        """A readable report: counts per split, classes, skipped files by reason with their names.
+
+        Args:
+          max_names: file names listed per reason before "and N more".
+
+        Returns:
+          A multi-line string.
+        """
+        lines = [
+            f"Wrote {self.num_examples} images of {len(self.class_names)} classes to {self.output_dir}"
+            + (" (replacing the earlier conversion)." if self.replaced_existing else ".")
+        ]
+        for split, count in self.split_counts.items():
+            lines.append(f"  {split}: {count} images in {len(self.split_paths[split])} shards")
+        last = len(self.class_names) - 1 + self.label_offset
+        lines.append(
+            f"  classes: {_names(self.class_names, max_names)}, ids 0-{len(self.class_names) - 1}, "
+            f"stored as labels {self.label_offset}-{last} (label_offset={self.label_offset})"
+        )
+        lines.append(f"  label map: {self.label_map_path}")
+        lines.append(f"  re-encoded as JPEG: {self.num_reencoded}")
+        if self.empty_classes:
+            lines.append(
+                f"Skipped {len(self.empty_classes)} class folder(s) without images (they get no id): "
+                f"{_names(self.empty_classes, max_names)}"
+            )
+        if self.skipped:
+            lines.append(f"Skipped {self.num_skipped} file(s):")
+            for reason, paths in sorted(self.skipped.items()):
+                lines.append(f"  {reason} ({len(paths)}): {_names(paths, max_names)}")
+        return "\n".join(lines)
+
+
+def _names(names, max_names=_MAX_NAMES):
+    names = list(names)
+    shown = ", ".join(names[:max_names])
+    return shown + (f" and {len(names) - max_names} more" if len(names) > max_names else "")
+
+
+class _Skip(Exception):
+    def __init__(self, reason):
+        super().__init__(reason)
+        self.reason = reason
 
 
 def as_rgb_jpeg(image_bytes, path=""):
     """Returns `(jpeg_bytes, height, width, reencoded)`: JPEG bytes the pipeline can decode.
+
+    The image is decoded in full, so a file that is truncated or corrupt anywhere fails here rather than
+    in training.
 
     Args:
       image_bytes: the file's bytes (JPEG, PNG, GIF, BMP or WebP).
@@ -50,132 +176,420 @@ def as_rgb_jpeg(image_bytes, path=""):
       ValueError: if the bytes are not a decodable image.
     """
     try:
-        if tf.io.is_jpeg(image_bytes):
+        return _as_rgb_jpeg(image_bytes)
+    except _Skip as skip:
+        raise ValueError(f"{path!r} is not usable: {skip.reason}.") from None
+
+
+def _as_rgb_jpeg(image_bytes):
+    if tf.io.is_jpeg(image_bytes):
+        # The reader's structural check must accept what is stored: a JPEG without its end-of-image
+        # marker is truncated even when libjpeg decodes the part that is there.
+        if not bool(image_ops.is_complete_jpeg(image_bytes)):
+            raise _Skip(CORRUPT_JPEG)
+        try:
             height, width, channels = tf.image.extract_jpeg_shape(image_bytes).numpy().tolist()
             if channels in (1, 3):
+                tf.io.decode_jpeg(image_bytes, channels=3)
                 return image_bytes, height, width, False
-        image = tf.io.decode_image(image_bytes, channels=3, expand_animations=False)
-    except tf.errors.InvalidArgumentError as error:
-        raise ValueError(f"{path!r} is not a decodable image ({error.message.strip()}).") from None
+            image = tf.io.decode_image(image_bytes, channels=3, expand_animations=False)
+        except tf.errors.InvalidArgumentError:
+            raise _Skip(CORRUPT_JPEG) from None
+    else:
+        try:
+            image = tf.io.decode_image(image_bytes, channels=3, expand_animations=False)
+        except tf.errors.InvalidArgumentError:
+            raise _Skip(UNDECODABLE) from None
     jpeg = tf.io.encode_jpeg(image, quality=_REENCODE_QUALITY).numpy()
     return jpeg, int(image.shape[0]), int(image.shape[1]), True
 
 
-def _list_images(image_dir):
+@dataclasses.dataclass
+class _Listing:
+    files_by_class: dict[str, list[str]]
+    empty_classes: list[str]
+    skipped: dict[str, list[str]]
+
+
+def _list_class_folders(image_dir, flag):
     if not tf.io.gfile.isdir(image_dir):
-        raise ValueError(f"image_dir {image_dir!r} is not a directory.")
-    class_names = sorted(
-        name.rstrip("/")
-        for name in tf.io.gfile.listdir(image_dir)
-        if tf.io.gfile.isdir(os.path.join(image_dir, name))
-    )
+        raise ValueError(f"{flag} {image_dir!r} is not a directory.")
+    entries = sorted(name.rstrip("/") for name in tf.io.gfile.listdir(image_dir))
+    class_names = [name for name in entries if tf.io.gfile.isdir(os.path.join(image_dir, name))]
     if not class_names:
         raise ValueError(
             f"{image_dir!r} has no sub-folders: put each class's images in their own sub-folder "
             f"({image_dir}/<class name>/<image>.jpg)."
         )
-    images = []
-    for label_index, class_name in enumerate(class_names):
+    skipped = {}
+    for name in entries:
+        if name not in class_names:
+            skipped.setdefault(NOT_IN_CLASS_FOLDER, []).append(os.path.join(image_dir, name))
+    files_by_class, empty_classes = {}, []
+    for class_name in class_names:
         class_dir = os.path.join(image_dir, class_name)
-        for name in sorted(tf.io.gfile.listdir(class_dir)):
-            if name.lower().endswith(IMAGE_EXTENSIONS):
-                images.append((os.path.join(class_dir, name), label_index, class_name))
-    if not images:
-        raise ValueError(
-            f"No images ({', '.join(IMAGE_EXTENSIONS)}) in the class folders of {image_dir!r}."
-        )
-    return class_names, images
+        images = []
+        for name in sorted(n.rstrip("/") for n in tf.io.gfile.listdir(class_dir)):
+            path = os.path.join(class_dir, name)
+            if tf.io.gfile.isdir(path):
+                skipped.setdefault(NESTED_FOLDER, []).append(path)
+            elif name.lower().endswith(IMAGE_EXTENSIONS):
+                images.append(path)
+            else:
+                skipped.setdefault(UNSUPPORTED_TYPE, []).append(path)
+        if images:
+            files_by_class[class_name] = images
+        else:
+            empty_classes.append(class_name)
+    return _Listing(files_by_class, empty_classes, skipped)
 
 
-def _write_shard(path, images, label_offset):
-    reencoded = 0
+def _validation_count(num_images, fraction):
+    # Rounded per class, and every class keeps at least one training image.
+    if num_images < 2 or fraction <= 0:
+        return 0
+    return min(num_images - 1, math.floor(num_images * fraction + 0.5))
+
+
+def _stratified_split(files_by_class, class_ids, fraction, seed):
+    train, validation = [], []
+    for class_name, paths in files_by_class.items():
+        # A generator per class: adding or removing a class leaves the split of the others unchanged.
+        order = sorted(paths)
+        random.Random(f"{seed}/{class_name}").shuffle(order)
+        count = _validation_count(len(order), fraction)
+        validation.extend((path, class_ids[class_name]) for path in order[:count])
+        train.extend((path, class_ids[class_name]) for path in order[count:])
+    return train, validation
+
+
+def default_num_shards(num_images: int) -> int:
+    """The shard count used when none is given: about `EXAMPLES_PER_SHARD` images a shard, at least 8
+    shards, and never more shards than images."""
+    return max(1, min(num_images, max(_MIN_SHARDS, math.ceil(num_images / EXAMPLES_PER_SHARD))))
+
+
+def _write_shard(path, images, class_names, label_offset):
+    """Writes one shard; returns (examples written, re-encoded, per-class counts, skipped by reason)."""
+    reencoded, written = 0, 0
+    per_class = [0] * len(class_names)
+    skipped = {}
     with tf.io.TFRecordWriter(path) as writer:
-        for image_path, label_index, class_name in images:
-            with tf.io.gfile.GFile(image_path, "rb") as f:
-                raw = f.read()
-            jpeg, height, width, was_reencoded = as_rgb_jpeg(raw, image_path)
-            reencoded += was_reencoded
+        for image_path, class_id in images:
+            try:
+                try:
+                    with tf.io.gfile.GFile(image_path, "rb") as f:
+                        raw = f.read()
+                except (OSError, tf.errors.OpError):
+                    raise _Skip(UNREADABLE) from None
+                jpeg, height, width, was_reencoded = _as_rgb_jpeg(raw)
+            except _Skip as skip:
+                skipped.setdefault(skip.reason, []).append(image_path)
+                continue
             example = make_example(
                 jpeg,
-                label_index + label_offset,
+                class_id + label_offset,
                 height=height,
                 width=width,
-                synset=class_name,
+                synset=class_names[class_id],
                 filename=os.path.basename(image_path),
             )
             writer.write(example.SerializeToString())
-    return reencoded
+            reencoded += was_reencoded
+            written += 1
+            per_class[class_id] += 1
+    return written, reencoded, per_class, skipped
+
+
+def _is_local(path):
+    return "://" not in path
+
+
+def _looks_like_conversion(names):
+    patterns = ("train-*", "validation-*", LABEL_MAP_FILE, LABELS_TXT_FILE)
+    return bool(names) and all(any(fnmatch.fnmatch(n, p) for p in patterns) for n in names)
+
+
+def _check_output_dir(output_dir, overwrite):
+    """Returns whether `output_dir` holds a conversion to replace; raises if it must not be touched."""
+    if not tf.io.gfile.exists(output_dir):
+        return False
+    if not tf.io.gfile.isdir(output_dir):
+        raise ValueError(f"output_dir {output_dir!r} is a file: choose a folder.")
+    names = [name.rstrip("/") for name in tf.io.gfile.listdir(output_dir)]
+    if not names:
+        return False
+    if not _looks_like_conversion(names):
+        raise ValueError(
+            f"output_dir {output_dir!r} is not empty and holds files other than shards and label maps "
+            f"({_names(sorted(names), 5)}): choose a new or empty folder."
+        )
+    if not overwrite:
+        finished = LABEL_MAP_FILE in names
+        raise ValueError(
+            f"output_dir {output_dir!r} already holds "
+            + ("a finished conversion (labels.json)" if finished else "TFRecord shards without "
+               "labels.json (an older or unfinished conversion)")
+            + ": pass overwrite=True (--overwrite) to replace it, or choose another output_dir."
+        )
+    return True
+
+
+def _publish(staging_dir, output_dir, replace):
+    """Moves the finished `staging_dir` into place as `output_dir`."""
+    if _is_local(output_dir):
+        old = None
+        if tf.io.gfile.exists(output_dir):
+            if replace:
+                old = f"{staging_dir}.replaced"
+                os.rename(output_dir, old)
+            else:
+                os.rmdir(output_dir)  # empty (checked before writing)
+        os.rename(staging_dir, output_dir)
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+        return
+    if replace:
+        tf.io.gfile.rmtree(output_dir)
+    tf.io.gfile.makedirs(output_dir)
+    names = sorted(n.rstrip("/") for n in tf.io.gfile.listdir(staging_dir))
+    # labels.json last: its presence is what marks a finished conversion.
+    for name in sorted(names, key=lambda n: n == LABEL_MAP_FILE):
+        tf.io.gfile.rename(os.path.join(staging_dir, name), os.path.join(output_dir, name))
+    tf.io.gfile.rmtree(staging_dir)
+
+
+def _make_staging_dir(output_dir):
+    parent, name = os.path.split(output_dir)
+    parent = parent or "."
+    tf.io.gfile.makedirs(parent)
+    if _is_local(output_dir):
+        return tempfile.mkdtemp(prefix=f".{name}.incomplete-", dir=parent)
+    staging = os.path.join(parent, f".{name}.incomplete-{uuid.uuid4().hex[:8]}")
+    tf.io.gfile.makedirs(staging)
+    return staging
+
+
+def _remove(path):
+    if _is_local(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif tf.io.gfile.exists(path):
+        tf.io.gfile.rmtree(path)
+
+
+def _error_listing(what, by_reason):
+    parts = [f"{reason} ({len(paths)}): {_names(paths)}" for reason, paths in sorted(by_reason.items())]
+    return f"{what}: " + "; ".join(parts)
 
 
 def write_tfrecords(
     image_dir: str,
     output_dir: str,
-    num_shards: int = 16,
+    num_shards: int | None = None,
     *,
-    prefix: str = "train",
+    validation_fraction: float | None = None,
+    validation_dir: str | None = None,
+    num_validation_shards: int | None = None,
     label_offset: int = 1,
     seed: int = 0,
-    num_threads: Optional[int] = None,
+    strict: bool = False,
+    overwrite: bool = False,
+    num_threads: int | None = None,
 ) -> TFRecordSummary:
-    """Writes the images of `image_dir/<class>/` as TFRecord shards in the classic ImageNet layout.
+    """Writes the images of `image_dir/<class>/` as `train-*` and `validation-*` TFRecord shards.
 
-    The image order is shuffled (with `seed`) before sharding, so every shard mixes all classes.
+    The validation images are drawn per class (stratified) with `seed`; within each split the image
+    order is shuffled before sharding, so every shard mixes all classes. See the module docstring for
+    what is checked and how the output appears atomically.
 
     Args:
       image_dir: a folder with one sub-folder of images per class.
-      output_dir: where the shards and `labels.txt` go (created if missing).
-      num_shards: how many files; use at least as many as input pipelines (hosts) that will read them.
-      prefix: shard file name prefix, e.g. `train` or `validation`.
-      label_offset: the stored label of the first class (1 matches the classic ImageNet files and
-        `ImageNetInput`'s default `label_offset=1`).
-      seed: seed of the shuffle.
+      output_dir: the folder to create with the shards, `labels.json` and `labels.txt`.
+      num_shards: training shards (default: `default_num_shards` of the image count). Use at least as
+        many as input pipelines (hosts) that will read them. Capped at the image count.
+      validation_fraction: the share of each class's images that goes to `validation-*` (default 0.1;
+        0 writes no validation split). Not with `validation_dir`.
+      validation_dir: a folder of class sub-folders holding the validation images; every one of its
+        classes must be a (non-empty) class of `image_dir`.
+      num_validation_shards: validation shards (default: `default_num_shards` of their count).
+      label_offset: the stored label of class 0 (1 matches the classic ImageNet files). The reader
+        learns it from `labels.json`.
+      seed: seed of the split and the shuffles.
+      strict: fail, naming the files, instead of skipping files that are not images, undecodable
+        images and empty class folders.
+      overwrite: replace a conversion already in `output_dir`.
       num_threads: shards written at once (default: the CPU count).
 
     Returns:
-      A `TFRecordSummary` with the shard paths, the example count, the class names and how many images
-      were re-encoded.
+      A `TFRecordSummary`; `summary.describe()` is the report `main` prints.
+
+    Raises:
+      ValueError: if the folders are not class folders, no image is usable, `output_dir` holds
+        something that must not be replaced, or (with `strict=True`) any file or class folder was skipped.
     """
-    if num_shards < 1:
-        raise ValueError(f"num_shards must be at least 1, got {num_shards}.")
-    class_names, images = _list_images(image_dir)
-    random.Random(seed).shuffle(images)
-    tf.io.gfile.makedirs(output_dir)
-    paths = [
-        os.path.join(output_dir, f"{prefix}-{index:05d}-of-{num_shards:05d}") for index in range(num_shards)
-    ]
-    with concurrent.futures.ThreadPoolExecutor(num_threads or os.cpu_count()) as pool:
-        reencoded = sum(
-            pool.map(
-                lambda index: _write_shard(paths[index], images[index::num_shards], label_offset),
-                range(num_shards),
-            )
+    if validation_dir is not None and validation_fraction:
+        raise ValueError(
+            "Pass either validation_fraction (split image_dir) or validation_dir (validation images "
+            "already in their own folder), not both."
         )
-    with tf.io.gfile.GFile(os.path.join(output_dir, "labels.txt"), "w") as f:
-        f.write("".join(name + "\n" for name in class_names))
-    return TFRecordSummary(paths, len(images), class_names, reencoded)
+    if validation_fraction is None:
+        validation_fraction = 0.0 if validation_dir is not None else DEFAULT_VALIDATION_FRACTION
+    if not 0.0 <= validation_fraction < 1.0:
+        raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction}.")
+    for flag, value in (("num_shards", num_shards), ("num_validation_shards", num_validation_shards)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}.")
+    output_dir = os.fspath(output_dir).rstrip("/") or "/"
+
+    listing = _list_class_folders(image_dir, "image_dir")
+    class_names = list(listing.files_by_class)
+    class_ids = {name: index for index, name in enumerate(class_names)}
+    skipped = {reason: list(paths) for reason, paths in listing.skipped.items()}
+    empty_classes = list(listing.empty_classes)
+    if not class_names:
+        raise ValueError(
+            f"No images ({', '.join(IMAGE_EXTENSIONS)}) in the class folders of {image_dir!r}"
+            + (f"; {_error_listing('skipped', skipped)}" if skipped else ".")
+        )
+    train, validation = _stratified_split(listing.files_by_class, class_ids, validation_fraction, seed)
+    if validation_dir is not None:
+        val_listing = _list_class_folders(validation_dir, "validation_dir")
+        unknown = sorted(set(val_listing.files_by_class) - set(class_ids))
+        if unknown:
+            raise ValueError(
+                f"validation_dir {validation_dir!r} has classes with no training images in "
+                f"{image_dir!r}: {_names(unknown)}. Give each validation class its training images."
+            )
+        for class_name, paths in val_listing.files_by_class.items():
+            validation.extend((path, class_ids[class_name]) for path in paths)
+        for reason, paths in val_listing.skipped.items():
+            skipped.setdefault(reason, []).extend(paths)
+        empty_classes.extend(os.path.join(validation_dir, name) for name in val_listing.empty_classes)
+    if strict and (skipped or empty_classes):
+        problems = dict(skipped)
+        if empty_classes:
+            problems["class folder without images"] = empty_classes
+        raise ValueError(
+            _error_listing("strict: files and folders that would be skipped", problems)
+            + ". Remove or fix them, or run without strict to skip them."
+        )
+    replace = _check_output_dir(output_dir, overwrite)
+
+    splits = {"train": train, "validation": validation}
+    requested = {"train": num_shards, "validation": num_validation_shards}
+    staging_dir = _make_staging_dir(output_dir)
+    try:
+        tasks = []
+        for split, items in splits.items():
+            if not items:
+                continue
+            random.Random(f"{seed}/{split}").shuffle(items)
+            count = min(requested[split] or default_num_shards(len(items)), len(items))
+            for index in range(count):
+                path = os.path.join(staging_dir, f"{split}-{index:05d}.incomplete")
+                tasks.append((split, path, items[index::count]))
+        with concurrent.futures.ThreadPoolExecutor(num_threads or os.cpu_count() or 1) as pool:
+            futures = [
+                pool.submit(_write_shard, path, items, class_names, label_offset)
+                for _, path, items in tasks
+            ]
+            try:
+                results = [future.result() for future in futures]
+            except BaseException:
+                for future in futures:
+                    future.cancel()  # an abort does not wait for the shards not yet started
+                raise
+        split_counts = {split: 0 for split, items in splits.items() if items}
+        class_counts = {split: [0] * len(class_names) for split in split_counts}
+        written_shards = {split: [] for split in split_counts}
+        num_reencoded = 0
+        for (split, path, _), (written, reencoded, per_class, shard_skipped) in zip(tasks, results):
+            num_reencoded += reencoded
+            split_counts[split] += written
+            class_counts[split] = [a + b for a, b in zip(class_counts[split], per_class)]
+            for reason, paths in shard_skipped.items():
+                skipped.setdefault(reason, []).extend(sorted(paths))
+            if written:
+                written_shards[split].append(path)
+            else:
+                tf.io.gfile.remove(path)  # every image of the shard was skipped
+        failed = {r: p for r, p in skipped.items() if r in (UNDECODABLE, CORRUPT_JPEG, UNREADABLE)}
+        if strict and failed:
+            raise ValueError(
+                _error_listing("strict: images that cannot be stored", failed)
+                + ". Remove or fix them, or run without strict to skip them."
+            )
+        if not sum(split_counts.values()):
+            raise ValueError(f"No usable image in {image_dir!r}; {_error_listing('skipped', skipped)}.")
+        split_paths = {}
+        for split, paths in written_shards.items():
+            split_paths[split] = []
+            for index, path in enumerate(paths):
+                final = f"{split}-{index:05d}-of-{len(paths):05d}"
+                tf.io.gfile.rename(path, os.path.join(staging_dir, final))
+                split_paths[split].append(os.path.join(output_dir, final))
+        split_counts = {split: n for split, n in split_counts.items() if n}
+        class_counts = {split: class_counts[split] for split in split_counts}
+        write_label_map(staging_dir, class_names, label_offset, split_counts, class_counts)
+        _publish(staging_dir, output_dir, replace)
+    except BaseException:
+        _remove(staging_dir)
+        raise
+    return TFRecordSummary(
+        output_dir=output_dir,
+        class_names=class_names,
+        label_offset=label_offset,
+        split_paths={split: split_paths[split] for split in split_counts},
+        split_counts=split_counts,
+        class_counts=class_counts,
+        num_reencoded=num_reencoded,
+        skipped={reason: sorted(paths) for reason, paths in skipped.items()},
+        empty_classes=empty_classes,
+        label_map_path=os.path.join(output_dir, LABEL_MAP_FILE),
+        replaced_existing=replace,
+    )
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Sequence[str] | None = None) -> TFRecordSummary:
+    """The command line: converts, prints the summary; errors exit with status 1 and one message."""
+    parser = argparse.ArgumentParser(
+        prog="python -m tpu_scale.data.write_tfrecords",
+        description=__doc__.split("\n\n")[0],
+    )
     parser.add_argument("--image_dir", required=True, help="folder with one sub-folder of images per class")
-    parser.add_argument("--output_dir", required=True, help="where to write the TFRecord shards")
-    parser.add_argument("--num_shards", type=int, default=16)
-    parser.add_argument("--prefix", default="train", help="shard name prefix (train, validation, ...)")
-    parser.add_argument("--label_offset", type=int, default=1, help="stored label of the first class")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output_dir", required=True, help="folder to create with the shards")
+    parser.add_argument(
+        "--validation_fraction", type=float, default=None,
+        help=f"share of each class held out as validation-* (default {DEFAULT_VALIDATION_FRACTION}; 0: none)",
+    )
+    parser.add_argument("--validation_dir", help="folder of class sub-folders with the validation images")
+    parser.add_argument("--num_shards", type=int, help="training shards (default: from the image count)")
+    parser.add_argument("--num_validation_shards", type=int, help="validation shards (default: from the count)")
+    parser.add_argument("--label_offset", type=int, default=1, help="stored label of class 0 (default 1)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the split and the shuffles")
+    parser.add_argument("--strict", action="store_true", help="fail on any file or class folder skipped")
+    parser.add_argument("--overwrite", action="store_true", help="replace a conversion in output_dir")
+    parser.add_argument("--num_threads", type=int, help="shards written at once (default: the CPU count)")
     args = parser.parse_args(argv)
-    summary = write_tfrecords(
-        args.image_dir,
-        args.output_dir,
-        args.num_shards,
-        prefix=args.prefix,
-        label_offset=args.label_offset,
-        seed=args.seed,
-    )
-    print(
-        f"Wrote {summary.num_examples} examples of {len(summary.class_names)} classes to "
-        f"{len(summary.paths)} shards in {args.output_dir} ({summary.num_reencoded} re-encoded as JPEG)."
-    )
+    try:
+        summary = write_tfrecords(
+            args.image_dir,
+            args.output_dir,
+            args.num_shards,
+            validation_fraction=args.validation_fraction,
+            validation_dir=args.validation_dir,
+            num_validation_shards=args.num_validation_shards,
+            label_offset=args.label_offset,
+            seed=args.seed,
+            strict=args.strict,
+            overwrite=args.overwrite,
+            num_threads=args.num_threads,
+        )
+    except ValueError as error:
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
+    print(summary.describe())
+    return summary
 
 
 if __name__ == "__main__":

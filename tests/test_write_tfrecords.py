@@ -1,0 +1,350 @@
+"""Tests of the writer (`tpu_scale.data.write_tfrecords`) on real images.
+
+The images are scikit-learn's digits (1797 greyscale 8x8 scans of handwritten digits, 10 classes, shipped
+inside the package), upscaled to 32x32 and saved as JPEG and PNG files in one folder per class, with the
+kinds of bad files a photo folder collects beside them. Each file is named after its index in the digits
+arrays, so every stored record can be traced back to its source image and class.
+"""
+
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tpu_scale.data import ImageNetInput, write_tfrecords
+from tpu_scale.data.schema import read_label_map
+
+PIL = pytest.importorskip("PIL")
+from PIL import Image
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+write_module = sys.modules["tpu_scale.data.write_tfrecords"]
+
+BAD_FILES = {
+    "truncated or corrupt JPEG": ["3/cut_in_half.jpg"],
+    "not a decodable image": ["4/text_named.jpg"],
+    "unsupported file type": ["4/notes.txt", "5/scan.tiff"],
+}
+
+
+def _digits():
+    datasets = pytest.importorskip("sklearn.datasets")
+    digits = datasets.load_digits()
+    return digits.images, digits.target
+
+
+def _digit_image(pixels):
+    grey = np.rint(pixels * (255.0 / 16.0)).astype(np.uint8)
+    return Image.fromarray(grey).resize((32, 32), Image.BILINEAR)
+
+
+def _encoded(image, image_format):
+    buffer = io.BytesIO()
+    image.save(buffer, image_format)
+    return buffer.getvalue()
+
+
+def write_digit_folders(root, indices=None, *, bad_files=True):
+    """Class folders `root/<digit>/digit_<index>.jpg|png`; returns {file name: digit}."""
+    images, targets = _digits()
+    indices = range(len(targets)) if indices is None else indices
+    sources = {}
+    for index in indices:
+        digit = int(targets[index])
+        os.makedirs(os.path.join(root, str(digit)), exist_ok=True)
+        # Alternating formats: JPEGs are stored as they are, PNGs re-encoded.
+        image_format, extension = ("JPEG", "jpg") if index % 2 == 0 else ("PNG", "png")
+        name = f"digit_{index:04d}.{extension}"
+        with open(os.path.join(root, str(digit), name), "wb") as f:
+            f.write(_encoded(_digit_image(images[index]), image_format))
+        sources[name] = digit
+    if bad_files:
+        jpeg = _encoded(_digit_image(images[0]), "JPEG")
+        with open(os.path.join(root, "3", "cut_in_half.jpg"), "wb") as f:
+            f.write(jpeg[: len(jpeg) // 2])
+        with open(os.path.join(root, "4", "text_named.jpg"), "w") as f:
+            f.write("not an image, whatever the name says\n")
+        with open(os.path.join(root, "4", "notes.txt"), "w") as f:
+            f.write("notes\n")
+        Image.fromarray(np.zeros((8, 8), np.uint8)).save(os.path.join(root, "5", "scan.tiff"))
+        os.makedirs(os.path.join(root, "empty_class"))
+    return sources
+
+
+def read_records(pattern):
+    """(file name, stored label, class name, image bytes) of every record of the files."""
+    files = sorted(tf.io.gfile.glob(pattern))
+    spec = {
+        "image/encoded": tf.io.FixedLenFeature([], tf.string),
+        "image/class/label": tf.io.FixedLenFeature([], tf.int64),
+        "image/class/synset": tf.io.FixedLenFeature([], tf.string),
+        "image/filename": tf.io.FixedLenFeature([], tf.string),
+    }
+    rows = []
+    for record in tf.data.TFRecordDataset(files):
+        features = tf.io.parse_single_example(record, spec)
+        rows.append((
+            features["image/filename"].numpy().decode(),
+            int(features["image/class/label"]),
+            features["image/class/synset"].numpy().decode(),
+            features["image/encoded"].numpy(),
+        ))
+    return rows
+
+
+def record_counts(paths):
+    return [sum(1 for _ in tf.data.TFRecordDataset(path)) for path in paths]
+
+
+def leftovers(parent):
+    return [name for name in os.listdir(parent) if ".incomplete-" in name or ".replaced" in name]
+
+
+@pytest.fixture(scope="module")
+def digits_folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("digits") / "images"
+    sources = write_digit_folders(str(root))
+    return str(root), sources
+
+
+@pytest.fixture(scope="module")
+def converted(digits_folder, tmp_path_factory):
+    image_dir, sources = digits_folder
+    output_dir = str(tmp_path_factory.mktemp("converted") / "records")
+    summary = write_tfrecords(image_dir, output_dir, num_threads=2)
+    return summary, output_dir, sources
+
+
+def test_split_is_stratified_disjoint_and_labels_match_the_source_classes(converted):
+    summary, output_dir, sources = converted
+    train = read_records(os.path.join(output_dir, "train-*"))
+    validation = read_records(os.path.join(output_dir, "validation-*"))
+    train_names = {row[0] for row in train}
+    validation_names = {row[0] for row in validation}
+    assert len(train_names) == len(train) and len(validation_names) == len(validation)
+    assert not train_names & validation_names
+    assert train_names | validation_names == set(sources)  # every good image, none of the bad files
+    for name, stored_label, class_name, _ in train + validation:
+        assert stored_label - 1 == sources[name]  # label_offset 1: ids are the digits themselves
+        assert class_name == str(sources[name])
+    # Stratified: each class holds out its own 10%, rounded.
+    per_class = np.bincount(list(sources.values()), minlength=10)
+    held_out = np.bincount([sources[name] for name in validation_names], minlength=10)
+    np.testing.assert_array_equal(held_out, np.floor(per_class * 0.1 + 0.5).astype(int))
+    assert summary.split_counts == {"train": len(train), "validation": len(validation)}
+
+
+def test_images_are_stored_faithfully(converted, digits_folder):
+    _, output_dir, _ = converted
+    image_dir, _ = digits_folder
+    images, _ = _digits()
+    for name, _, class_name, encoded in read_records(os.path.join(output_dir, "validation-*")):
+        with open(os.path.join(image_dir, class_name, name), "rb") as f:
+            original = f.read()
+        if name.endswith(".jpg"):
+            assert encoded == original  # JPEGs byte for byte
+        else:
+            assert tf.io.is_jpeg(encoded)  # PNGs re-encoded, same pixels up to JPEG error
+            expected = np.asarray(_digit_image(images[int(name[6:10])]), np.float32)
+            decoded = tf.io.decode_jpeg(encoded, channels=1).numpy()[..., 0].astype(np.float32)
+            assert np.abs(decoded - expected).mean() < 4.0
+
+
+def test_label_map_and_labels_txt(converted):
+    summary, output_dir, sources = converted
+    label_map = read_label_map(output_dir)
+    assert label_map == read_label_map(os.path.join(output_dir, "train-*"))
+    assert label_map.class_names == tuple(str(digit) for digit in range(10))
+    assert label_map.label_offset == 1 and label_map.num_classes == 10
+    assert label_map.counts == summary.split_counts
+    assert sum(label_map.class_counts["train"]) == summary.split_counts["train"]
+    assert [a + b for a, b in zip(*label_map.class_counts.values())] == np.bincount(
+        list(sources.values())).tolist()
+    with open(os.path.join(output_dir, "labels.json")) as f:
+        content = json.load(f)
+    assert content["classes"][3] == {"id": 3, "name": "3", "stored_label": 4}
+    with open(os.path.join(output_dir, "labels.txt")) as f:
+        assert f.read() == "".join(f"{digit}\n" for digit in range(10))
+
+
+def test_summary_counts_and_names_every_skipped_file(converted, digits_folder):
+    summary, _, _ = converted
+    image_dir, sources = digits_folder
+    expected = {
+        reason: [os.path.join(image_dir, *name.split("/")) for name in names]
+        for reason, names in BAD_FILES.items()
+    }
+    assert summary.skipped == expected
+    assert summary.empty_classes == ["empty_class"]
+    assert summary.class_names == [str(digit) for digit in range(10)]  # the empty class takes no id
+    assert summary.num_examples == len(sources) and summary.num_skipped == 4
+    assert summary.num_reencoded == sum(name.endswith(".png") for name in sources)
+    report = summary.describe(max_names=1)
+    assert "empty_class" in report
+    assert re.search(r"unsupported file type \(2\): \S+notes\.txt and 1 more", report)
+    assert "cut_in_half.jpg" in report and "text_named.jpg" in report
+    assert f"train: {summary.split_counts['train']} images in 8 shards" in report
+
+
+def test_no_empty_shards(converted, tmp_path):
+    summary, _, _ = converted
+    assert all(count > 0 for count in record_counts(summary.paths))
+    # More shards than images, and a shard whose only image is unusable: fewer shards, none empty.
+    image_dir = tmp_path / "few"
+    write_digit_folders(str(image_dir), indices=[0, 1, 2, 3], bad_files=False)
+    (image_dir / "0" / "broken.jpg").write_bytes(b"\xff\xd8\xff broken")
+    summary = write_tfrecords(str(image_dir), str(tmp_path / "out"), num_shards=16,
+                              validation_fraction=0)
+    names = sorted(os.listdir(tmp_path / "out"))
+    assert names == ["labels.json", "labels.txt"] + [f"train-0000{i}-of-00004" for i in range(4)]
+    assert record_counts(summary.paths) == [1, 1, 1, 1]
+    assert summary.skipped == {"truncated or corrupt JPEG": [str(image_dir / "0" / "broken.jpg")]}
+
+
+def test_default_shard_count_follows_the_image_count():
+    assert write_module.default_num_shards(3) == 3
+    assert write_module.default_num_shards(1617) == 8
+    assert write_module.default_num_shards(1_281_167) == 1252
+
+
+def test_strict_fails_naming_the_files_and_writes_nothing(digits_folder, tmp_path):
+    image_dir, _ = digits_folder
+    with pytest.raises(ValueError, match="strict") as error:
+        write_tfrecords(image_dir, str(tmp_path / "out"), strict=True)
+    for name in ["notes.txt", "scan.tiff", "empty_class"]:
+        assert name in str(error.value)
+    assert os.listdir(tmp_path) == []
+    # Undecodable images are only found by decoding them: strict fails after the (discarded) pass.
+    clean = tmp_path / "clean"
+    write_digit_folders(str(clean), indices=range(20), bad_files=False)
+    (clean / "1" / "text_named.jpg").write_text("text")
+    with pytest.raises(ValueError, match=r"strict: images that cannot be stored.*text_named\.jpg"):
+        write_tfrecords(str(clean), str(tmp_path / "out"), strict=True)
+    assert sorted(os.listdir(tmp_path)) == ["clean"]
+
+
+def test_abort_mid_write_leaves_nothing_that_looks_finished(monkeypatch, tmp_path):
+    image_dir = tmp_path / "images"
+    write_digit_folders(str(image_dir), indices=range(40), bad_files=False)
+    output_dir = tmp_path / "records"
+    original = write_module._write_shard
+    calls = []
+
+    def failing_write_shard(path, *args):
+        calls.append(path)
+        if len(calls) == 3:
+            raise OSError("disk full")
+        return original(path, *args)
+
+    monkeypatch.setattr(write_module, "_write_shard", failing_write_shard)
+    with pytest.raises(OSError, match="disk full"):
+        write_tfrecords(str(image_dir), str(output_dir), num_threads=1)
+    assert len(calls) >= 3  # shards were written before the failure
+    assert not output_dir.exists() and leftovers(tmp_path) == []
+
+    # An abort while replacing a finished conversion keeps the old one intact.
+    monkeypatch.setattr(write_module, "_write_shard", original)
+    write_tfrecords(str(image_dir), str(output_dir), num_shards=2, validation_fraction=0)
+    before = {name: (output_dir / name).read_bytes() for name in os.listdir(output_dir)}
+    calls.clear()
+    monkeypatch.setattr(write_module, "_write_shard", failing_write_shard)
+    with pytest.raises(OSError, match="disk full"):
+        write_tfrecords(str(image_dir), str(output_dir), overwrite=True, num_threads=1)
+    assert {name: (output_dir / name).read_bytes() for name in os.listdir(output_dir)} == before
+    assert leftovers(tmp_path) == []
+
+
+def test_rerun_is_refused_unless_overwrite(tmp_path):
+    image_dir = tmp_path / "images"
+    write_digit_folders(str(image_dir), indices=range(30), bad_files=False)
+    output_dir = tmp_path / "records"
+    write_tfrecords(str(image_dir), str(output_dir), num_shards=4)
+    with pytest.raises(ValueError, match="already holds a finished conversion.*overwrite"):
+        write_tfrecords(str(image_dir), str(output_dir))
+    summary = write_tfrecords(str(image_dir), str(output_dir), num_shards=2, overwrite=True)
+    assert summary.replaced_existing
+    assert sorted(name for name in os.listdir(output_dir) if name.startswith("train")) == [
+        "train-00000-of-00002", "train-00001-of-00002"]
+    assert leftovers(tmp_path) == []
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "thesis.tex").write_text("precious")
+    with pytest.raises(ValueError, match="thesis.tex"):
+        write_tfrecords(str(image_dir), str(other), overwrite=True)
+    assert (other / "thesis.tex").read_text() == "precious"
+
+
+def test_validation_dir_and_no_validation(tmp_path):
+    write_digit_folders(str(tmp_path / "train"), indices=range(60), bad_files=False)
+    validation_sources = write_digit_folders(str(tmp_path / "val"), indices=range(60, 80),
+                                             bad_files=False)
+    summary = write_tfrecords(str(tmp_path / "train"), str(tmp_path / "out"),
+                              validation_dir=str(tmp_path / "val"))
+    assert summary.split_counts == {"train": 60, "validation": 20}
+    rows = read_records(str(tmp_path / "out" / "validation-*"))
+    assert {name: label - 1 for name, label, _, _ in rows} == validation_sources
+    with pytest.raises(ValueError, match="not both"):
+        write_tfrecords(str(tmp_path / "train"), str(tmp_path / "x"), validation_fraction=0.2,
+                        validation_dir=str(tmp_path / "val"))
+    (tmp_path / "val" / "cat").mkdir()
+    (tmp_path / "val" / "cat" / "c.jpg").write_bytes(_encoded(_digit_image(_digits()[0][0]), "JPEG"))
+    with pytest.raises(ValueError, match="no training images.*cat"):
+        write_tfrecords(str(tmp_path / "train"), str(tmp_path / "y"),
+                        validation_dir=str(tmp_path / "val"))
+
+    summary = write_tfrecords(str(tmp_path / "train"), str(tmp_path / "all"), validation_fraction=0)
+    assert list(summary.split_counts) == ["train"] and summary.split_counts["train"] == 60
+    assert not [n for n in os.listdir(tmp_path / "all") if n.startswith("validation")]
+
+
+def test_reader_takes_offset_and_class_count_from_the_label_map(converted):
+    _, output_dir, sources = converted
+    inp = ImageNetInput(os.path.join(output_dir, "validation-*"), is_training=False,
+                        global_batch_size=64, image_size=16)
+    assert inp.label_offset == 1 and inp.num_classes == 10
+    labels = np.concatenate([labels.numpy() for _, labels in inp.dataset()])
+    validation = read_records(os.path.join(output_dir, "validation-*"))
+    assert sorted(labels.tolist()) == sorted(sources[name] for name, _, _, _ in validation)
+    with pytest.raises(ValueError, match=r"label_offset=0.*labels\.json.*label_offset=1"):
+        ImageNetInput(os.path.join(output_dir, "train-*"), is_training=True, global_batch_size=8,
+                      label_offset=0)
+
+
+def test_package_exports_the_function():
+    assert write_tfrecords is write_module.write_tfrecords
+
+
+def test_command_line(tmp_path):
+    image_dir = tmp_path / "images"
+    write_digit_folders(str(image_dir), indices=range(40))
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3")
+    command = [sys.executable, "-m", "tpu_scale.data.write_tfrecords", "--image_dir", str(image_dir)]
+
+    def run(*args):
+        return subprocess.run(command + list(args), env=env, capture_output=True, text=True,
+                              timeout=300, check=False)
+
+    done = run("--output_dir", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"train: 3\d images in \d shards", done.stdout)
+    assert re.search(r"validation: \d images in \d shards", done.stdout)
+    for name in ["cut_in_half.jpg", "text_named.jpg", "notes.txt", "scan.tiff", "empty_class"]:
+        assert name in done.stdout
+    assert read_label_map(str(tmp_path / "out")).num_classes == 10
+
+    strict = run("--output_dir", str(tmp_path / "strict"), "--strict")
+    assert strict.returncode == 1
+    assert "Traceback" not in strict.stderr and "notes.txt" in strict.stderr
+    assert not (tmp_path / "strict").exists()
+
+    again = run("--output_dir", str(tmp_path / "out"))
+    assert again.returncode == 1 and "--overwrite" in again.stderr
+
+    with pytest.raises(SystemExit):
+        write_module.main(["--image_dir", str(tmp_path / "nothing"), "--output_dir", str(tmp_path)])
