@@ -10,11 +10,18 @@ folder (nothing is downloaded) and trains a small ResNet on 8 virtual CPU replic
 
     python examples/train_imagenet.py
 
-Your own images (a folder with one sub-folder of JPEGs per class):
+Your own images (a folder with one sub-folder of images per class): two commands, no other flags. The
+writer splits off a stratified validation set (10%), checks every image and writes a label map
+(labels.json) that this script reads for the classes, the label offset and the example counts:
 
-    python -m tpu_scale.data.write_tfrecords --image_dir ~/flowers --output_dir /tmp/flowers --num_shards 8
-    python examples/train_imagenet.py --data_dir /tmp/flowers --label_offset 0 --num_classes 5 \
-        --image_size 128 --epochs 30 --model_dir /tmp/flowers_run
+    python -m tpu_scale.data.write_tfrecords --image_dir ~/flowers --output_dir ~/flowers_records
+    python examples/train_imagenet.py --data_dir ~/flowers_records --image_size 64
+
+Give --model_dir DIR to keep what a run writes: checkpoints of the last --keep_checkpoints epochs,
+TensorBoard logs, a backup to resume from, the final model (final.keras) and run.json. The same command
+after an interruption resumes from the last finished epoch (it says so); on a finished run it says so and
+stops, and a larger --epochs continues it. Without --model_dir everything goes to a temporary folder
+that is removed at the end. A progress bar shows in a terminal (--noprogress turns it off).
 
 A Cloud TPU v3-8 (ImageNet in the classic layout: train-* and validation-* files):
 
@@ -39,6 +46,7 @@ Two GPU hosts (run on each host, with its own task index; rows of the mesh are t
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -46,9 +54,10 @@ from typing import Optional
 
 from absl import app, flags, logging
 
-# TensorFlow's C++ INFO lines (one per cancelled receive when a pass over the evaluation data ends, one per
-# start-up probe) would drown the progress lines; warnings and errors still show.
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+# TensorFlow's C++ INFO and WARNING lines (a "Local rendezvous ... CANCELLED" for every iterator a pass
+# over the data ends, one per start-up probe) would drown the progress lines; errors still show, and so
+# do Python warnings.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 # Runnable from a checkout without installing: the package sits next to this folder.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -65,7 +74,7 @@ class TrainConfig:
     data_dir: Optional[str] = None
     tfds_name: Optional[str] = None
     tfds_data_dir: Optional[str] = None
-    label_offset: int = 1
+    label_offset: Optional[int] = None
     num_classes: Optional[int] = None
     train_examples: Optional[int] = None
     eval_examples: Optional[int] = None
@@ -86,6 +95,8 @@ class TrainConfig:
     mesh_shape: Optional[str] = "2x4"
     deterministic: bool = False
     seed: int = 0
+    progress: Optional[bool] = None
+    keep_checkpoints: int = 3
     # Synthetic default data: examples per split.
     synthetic_train_examples: int = 2560
     synthetic_eval_examples: int = 512
@@ -100,10 +111,11 @@ def define_flags():
         "data_dir": "Folder of classic-layout TFRecords (train-*, validation-*). Empty: synthetic JPEGs.",
         "tfds_name": "A TFDS dataset (e.g. imagenet2012) instead of --data_dir.",
         "tfds_data_dir": "TFDS data directory.",
-        "label_offset": "Subtracted from stored labels: 1 for the classic 1-based ImageNet files.",
-        "num_classes": "Classes; default 1000 for real data, the synthetic count otherwise.",
-        "train_examples": "Training examples per epoch; default: ImageNet's with 1000 classes, else counted.",
-        "eval_examples": "Evaluation examples; default: ImageNet's with 1000 classes, else counted.",
+        "label_offset": "Subtracted from stored labels. Default: the label map's (labels.json), else 1 "
+                        "(the classic 1-based ImageNet files).",
+        "num_classes": "Classes. Default: the label map's; 1000 for the classic ImageNet files.",
+        "train_examples": "Training examples per epoch. Default: the label map's count, else counted.",
+        "eval_examples": "Evaluation examples. Default: the label map's count, else counted.",
         "image_size": "Image height and width.",
         "model": "resnet50 or small_resnet.",
         "global_batch_size": "Examples per step over all replicas; must divide evenly over the replicas.",
@@ -121,12 +133,15 @@ def define_flags():
         "mesh_shape": "ROWSxCOLS mesh of a single host's replicas, e.g. 2x4.",
         "deterministic": "Reproducible input order and crops (slower), for comparing runs.",
         "seed": "Random seed.",
+        "progress": "Keras progress bar. Default: on when the output is a terminal.",
+        "keep_checkpoints": "Per-epoch weight checkpoints kept in model_dir/checkpoints (the newest).",
         "synthetic_train_examples": "Training examples of the generated default dataset.",
         "synthetic_eval_examples": "Evaluation examples of the generated default dataset.",
     }
     for field in dataclasses.fields(TrainConfig):
         kind = field.type if field.type in kinds else (
-            int if "int" in str(field.type) else float if "float" in str(field.type) else str)
+            int if "int" in str(field.type) else float if "float" in str(field.type) else
+            bool if "bool" in str(field.type) else str)
         kinds[kind](field.name, getattr(defaults, field.name), helps[field.name])
 
 
@@ -175,8 +190,8 @@ def _make_default_dataset(config):
         folder, num_classes=config.num_classes or 10, train_examples=config.synthetic_train_examples,
         eval_examples=config.synthetic_eval_examples, image_shape=(config.image_size, config.image_size),
         seed=config.seed)
-    logging.info("Generated %d + %d synthetic JPEG examples in %s", config.synthetic_train_examples,
-                 config.synthetic_eval_examples, folder)
+    logging.info("Generated %d + %d synthetic JPEG examples in %s (removed at the end)",
+                 config.synthetic_train_examples, config.synthetic_eval_examples, folder)
     return folder, made["num_classes"]
 
 
@@ -187,7 +202,60 @@ def _count_records(pattern):
     return sum(1 for _ in tf.data.TFRecordDataset(files)) if files else 0
 
 
-def _inputs(config, data_dir):
+def _looks_like_imagenet(train_pattern):
+    """The classic ImageNet files: 1024 training shards named train-NNNNN-of-01024."""
+    import tensorflow as tf
+
+    files = tf.io.gfile.glob(train_pattern)
+    return len(files) == 1024 and all(f.endswith("-of-01024") for f in files)
+
+
+def _resolve_records(config, data_dir):
+    """Classes, label offset and example counts of a folder of shards: the label map's, or the flags'."""
+    from tpu_scale import data
+
+    train_pattern = os.path.join(data_dir, "train-*")
+    eval_pattern = os.path.join(data_dir, "validation-*")
+    label_map = data.read_label_map(data_dir)
+    if label_map is not None:
+        if config.num_classes not in (None, label_map.num_classes):
+            raise ValueError(
+                f"--num_classes={config.num_classes} but the label map {label_map.path} lists "
+                f"{label_map.num_classes} classes. Drop --num_classes (it is read from the label map).")
+        config.num_classes = label_map.num_classes
+        if config.label_offset is None:
+            config.label_offset = label_map.label_offset
+        counts = label_map.counts
+        train = config.train_examples or counts.get("train") or _count_records(train_pattern)
+        evaluation = config.eval_examples or counts.get("validation") or _count_records(eval_pattern)
+        logging.info("Label map %s: %d classes, label offset %d, %d train / %d validation examples",
+                     label_map.path, label_map.num_classes, label_map.label_offset, train, evaluation)
+    else:
+        imagenet = _looks_like_imagenet(train_pattern)
+        if config.num_classes is None:
+            if not imagenet:
+                raise ValueError(
+                    f"{data_dir} has no label map (labels.json) and is not the classic ImageNet layout, so "
+                    "the number of classes is unknown. Write the records with python -m "
+                    "tpu_scale.data.write_tfrecords (it writes the label map), or pass --num_classes.")
+            config.num_classes = 1000
+        if config.label_offset is None:
+            config.label_offset = 1
+        imagenet = imagenet and config.num_classes == 1000
+        train = config.train_examples or (IMAGENET_TRAIN_EXAMPLES if imagenet else
+                                          _count_records(train_pattern))
+        evaluation = config.eval_examples or (IMAGENET_EVAL_EXAMPLES if imagenet else
+                                              _count_records(eval_pattern))
+    if train == 0:
+        raise ValueError(f"No training records match {train_pattern}.")
+    if evaluation == 0:
+        raise ValueError(
+            f"No validation records match {eval_pattern}. Write them with python -m "
+            "tpu_scale.data.write_tfrecords (it splits off a validation set by default).")
+    return train_pattern, eval_pattern, train, evaluation
+
+
+def _inputs(config, data_dir, pad_eval):
     """The train and eval `ImageNetInput`s and their example counts."""
     from tpu_scale import data
 
@@ -197,34 +265,38 @@ def _inputs(config, data_dir):
         train = data.ImageNetInput.from_tfds(config.tfds_name, "train", config.tfds_data_dir, is_training=True,
                                              deterministic=config.deterministic, seed=config.seed, **common)
         evaluation = data.ImageNetInput.from_tfds(config.tfds_name, "validation", config.tfds_data_dir,
-                                                  is_training=False, pad_last_batch=True, **common)
-        counts = _tfds_counts(config)
-    else:
-        train_pattern = os.path.join(data_dir, "train-*")
-        eval_pattern = os.path.join(data_dir, "validation-*")
-        train = data.ImageNetInput(train_pattern, is_training=True, label_offset=config.label_offset,
-                                   deterministic=config.deterministic, seed=config.seed, **common)
-        evaluation = data.ImageNetInput(eval_pattern, is_training=False, label_offset=config.label_offset,
-                                        pad_last_batch=True, **common)
-        counts = _file_counts(config, train_pattern, eval_pattern)
-    return train, evaluation, counts
+                                                  is_training=False, pad_last_batch=pad_eval, **common)
+        return train, evaluation, _tfds_counts(config)
+    train_pattern, eval_pattern, train_count, eval_count = _resolve_records(config, data_dir)
+    labels = dict(label_offset=config.label_offset, num_classes=config.num_classes)
+    train = data.ImageNetInput(train_pattern, is_training=True, deterministic=config.deterministic,
+                               seed=config.seed, **labels, **common)
+    evaluation = data.ImageNetInput(eval_pattern, is_training=False, pad_last_batch=pad_eval, **labels,
+                                    **common)
+    return train, evaluation, (train_count, eval_count)
 
 
 def _tfds_counts(config):
     import tensorflow_datasets as tfds
 
     info = tfds.builder(config.tfds_name, data_dir=config.tfds_data_dir).info
+    config.num_classes = config.num_classes or info.features["label"].num_classes
     return (config.train_examples or info.splits["train"].num_examples,
             config.eval_examples or info.splits["validation"].num_examples)
 
 
-def _file_counts(config, train_pattern, eval_pattern):
-    imagenet = config.num_classes == 1000 and not config.synthetic_data
-    train = config.train_examples or (IMAGENET_TRAIN_EXAMPLES if imagenet else _count_records(train_pattern))
-    evaluation = config.eval_examples or (IMAGENET_EVAL_EXAMPLES if imagenet else _count_records(eval_pattern))
-    if train == 0:
-        raise ValueError(f"No training records match {train_pattern}.")
-    return train, evaluation
+def eval_steps(num_examples, global_batch_size, num_replicas, num_input_pipelines):
+    """Steps of one pass over `num_examples` evaluation examples on one input pipeline, the last partial.
+
+    The pipeline batches the examples into per-replica batches and the distributed dataset hands one to
+    every replica per step; with exactly as many steps as it has, `evaluate` sees every example and never
+    runs past the end (which Keras reports as "Your input ran out of data"). Several pipelines (hosts)
+    read files of different sizes, so their counts are not known here: None lets the pass run to the end.
+    """
+    if num_input_pipelines != 1:
+        return None
+    per_replica_batches = math.ceil(num_examples / (global_batch_size // num_replicas))
+    return max(1, math.ceil(per_replica_batches / num_replicas))
 
 
 def _build_model(config):
@@ -263,18 +335,26 @@ def _build_model(config):
     return model
 
 
-def throughput_callback(global_batch_size, num_replicas):
-    """A Keras callback that logs images/s per epoch (total and per replica) and keeps the training rate.
+def progress_callback(global_batch_size, num_replicas, epochs):
+    """A Keras callback that logs one line per epoch and keeps the training rate.
 
-    Each epoch is timed from the end of its first step to the end of its last, so tracing and the input
-    pipeline's warm-up do not count.
+    The line: epoch, images/s (total and per replica), training loss and top-1, validation top-1. Each
+    epoch is timed from the end of its first step to the end of its last, so tracing and the input
+    pipeline's warm-up do not count. A resumed run says so, and from which epoch, when it starts.
     """
     import keras
 
-    class Throughput(keras.callbacks.Callback):
+    class Progress(keras.callbacks.Callback):
         def __init__(self):
             super().__init__()
             self.images, self.seconds = 0, 0.0
+            self.initial_epoch = 0
+
+        def on_train_begin(self, logs=None):
+            # BackupAndRestore runs first and sets the epoch it restored.
+            self.initial_epoch = getattr(self.model, "_initial_epoch", 0) or 0
+            if self.initial_epoch:
+                logging.info("Resuming from the backup after epoch %d of %d", self.initial_epoch, epochs)
 
         def on_epoch_begin(self, epoch, logs=None):
             self._step_ends = []
@@ -284,21 +364,39 @@ def throughput_callback(global_batch_size, num_replicas):
 
         def on_epoch_end(self, epoch, logs=None):
             logs = logs or {}
-            if len(self._step_ends) < 2:
-                return
-            images = (len(self._step_ends) - 1) * global_batch_size
-            seconds = self._step_ends[-1] - self._step_ends[0]
-            self.images += images
-            self.seconds += seconds
-            logging.info("epoch %d: %.0f images/s (%.1f per replica), loss %.4f, val top-1 %.4f", epoch + 1,
-                         images / seconds, images / seconds / num_replicas, logs.get("loss", float("nan")),
-                         logs.get("val_top_1", float("nan")))
+            rate = float("nan")
+            if len(self._step_ends) >= 2:
+                images = (len(self._step_ends) - 1) * global_batch_size
+                seconds = self._step_ends[-1] - self._step_ends[0]
+                self.images += images
+                self.seconds += seconds
+                rate = images / seconds
+            logging.info(
+                "epoch %d/%d: %.0f images/s (%.1f per replica), loss %.4f, top-1 %.4f, val top-1 %.4f",
+                epoch + 1, epochs, rate, rate / num_replicas, logs.get("loss", float("nan")),
+                logs.get("top_1", float("nan")), logs.get("val_top_1", float("nan")))
 
         @property
         def images_per_second(self):
             return self.images / self.seconds if self.seconds else float("nan")
 
-    return Throughput()
+    return Progress()
+
+
+def keep_newest_callback(folder, keep):
+    """A Keras callback that deletes all but the `keep` newest files of `folder` after every epoch."""
+    import keras
+    import tensorflow as tf
+
+    class KeepNewest(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if not tf.io.gfile.isdir(folder):
+                return
+            names = sorted(tf.io.gfile.listdir(folder))  # epoch_NNN...: sorted oldest first
+            for name in names[:-keep] if keep > 0 else names:
+                tf.io.gfile.remove(os.path.join(folder, name))
+
+    return KeepNewest()
 
 
 def _initial_epoch(backup_dir):
@@ -312,17 +410,20 @@ def _initial_epoch(backup_dir):
         return int(json.load(f).get("epoch", 0))
 
 
-def _callbacks(config, strategy, throughput):
+def _callbacks(config, strategy, progress):
     import keras
 
     is_chief = _is_chief(strategy)
     # Every worker runs the callbacks (they may save collectively), but only the chief writes to model_dir.
     out_dir = config.model_dir if is_chief else tempfile.mkdtemp(prefix="tpu_scale_worker_")
+    checkpoints = os.path.join(out_dir, "checkpoints")
     return [
-        throughput,
-        keras.callbacks.BackupAndRestore(os.path.join(out_dir, "backup")),
-        keras.callbacks.ModelCheckpoint(os.path.join(out_dir, "checkpoints", "epoch_{epoch:03d}.weights.h5"),
+        # Keeps the backup at the end, so that a larger --epochs continues a finished run.
+        keras.callbacks.BackupAndRestore(os.path.join(out_dir, "backup"), delete_checkpoint=False),
+        progress,
+        keras.callbacks.ModelCheckpoint(os.path.join(checkpoints, "epoch_{epoch:03d}.weights.h5"),
                                         save_weights_only=True),
+        keep_newest_callback(checkpoints, config.keep_checkpoints),
         keras.callbacks.TensorBoard(os.path.join(out_dir, "logs"), update_freq="epoch"),
     ]
 
@@ -337,11 +438,40 @@ def _is_chief(strategy):
 
 # --------------------------------------------------------------------------- the run
 
+RUN_FILE = "run.json"
+FINAL_MODEL = "final.keras"
+
+
+def _finished_run(model_dir, epochs):
+    """The record of a run in `model_dir` that already trained `epochs` or more, else None."""
+    import tensorflow as tf
+
+    path = os.path.join(model_dir, RUN_FILE)
+    if not tf.io.gfile.exists(path):
+        return None
+    with tf.io.gfile.GFile(path) as f:
+        record = json.load(f)
+    return record if record.get("epochs", 0) >= epochs else None
+
 
 def train(config, extra_callbacks=()):
-    """Runs training and evaluation; returns a dict with `top_1`, `images_per_second`, `wall_seconds`."""
+    """Runs training and evaluation; returns a dict with `top_1`, `images_per_second`, `wall_seconds`.
+
+    Also `model_dir` (None when it was a temporary folder, removed at the end), `outputs` (what was
+    written where) and `model`. On a `model_dir` that holds a finished run of at least `config.epochs`
+    epochs nothing is trained: the summary is that run's, with `finished_before=True`.
+    """
     start = time.perf_counter()
     _check_config(config)
+    if config.model_dir:
+        finished = _finished_run(config.model_dir, config.epochs)
+        if finished is not None:
+            logging.info(
+                "%s already holds a finished run of %d epochs (top-1 %.4f); nothing to train. Pass a "
+                "larger --epochs to continue it, or another --model_dir for a new run.",
+                config.model_dir, finished["epochs"], finished["top_1"])
+            return dict(finished, finished_before=True, model=None,
+                        wall_seconds=time.perf_counter() - start)
     import tpu_scale
 
     strategy = tpu_scale.create_strategy(
@@ -356,23 +486,36 @@ def train(config, extra_callbacks=()):
     previous_policy = keras.mixed_precision.global_policy()
     if config.mixed_precision != "float32":
         keras.mixed_precision.set_global_policy(f"mixed_{config.mixed_precision}")
+    temporary = []  # folders this run made for itself, removed at the end
     try:
-        return _run(config, strategy, start, extra_callbacks)
+        return _run(config, strategy, start, extra_callbacks, temporary)
     finally:
         keras.mixed_precision.set_global_policy(previous_policy)
+        for folder in temporary:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
-def _run(config, strategy, start, extra_callbacks):
+def _run(config, strategy, start, extra_callbacks, temporary):
     """Data, model, `fit` and the final evaluation, under the strategy and the precision policy."""
     config = dataclasses.replace(config)
-    config.synthetic_data = not (config.data_dir or config.tfds_name)
+    synthetic = not (config.data_dir or config.tfds_name)
     data_dir = config.data_dir
-    if config.synthetic_data:
+    if synthetic:
         data_dir, config.num_classes = _make_default_dataset(config)
-    config.num_classes = config.num_classes or 1000
-    config.model_dir = config.model_dir or tempfile.mkdtemp(prefix="tpu_scale_run_")
-    train_input, eval_input, (train_examples, eval_examples) = _inputs(config, data_dir)
+        temporary.append(data_dir)
+    keep_outputs = bool(config.model_dir)
+    if not keep_outputs:
+        config.model_dir = tempfile.mkdtemp(prefix="tpu_scale_run_")
+        temporary.append(config.model_dir)
+    # TPUs need static shapes: the last evaluation batch is padded there, and weighted out of the
+    # compiled (weighted) metrics. Elsewhere it stays partial, so every metric a user compiles is right.
+    pad_eval = bool(config.tpu)
+    train_input, eval_input, (train_examples, eval_examples) = _inputs(config, data_dir, pad_eval)
     config.steps_per_epoch = max(1, train_examples // config.global_batch_size)
+    # One input pipeline unless several hosts (TF_CONFIG) each run their own.
+    pipelines = 2 if os.environ.get("TF_CONFIG") else 1
+    validation_steps = None if pad_eval else eval_steps(
+        eval_examples, config.global_batch_size, strategy.num_replicas_in_sync, pipelines)
 
     initial_epoch = _initial_epoch(os.path.join(config.model_dir, "backup"))
     steps_done = initial_epoch * config.steps_per_epoch if config.deterministic else 0
@@ -384,35 +527,70 @@ def _run(config, strategy, start, extra_callbacks):
         return train_input.dataset(context).skip(steps_done * replicas_fed)
 
     train_data = strategy.distribute_datasets_from_function(train_dataset)
-    # Finite: each evaluation is one pass over every example, the padding weighted out.
+    # Finite: each evaluation is one pass over every example.
     eval_data = strategy.distribute_datasets_from_function(eval_input.dataset)
 
     with strategy.scope():
         model = _build_model(config)
-    throughput = throughput_callback(config.global_batch_size, strategy.num_replicas_in_sync)
-    callbacks = _callbacks(config, strategy, throughput) + list(extra_callbacks)
+    progress = progress_callback(config.global_batch_size, strategy.num_replicas_in_sync, config.epochs)
+    callbacks = _callbacks(config, strategy, progress) + list(extra_callbacks)
     logging.info("Training %d epochs x %d steps of %d images on %d replicas (mesh %s); model_dir %s",
                  config.epochs, config.steps_per_epoch, config.global_batch_size, strategy.num_replicas_in_sync,
-                 "x".join(map(str, strategy.mesh.shape)), config.model_dir)
+                 "x".join(map(str, strategy.mesh.shape)),
+                 config.model_dir if keep_outputs else "a temporary folder (pass --model_dir to keep it)")
+    show_bar = sys.stdout.isatty() if config.progress is None else config.progress
     model.fit(train_data, epochs=config.epochs, steps_per_epoch=config.steps_per_epoch,
-              validation_data=eval_data, callbacks=callbacks, verbose=0)
-    results = model.evaluate(eval_data, return_dict=True, verbose=0)
+              validation_data=eval_data, validation_steps=validation_steps, callbacks=callbacks,
+              verbose=1 if show_bar else 0)
+    results = model.evaluate(eval_data, steps=validation_steps, return_dict=True, verbose=0)
     summary = {
         "top_1": float(results["top_1"]),
-        "images_per_second": throughput.images_per_second,
-        "images_per_second_per_replica": throughput.images_per_second / strategy.num_replicas_in_sync,
+        "images_per_second": progress.images_per_second,
+        "images_per_second_per_replica": progress.images_per_second / strategy.num_replicas_in_sync,
         "wall_seconds": time.perf_counter() - start,
         "num_classes": config.num_classes,
+        "epochs": config.epochs,
+        "eval_examples": eval_examples,
         "model": model,
-        "model_dir": config.model_dir,
+        "model_dir": config.model_dir if keep_outputs else None,
+        "outputs": {},
     }
+    if keep_outputs and _is_chief(strategy):
+        summary["outputs"] = _save_outputs(config, model, summary)
     return summary
+
+
+def _save_outputs(config, model, summary):
+    """The final model and the run record in `model_dir`; returns what was written where."""
+    import tensorflow as tf
+
+    outputs = {
+        "final model": os.path.join(config.model_dir, FINAL_MODEL),
+        "checkpoints": os.path.join(config.model_dir, "checkpoints"),
+        "backup": os.path.join(config.model_dir, "backup"),
+        "TensorBoard logs": os.path.join(config.model_dir, "logs"),
+        "run record": os.path.join(config.model_dir, RUN_FILE),
+    }
+    model.save(outputs["final model"])
+    record = {key: summary[key] for key in ("top_1", "images_per_second", "images_per_second_per_replica",
+                                            "num_classes", "epochs", "eval_examples")}
+    record.update(model_dir=config.model_dir, outputs=outputs, config=dataclasses.asdict(config))
+    with tf.io.gfile.GFile(outputs["run record"], "w") as f:
+        json.dump(record, f, indent=2, default=str)
+    return outputs
 
 
 def summary_line(summary):
     return (f"top-1 {summary['top_1']:.4f} (chance {1 / summary['num_classes']:.4f}) | "
             f"{summary['images_per_second']:.0f} images/s ({summary['images_per_second_per_replica']:.1f} per "
             f"replica) | wall {summary['wall_seconds']:.0f} s")
+
+
+def outputs_lines(summary):
+    """Where the run's outputs are, one line each (or why there are none)."""
+    if not summary.get("model_dir"):
+        return ["outputs: none kept (no --model_dir: the run wrote to a temporary folder, now removed)"]
+    return [f"{name}: {path}" for name, path in summary["outputs"].items()]
 
 
 def main(argv):
@@ -425,6 +603,8 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(summary_line(summary))
+    for line in outputs_lines(summary):
+        print(line)
     return 0
 
 

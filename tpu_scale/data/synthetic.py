@@ -12,7 +12,7 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
-from tpu_scale.data.schema import make_example
+from tpu_scale.data.schema import make_example, write_label_map
 
 
 def _class_styles(num_classes):
@@ -82,8 +82,9 @@ def make_synthetic_imagenet(
 ):
     """Writes a small learnable dataset of JPEGs as `train-*` and `validation-*` TFRecords.
 
-    Labels are stored 1-based, as in the classic ImageNet files (read them with `label_offset=1`, the
-    `ImageNetInput` default). The same arguments always give byte-identical files.
+    Labels are stored 1-based, as in the classic ImageNet files, and a `labels.json` label map says so
+    (`ImageNetInput` and the training example read it). The same arguments always give byte-identical
+    files.
 
     Args:
       output_dir: where to write (created if missing).
@@ -106,6 +107,13 @@ def make_synthetic_imagenet(
     )
     validation = _write_split(
         os.path.join(output_dir, "validation"), eval_examples, num_eval_shards, styles, image_shape, rng
+    )
+    # The same label map the writer leaves, so readers take classes, offset and counts from it.
+    write_label_map(
+        output_dir,
+        [f"class_{label:03d}" for label in range(num_classes)],
+        label_offset=1,
+        counts={"train": train_examples, "validation": eval_examples},
     )
     return {"train": train, "validation": validation, "num_classes": num_classes}
 
