@@ -1,10 +1,10 @@
-"""What every benchmark shares: the machine it ran on, interleaved timing, summaries, child processes.
+"""What every benchmark shares: machine info, interleaved timing, summaries, child processes.
 
     from common import machine_info, summarize, timed_rounds, run_child
 
-Figures are ratios against a baseline measured in the same run, on a shared and noisy machine: methods
-run in interleaved rounds (so a slow spell hits all of them), and summaries give the median with the
-spread (min, max) of the rounds.
+Figures are ratios against a baseline measured in the same run, on a shared and noisy machine:
+methods run in interleaved rounds (so a slow spell hits all of them), and summaries give the median
+with the spread (min, max) of the rounds.
 """
 
 import importlib.metadata
@@ -22,7 +22,7 @@ RESULTS = os.path.join(HERE, "results")
 
 
 def machine_info():
-    """The machine, Python, TensorFlow and Keras versions, and the load average now (no TF import)."""
+    """The machine, Python, TensorFlow and Keras versions, and the load average (no TF import)."""
 
     def version(package):
         try:
@@ -42,16 +42,21 @@ def machine_info():
 
 
 def summarize(values, baseline=None):
-    """Median, min and max of `values`, and the ratio of medians to `baseline`'s values when given."""
-    result = {"median": statistics.median(values), "min": min(values), "max": max(values),
-              "n": len(values)}
+    """Median, min and max of `values`, and the ratio of medians to `baseline` when given."""
+    result = {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+    }
     if baseline is not None:
         result["ratio"] = result["median"] / statistics.median(baseline)
     return result
 
 
 def timed_rounds(methods, rounds, warmup=1):
-    """Seconds per call of each method, in `rounds` interleaved rounds after `warmup` untimed calls each.
+    """Seconds per call of each method, in `rounds` interleaved rounds after `warmup` untimed calls
+    each.
 
     Args:
       methods: dict name -> zero-argument callable that blocks until its work is done.
@@ -76,8 +81,8 @@ def timed_rounds(methods, rounds, warmup=1):
 def run_child(script, args, timeout):
     """Runs `python script --_child_output PATH *args` and returns the JSON the child wrote to PATH.
 
-    Each part that must not share a process (several TensorFlow runtimes, device counts) runs this way;
-    the child calls `write_child_output(args._child_output, result)`.
+    Each part that must not share a process (several TensorFlow runtimes, device counts) runs this
+    way; the child calls `write_child_output(args._child_output, result)`.
 
     Raises:
       RuntimeError: the child failed or timed out; the message holds the end of its output.

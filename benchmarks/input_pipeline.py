@@ -1,21 +1,26 @@
-"""Input pipeline throughput: `ImageNetInput` against the decode limit, tf-models-official and a naive pipeline.
+"""Input pipeline throughput: `ImageNetInput` against the decode limit and other pipelines.
 
-On generated ImageNet-like JPEG TFRecords (about 500x375, quality 90, about 100 KB each, multi-scale noise so
-the files compress like photographs), in one run, images per second of:
+The others: tf-models-official and a naive
+pipeline.
+
+On generated ImageNet-like JPEG TFRecords (about 500x375, quality 90, about 100 KB each, multi-scale
+noise so the files compress like photographs), in one run, images per second of:
 
   ours         `tpu_scale.data.ImageNetInput(..., is_training=True)`: the full training path (fused
                decode-and-crop, resize, flip, normalize, batch), default options.
-  tfm          tf-models-official's ImageNet classification input (`classification_input.Decoder` and
-               `Parser` under its `InputReader`, as its image classification task builds them) on the same
-               files; it pins its own TensorFlow, so it runs with another environment's python
-               (`--tfm_python`, or the TFM_PYTHON environment variable).
-  naive        sequential read, full JPEG decode, resize to 224, flip, normalize, batch; no parallelism.
-  decode_limit the host's ceiling: cores x the one-core rate of decode-and-crop alone (JPEG header, Inception
+  tfm          tf-models-official's ImageNet classification input (`classification_input.Decoder`
+  and
+               `Parser` under its `InputReader`, as its image classification task builds them) on
+               the same files; it pins its own TensorFlow, so it runs with another environment's
+               python (`--tfm_python`, or the TFM_PYTHON environment variable).
+  naive        sequential read, full JPEG decode, resize to 224, flip, normalize, batch; no
+  parallelism. decode_limit the host's ceiling: cores x the one-core rate of decode-and-crop alone
+  (JPEG header, Inception
                window, `decode_and_crop_jpeg`; no resize, no tf.data), measured pinned to one core.
 
-Each pipeline runs in its own process (own thread pools, own peak RSS), in interleaved rounds so that load
-from other users of the machine hits every pipeline alike; each process times several windows after a
-warm-up. Figures are medians over all windows, with min-max.
+Each pipeline runs in its own process (own thread pools, own peak RSS), in interleaved rounds so
+that load from other users of the machine hits every pipeline alike; each process times several
+windows after a warm-up. Figures are medians over all windows, with min-max.
 
 Usage:
     python benchmarks/input_pipeline.py [--quick] [--tfm_python /path/to/venv/bin/python]
@@ -42,21 +47,24 @@ PIPELINES = ("ours", "tfm", "naive", "decode_limit")
 
 
 def _natural_image(rng, height, width):
-    """Smooth structure at several scales plus fine texture: compresses like a photograph at quality 90."""
+    """Smooth structure at several scales plus fine texture: compresses like a photograph."""
     import numpy as np
     import tensorflow as tf
 
     image = np.zeros((height, width, 3), np.float32)
     for cells, amplitude in ((4, 60.0), (16, 35.0), (64, 20.0), (160, 12.0)):
         coarse = rng.normal(size=(max(2, height * cells // 375), max(2, width * cells // 500), 3))
-        image += amplitude * tf.image.resize(coarse[None].astype(np.float32), (height, width), "bicubic")[0]
+        image += (
+            amplitude
+            * tf.image.resize(coarse[None].astype(np.float32), (height, width), "bicubic")[0]
+        )
     image += rng.normal(size=(height, width, 3)).astype(np.float32) * 16.0
     image += rng.uniform(60, 190, size=3).astype(np.float32)
     return np.clip(image, 0, 255).astype(np.uint8)
 
 
 def generate_records(directory, num_images, num_shards, seed=0):
-    """Writes (once; reused when present) `num_images` ImageNet-like JPEGs as classic-layout TFRecords."""
+    """Writes `num_images` ImageNet-like JPEGs as classic-layout TFRecords (once; reused)."""
     import numpy as np
     import tensorflow as tf
 
@@ -95,11 +103,12 @@ def generate_records(directory, num_images, num_shards, seed=0):
     return info
 
 
-# --------------------------------------------------------------------------- workers (one per process)
+# --------------------------------------------------------------------------- workers (one per
+# process)
 
 
 def _time_windows(next_batch, batch_size, warmup_seconds, window_seconds, windows):
-    """Images/s and process CPU milliseconds per image over `windows` timed windows, after a warm-up."""
+    """Images/s and CPU milliseconds per image over `windows` timed windows, after a warm-up."""
     start = time.perf_counter()
     while time.perf_counter() - start < warmup_seconds:
         next_batch()
@@ -122,8 +131,12 @@ def _iterate(dataset):
 def worker_ours(args):
     from tpu_scale.data import ImageNetInput
 
-    inp = ImageNetInput(args.pattern, is_training=True, global_batch_size=args.batch_size, image_size=IMAGE_SIZE)
-    return _time_windows(_iterate(inp.dataset()), args.batch_size, args.warmup, args.window, args.windows)
+    inp = ImageNetInput(
+        args.pattern, is_training=True, global_batch_size=args.batch_size, image_size=IMAGE_SIZE
+    )
+    return _time_windows(
+        _iterate(inp.dataset()), args.batch_size, args.warmup, args.window, args.windows
+    )
 
 
 def worker_naive(args):
@@ -142,7 +155,9 @@ def worker_naive(args):
         image = tf.io.decode_jpeg(features["image/encoded"], channels=3)
         image = tf.image.resize(image, [IMAGE_SIZE, IMAGE_SIZE])
         image = tf.image.random_flip_left_right(image)
-        return image_ops.normalize_image(image), tf.cast(features["image/class/label"] - 1, tf.int32)
+        return image_ops.normalize_image(image), tf.cast(
+            features["image/class/label"] - 1, tf.int32
+        )
 
     files = sorted(tf.io.gfile.glob(args.pattern))
     dataset = tf.data.TFRecordDataset(files).repeat().map(parse_and_decode).batch(args.batch_size)
@@ -152,8 +167,8 @@ def worker_naive(args):
 def worker_decode_one_core(args):
     """Decode-and-crop alone, pinned to one core, one TF thread, a graph loop over in-memory JPEGs.
 
-    Also times, once each, the same loop with the rest of our per-image work added (resize and flip, then
-    normalization), to show where a pipeline's time goes beyond the decode.
+    Also times, once each, the same loop with the rest of our per-image work added (resize and flip,
+    then normalization), to show where a pipeline's time goes beyond the decode.
     """
     os.sched_setaffinity(0, {args.core})
     import tensorflow as tf
@@ -171,7 +186,9 @@ def worker_decode_one_core(args):
 
     def decode_and_crop(image_bytes, seed):
         shape = tf.image.extract_jpeg_shape(image_bytes)
-        window = image_ops.sample_crop_window(shape[0], shape[1], seed, fallback_image_size=IMAGE_SIZE)
+        window = image_ops.sample_crop_window(
+            shape[0], shape[1], seed, fallback_image_size=IMAGE_SIZE
+        )
         return tf.image.decode_and_crop_jpeg(image_bytes, window, channels=3)
 
     work = {
@@ -186,7 +203,9 @@ def worker_decode_one_core(args):
         @tf.function
         def run_chunk(step):
             indices = (tf.range(chunk) + step * chunk) % tf.shape(jpegs)[0]
-            seeds = tf.stack([tf.cast(indices, tf.int64), tf.fill([chunk], tf.cast(step, tf.int64))], axis=1)
+            seeds = tf.stack(
+                [tf.cast(indices, tf.int64), tf.fill([chunk], tf.cast(step, tf.int64))], axis=1
+            )
             # Reading one value keeps each image's work alive without adding any.
             return tf.map_fn(
                 lambda inputs: tf.cast(per_image(*inputs)[0, 0, 0], tf.float32),
@@ -203,8 +222,9 @@ def worker_decode_one_core(args):
 
         return next_chunk
 
-    rates, cpu_ms = _time_windows(loop_over(work["decode_and_crop"]), chunk, args.warmup, args.window,
-                                  args.windows)
+    rates, cpu_ms = _time_windows(
+        loop_over(work["decode_and_crop"]), chunk, args.warmup, args.window, args.windows
+    )
     breakdown = {"decode_and_crop": statistics.median(cpu_ms)}
     for name in ("+resize_flip", "+normalize"):
         _, extra_cpu_ms = _time_windows(loop_over(work[name]), chunk, 1.0, args.window, 1)
@@ -213,7 +233,7 @@ def worker_decode_one_core(args):
 
 
 def worker_tfm(args):
-    """tf-models-official's classification input, built as its image classification task builds it."""
+    """tf-models-official's classification input, built as its classification task builds it."""
     from official.common import dataset_fn
     from official.vision.configs import image_classification as classification_config
     from official.vision.dataloaders import classification_input, input_reader_factory
@@ -223,7 +243,8 @@ def worker_tfm(args):
         global_batch_size=args.batch_size,
         is_training=True,
         dtype="float32",
-        # The same shuffle buffer as ours (its default is 10000), so memory figures compare like for like.
+        # The same shuffle buffer as ours (its default is 10000), so memory figures compare like for
+        # like.
         shuffle_buffer_size=1024,
     )
     decoder = classification_input.Decoder(
@@ -247,7 +268,9 @@ def worker_tfm(args):
         decoder_fn=decoder.decode,
         parser_fn=parser.parse_fn(params.is_training),
     )
-    return _time_windows(_iterate(reader.read()), args.batch_size, args.warmup, args.window, args.windows)
+    return _time_windows(
+        _iterate(reader.read()), args.batch_size, args.warmup, args.window, args.windows
+    )
 
 
 WORKERS = {
@@ -277,9 +300,20 @@ def run_worker(args):
 
 def _spawn(python, worker, info, args, **extra):
     command = [
-        python, os.path.abspath(__file__), "--worker", worker, "--pattern", info["pattern"],
-        "--batch_size", str(args.batch_size), "--warmup", str(args.warmup), "--window", str(args.window),
-        "--windows", str(args.windows),
+        python,
+        os.path.abspath(__file__),
+        "--worker",
+        worker,
+        "--pattern",
+        info["pattern"],
+        "--batch_size",
+        str(args.batch_size),
+        "--warmup",
+        str(args.warmup),
+        "--window",
+        str(args.window),
+        "--windows",
+        str(args.windows),
     ]
     for key, value in extra.items():
         command += [f"--{key}", str(value)]
@@ -287,7 +321,7 @@ def _spawn(python, worker, info, args, **extra):
     completed = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
     for line in completed.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            return json.loads(line[len("RESULT ") :])
     tail = "\n".join((completed.stderr or completed.stdout).strip().splitlines()[-12:])
     raise RuntimeError(f"{worker} worker failed (exit {completed.returncode}):\n{tail}")
 
@@ -308,10 +342,12 @@ def markdown_table(result):
         "ours": "ours: `ImageNetInput` training path",
         "tfm": "tf-models-official classification input",
         "naive": "naive: sequential read, full decode, resize",
-        "decode_limit": f"decode limit: {pipelines['decode_limit']['cores']} cores x one-core decode-and-crop",
+        "decode_limit": f"decode limit: {pipelines['decode_limit']['cores']} cores x one-core "
+        "decode-and-crop",
     }
     lines = [
-        "| pipeline | images/s, median (min-max) | CPU ms / image | peak RSS MB | ours / this (images/s) "
+        "| pipeline | images/s, median (min-max) | CPU ms / image | peak RSS MB | ours / this "
+        "(images/s) "
         "| ours / this (CPU time) |",
         "|---|---|---|---|---|---|",
     ]
@@ -329,17 +365,24 @@ def markdown_table(result):
         ratio = result["ratios"].get(f"ours/{name}")
         cpu_ratio = result["ratios_by_cpu_time"].get(f"ours/{name}")
         lines.append(
-            f"| {labels[name]} | {entry['median']:.0f} ({entry['min']:.0f}-{entry['max']:.0f}) | {cpu} | {rss} "
-            f"| {'' if ratio is None else f'{ratio:.2f}'} | {'' if cpu_ratio is None else f'{cpu_ratio:.2f}'} |"
+            f"| {labels[name]} | {entry['median']:.0f} ({entry['min']:.0f}-{entry['max']:.0f}) | "
+            f"{cpu} | {rss} "
+            f"| {'' if ratio is None else f'{ratio:.2f}'} "
+            f"| {'' if cpu_ratio is None else f'{cpu_ratio:.2f}'} |"
         )
     return "\n".join(lines)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer images, rounds and windows (2-3 minutes)")
-    parser.add_argument("--tfm_python", default=os.environ.get("TFM_PYTHON"),
-                        help="python of an environment with tf-models-official (default: $TFM_PYTHON)")
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer images, rounds and windows (2-3 minutes)"
+    )
+    parser.add_argument(
+        "--tfm_python",
+        default=os.environ.get("TFM_PYTHON"),
+        help="python of an environment with tf-models-official (default: $TFM_PYTHON)",
+    )
     parser.add_argument("--data_dir", default=None, help="where the generated TFRecords are kept")
     parser.add_argument("--output", default=os.path.join(RESULTS, "input_pipeline.json"))
     parser.add_argument("--batch_size", type=int, default=64)
@@ -354,12 +397,17 @@ def main(argv=None):
     if args.worker:
         return run_worker(args)
 
-    rounds, args.windows, args.window, args.warmup = (2, 2, 3.0, 2.0) if args.quick else (3, 3, 8.0, 5.0)
+    rounds, args.windows, args.window, args.warmup = (
+        (2, 2, 3.0, 2.0) if args.quick else (3, 3, 8.0, 5.0)
+    )
     num_images = 256 if args.quick else 1024
     data_dir = args.data_dir or os.path.join("/tmp", f"tpu_scale_input_bench_{num_images}")
     started = time.time()
     info = generate_records(data_dir, num_images, num_shards=16)
-    print(f"data: {info['num_images']} JPEGs, mean {info['mean_jpeg_kb']} KB, in {data_dir}", flush=True)
+    print(
+        f"data: {info['num_images']} JPEGs, mean {info['mean_jpeg_kb']} KB, in {data_dir}",
+        flush=True,
+    )
 
     cores = len(os.sched_getaffinity(0))
     names = ["ours", "naive", "decode_one_core"] + (["tfm"] if args.tfm_python else [])
@@ -379,14 +427,21 @@ def main(argv=None):
             if "cpu_ms_per_image_breakdown" in result:
                 breakdowns.append(result["cpu_ms_per_image_breakdown"])
             versions[name] = result["tensorflow"]
-            print(f"round {round_index + 1}/{rounds} {name:16s} "
-                  f"{statistics.median(result['images_per_second']):8.1f} images/s  "
-                  f"{statistics.median(result['cpu_ms_per_image']):6.2f} CPU ms/image  "
-                  f"peak RSS {result['peak_rss_mb']:.0f} MB", flush=True)
+            print(
+                f"round {round_index + 1}/{rounds} {name:16s} "
+                f"{statistics.median(result['images_per_second']):8.1f} images/s  "
+                f"{statistics.median(result['cpu_ms_per_image']):6.2f} CPU ms/image  "
+                f"peak RSS {result['peak_rss_mb']:.0f} MB",
+                flush=True,
+            )
 
     pipelines = {
-        name: dict(_summary(rates[name]), cpu_ms_per_image=round(statistics.median(cpu_ms[name]), 3),
-                   peak_rss_mb=round(max(memory[name])), tensorflow=versions[name])
+        name: dict(
+            _summary(rates[name]),
+            cpu_ms_per_image=round(statistics.median(cpu_ms[name]), 3),
+            peak_rss_mb=round(max(memory[name])),
+            tensorflow=versions[name],
+        )
         for name in names
     }
     one_core = pipelines.pop("decode_one_core")
@@ -398,7 +453,9 @@ def main(argv=None):
         "cores": cores,
     }
     if not args.tfm_python:
-        pipelines["tfm"] = {"skipped": "no --tfm_python given (tf-models-official needs its own environment)"}
+        pipelines["tfm"] = {
+            "skipped": "no --tfm_python given (tf-models-official needs its own environment)"
+        }
     pipelines["decode_limit"]["cpu_ms_per_image_breakdown"] = {
         key: round(statistics.median(b[key] for b in breakdowns), 3) for key in breakdowns[0]
     }
@@ -409,8 +466,8 @@ def main(argv=None):
     }
     if args.tfm_python:
         ratios["ours/tfm"] = round(ours / pipelines["tfm"]["median"], 3)
-    # CPU time per image does not depend on how much of the machine other users take: the same ratios as
-    # throughput would be on an idle host where every pipeline keeps all cores busy.
+    # CPU time per image does not depend on how much of the machine other users take: the same
+    # ratios as throughput would be on an idle host where every pipeline keeps all cores busy.
     ours_cpu = pipelines["ours"]["cpu_ms_per_image"]
     cpu_ratios = {
         "ours/decode_limit": round(one_core["cpu_ms_per_image"] / ours_cpu, 3),
@@ -421,8 +478,11 @@ def main(argv=None):
     targets = {"ours/decode_limit >= 0.9": ratios["ours/decode_limit"] >= 0.9}
     if "ours/tfm" in ratios:
         targets["ours/tfm >= 1.25"] = ratios["ours/tfm"] >= 1.25
-    command = "python benchmarks/input_pipeline.py" + (" --quick" if args.quick else "") + (
-        " --tfm_python " + args.tfm_python if args.tfm_python else "")
+    command = (
+        "python benchmarks/input_pipeline.py"
+        + (" --quick" if args.quick else "")
+        + (" --tfm_python " + args.tfm_python if args.tfm_python else "")
+    )
     result = {
         "command": command,
         "quick": args.quick,
@@ -442,9 +502,17 @@ def main(argv=None):
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as f:
         json.dump(result, f, indent=2)
-    print(json.dumps({"ratios": ratios, "ratios_by_cpu_time": cpu_ratios, "targets_met": targets,
-                      "decode_breakdown_cpu_ms": pipelines["decode_limit"]["cpu_ms_per_image_breakdown"]},
-                     indent=2))
+    print(
+        json.dumps(
+            {
+                "ratios": ratios,
+                "ratios_by_cpu_time": cpu_ratios,
+                "targets_met": targets,
+                "decode_breakdown_cpu_ms": pipelines["decode_limit"]["cpu_ms_per_image_breakdown"],
+            },
+            indent=2,
+        )
+    )
     print(markdown_table(result))
     print(f"wrote {args.output} in {result['seconds']} s")
 

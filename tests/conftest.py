@@ -1,13 +1,13 @@
-"""Test set-up: 8 virtual CPU replicas for the tests that use TensorFlow, none for those that do not.
+"""Test set-up: 8 virtual CPU replicas for the tests that use TensorFlow, none for the others.
 
-TensorFlow is configured (8 logical CPU devices, before its runtime starts) just before the first test
-module that needs it is imported; the numpy-only modules in `NUMPY_ONLY` never import it, so
+TensorFlow is configured (8 logical CPU devices, before its runtime starts) just before the first
+test module that needs it is imported; the numpy-only modules in `NUMPY_ONLY` never import it, so
 `pytest tests/test_mesh.py tests/test_plan.py` runs without TensorFlow.
 
-Shared fixtures: `cpu_devices` (the 8 device names), `strategy` (8 replicas in a 1x8 mesh, TensorFlow's
-gradient sum) and `strategy_2x4` (the same devices in a 2x4 mesh).
-Marker (declared in pyproject.toml): `multiprocess` for tests that start localhost worker processes
-(`-m "not multiprocess"` leaves them out of a quick run).
+Shared fixtures: `cpu_devices` (the 8 device names), `strategy` (8 replicas in a 1x8 mesh,
+TensorFlow's gradient sum) and `strategy_2x4` (the same devices in a 2x4 mesh). Marker (declared in
+pyproject.toml): `multiprocess` for tests that start localhost worker processes (`-m "not
+multiprocess"` leaves them out of a quick run).
 """
 
 import os
@@ -40,8 +40,11 @@ def _start_tensorflow():
 
 def pytest_collect_file(file_path, parent):
     # Before pytest imports a module that may touch TensorFlow: the devices must exist first.
-    if file_path.suffix == ".py" and file_path.name.startswith("test_") and \
-            file_path.name not in NUMPY_ONLY:
+    if (
+        file_path.suffix == ".py"
+        and file_path.name.startswith("test_")
+        and file_path.name not in NUMPY_ONLY
+    ):
         _start_tensorflow()
 
 
@@ -66,4 +69,6 @@ def strategy_2x4():
     """8 CPU replicas in a 2x4 mesh with TensorFlow's own gradient sum."""
     import tpu_scale
 
-    return tpu_scale.create_strategy(num_cpu_replicas=8, mesh_shape=(2, 4), gradient_reduction="native")
+    return tpu_scale.create_strategy(
+        num_cpu_replicas=8, mesh_shape=(2, 4), gradient_reduction="native"
+    )

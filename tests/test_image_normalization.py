@@ -1,4 +1,4 @@
-"""Tests for `tpu_scale.layers.ImageNormalization`: equal to the pipeline's normalization, serializable."""
+"""Tests for `ImageNormalization`: equal to the pipeline's normalization, serializable."""
 
 import keras
 import numpy as np

@@ -1,4 +1,4 @@
-"""Tests for `tpu_scale.keras_hook`: registration per strategy, settings, and the Keras version check."""
+"""Tests for `tpu_scale.keras_hook`: registration per strategy, settings, the version check."""
 
 import keras
 import pytest
@@ -16,7 +16,11 @@ def test_settings_are_checked():
 
 def test_create_strategy_registers_its_declared_settings():
     strategy = tpu_scale.create_strategy(
-        num_cpu_replicas=8, mesh_shape=(2, 4), gradient_algorithm="ring", gradient_pack_bytes=1 << 20)
+        num_cpu_replicas=8,
+        mesh_shape=(2, 4),
+        gradient_algorithm="ring",
+        gradient_pack_bytes=1 << 20,
+    )
     settings = keras_hook.settings_for(strategy)
     assert (settings.algorithm, settings.pack_bytes) == ("ring", 1 << 20)
     assert keras_hook.is_installed()

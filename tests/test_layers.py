@@ -1,4 +1,4 @@
-"""`DistributedBatchNormalization` against plain batch normalization over each group's concatenated batch."""
+"""`DistributedBatchNormalization` against plain batch norm over each group's concatenated batch."""
 
 import os
 
@@ -17,7 +17,7 @@ NUM_REPLICAS = 8
 
 
 def _initial_weights(channels, seed, renorm=False):
-    """Non-trivial gamma, beta and moving statistics, so the moving-mean shift and the updates matter."""
+    """Non-trivial gamma, beta and moving statistics: the moving-mean shift and updates matter."""
     rng = np.random.default_rng(seed)
     weights = [
         rng.uniform(0.5, 1.5, channels),  # gamma
@@ -34,9 +34,10 @@ def _initial_weights(channels, seed, renorm=False):
 def _run_replicas(strategy, layer, x, dy, mask=None, eager=False):
     """Each replica r runs `layer(x[r], training=True)` and back-propagates `dy[r]`.
 
-    Returns per-replica numpy lists: outputs, input gradients, gamma gradients, beta gradients, moving
-    means, moving variances.
+    Returns per-replica numpy lists: outputs, input gradients, gamma gradients, beta gradients,
+    moving means, moving variances.
     """
+
     def replica_fn(x, dy, mask):
         replica = tf.distribute.get_replica_context().replica_id_in_sync_group
         x_r, dy_r = tf.gather(x, replica), tf.gather(dy, replica)
@@ -46,13 +47,23 @@ def _run_replicas(strategy, layer, x, dy, mask=None, eager=False):
             y = layer(x_r, training=True, mask=mask_r)
             loss = tf.reduce_sum(tf.cast(y, tf.float32) * dy_r)
         dx, dgamma, dbeta = tape.gradient(loss, [x_r, layer.gamma.value, layer.beta.value])
-        return y, dx, dgamma, dbeta, tf.identity(layer.moving_mean.value), tf.identity(layer.moving_variance.value)
+        return (
+            y,
+            dx,
+            dgamma,
+            dbeta,
+            tf.identity(layer.moving_mean.value),
+            tf.identity(layer.moving_variance.value),
+        )
 
     def step(x, dy, mask):
         return strategy.run(replica_fn, args=(x, dy, mask))
 
     out = (step if eager else tf.function(step))(x, dy, mask)
-    return [[np.asarray(tf.cast(t, tf.float32)) for t in strategy.experimental_local_results(o)] for o in out]
+    return [
+        [np.asarray(tf.cast(t, tf.float32)) for t in strategy.experimental_local_results(o)]
+        for o in out
+    ]
 
 
 def _reference(x, dy, weights, mask=None, **kwargs):
@@ -65,8 +76,10 @@ def _reference(x, dy, weights, mask=None, **kwargs):
         y = layer(x, training=True, mask=mask)
         loss = tf.reduce_sum(tf.cast(y, tf.float32) * dy)
     dx, dgamma, dbeta = tape.gradient(loss, [x, layer.gamma.value, layer.beta.value])
-    return [np.asarray(tf.cast(t, tf.float32)) for t in
-            (y, dx, dgamma, dbeta, layer.moving_mean.value, layer.moving_variance.value)]
+    return [
+        np.asarray(tf.cast(t, tf.float32))
+        for t in (y, dx, dgamma, dbeta, layer.moving_mean.value, layer.moving_variance.value)
+    ]
 
 
 CASES = {
@@ -75,8 +88,12 @@ CASES = {
     "channels_first": ((2, 3, 5, 3), {"axis": 1}, tf.float32, (1e-5, 2e-5)),
     "odd_channels_1d": ((5, 7), {}, tf.float32, (1e-5, 2e-5)),
     "mixed_bfloat16": ((4, 3, 3, 3), {"dtype": "mixed_bfloat16"}, tf.bfloat16, (2e-2, 5e-2)),
-    "renorm": ((3, 2, 2, 5), {"renorm": True, "renorm_clipping": {"rmax": 1.5, "dmax": 0.5}}, tf.float32,
-               (1e-5, 2e-5)),
+    "renorm": (
+        (3, 2, 2, 5),
+        {"renorm": True, "renorm_clipping": {"rmax": 1.5, "dmax": 0.5}},
+        tf.float32,
+        (1e-5, 2e-5),
+    ),
 }
 
 
@@ -86,15 +103,25 @@ def _check_against_groups(results, x, dy, group_size, kwargs, weights, tolerance
     for first in range(0, NUM_REPLICAS, group_size):
         members = list(range(first, first + group_size))
         group_mask = None if mask is None else tf.concat([mask[r] for r in members], 0)
-        expected = _reference(tf.concat([x[r] for r in members], 0), tf.concat([dy[r] for r in members], 0),
-                              weights, group_mask, **kwargs)
+        expected = _reference(
+            tf.concat([x[r] for r in members], 0),
+            tf.concat([dy[r] for r in members], 0),
+            weights,
+            group_mask,
+            **kwargs,
+        )
         y_ref, dx_ref, dgamma_ref, dbeta_ref, mean_ref, var_ref = expected
         close = dict(rtol=rtol, atol=atol)
         np.testing.assert_allclose(np.concatenate([ys[r] for r in members]), y_ref, **close)
         np.testing.assert_allclose(np.concatenate([dxs[r] for r in members]), dx_ref, **close)
-        # The group's gamma/beta gradient is the sum of its members' (what the gradient all-reduce adds up).
-        np.testing.assert_allclose(sum(dgammas[r] for r in members), dgamma_ref, rtol=rtol, atol=atol * 10)
-        np.testing.assert_allclose(sum(dbetas[r] for r in members), dbeta_ref, rtol=rtol, atol=atol * 10)
+        # The group's gamma/beta gradient is the sum of its members' (what the gradient all-reduce
+        # adds up).
+        np.testing.assert_allclose(
+            sum(dgammas[r] for r in members), dgamma_ref, rtol=rtol, atol=atol * 10
+        )
+        np.testing.assert_allclose(
+            sum(dbetas[r] for r in members), dbeta_ref, rtol=rtol, atol=atol * 10
+        )
         for r in members:
             np.testing.assert_allclose(means[r], mean_ref, rtol=1e-5, atol=1e-5)
             np.testing.assert_allclose(variances[r], var_ref, rtol=1e-5, atol=1e-5)
@@ -107,9 +134,13 @@ def _case_inputs(shape, dtype, seed):
     return tf.constant(x, dtype), tf.constant(dy, tf.float32)
 
 
-# Every case at group sizes 1, 2, 4 and 8, except the slower ones, which run at the sizes that communicate most.
-CASE_SIZES = [(case, g) for case in CASES for g in (
-    (4, 8) if case in ("odd_channels_1d", "renorm") else (1, 2, 4, 8))]
+# Every case at group sizes 1, 2, 4 and 8, except the slower ones, which run at the sizes that
+# communicate most.
+CASE_SIZES = [
+    (case, g)
+    for case in CASES
+    for g in ((4, 8) if case in ("odd_channels_1d", "renorm") else (1, 2, 4, 8))
+]
 
 
 @pytest.mark.parametrize("case, group_size", CASE_SIZES)
@@ -158,8 +189,10 @@ def test_masked_elements_do_not_count(strategy):
 
 def test_group_variance_is_not_an_average_of_local_variances(strategy):
     # Each replica's batch is constant: every local variance is 0, the group's is not.
-    x = tf.constant(np.arange(NUM_REPLICAS, dtype=np.float32).reshape(NUM_REPLICAS, 1, 1) * np.ones((1, 4, 2)),
-                    tf.float32)
+    x = tf.constant(
+        np.arange(NUM_REPLICAS, dtype=np.float32).reshape(NUM_REPLICAS, 1, 1) * np.ones((1, 4, 2)),
+        tf.float32,
+    )
     with strategy.scope():
         layer = DistributedBatchNormalization(group_size=8, momentum=0.0)
         layer.build((None, 2))
@@ -181,7 +214,9 @@ def test_large_mean_keeps_precision_through_the_moving_mean_shift(strategy):
     _, _, _, _, means, variances = _run_replicas(strategy, layer, x, tf.zeros_like(x))
     exact = np.var(np.asarray(x, np.float64).reshape(-1, 2), axis=0)
     np.testing.assert_allclose(variances[0], exact, rtol=1e-4)
-    np.testing.assert_allclose(means[0], np.asarray(x, np.float64).reshape(-1, 2).mean(0), rtol=1e-7)
+    np.testing.assert_allclose(
+        means[0], np.asarray(x, np.float64).reshape(-1, 2).mean(0), rtol=1e-7
+    )
 
 
 def test_synchronized_means_all_replicas(strategy):
@@ -216,11 +251,13 @@ def test_one_group_sum_per_training_call(strategy):
             y = first(x, training=True)
             y = second(y, training=True)
             return first(y, training=True), first(y, training=False)
+
         return strategy.run(replica_fn, args=(x,))
 
     graph = forward.get_concrete_function(tf.TensorSpec([4, 3], tf.float32)).graph
-    # On one host the statistics are summed in the step's graph: one AddN per group and training call
-    # (2 + 4 + 2 groups); the inference call communicates nothing, and no collective op is launched.
+    # On one host the statistics are summed in the step's graph: one AddN per group and training
+    # call (2 + 4 + 2 groups); the inference call communicates nothing, and no collective op is
+    # launched.
     assert _count_ops(graph, "AddN") == 2 + 4 + 2
     assert not [op for op in graph.get_operations() if op.type.startswith("Collective")]
 
@@ -245,11 +282,19 @@ BATCH_PATHS = {
     "masked": ((6, 3), {}),
     "renorm": ((5,), {"renorm": True, "renorm_clipping": {"rmax": 1.5, "dmax": 0.5}}),
 }
-BATCH_CASES = [(pattern, path, True)
-               for pattern in BATCH_PATTERNS for path in ("fused", "channels_first", "dense")]
-BATCH_CASES += [("whole_groups_empty", "renorm", True), ("whole_groups_empty", "masked", True),
-                ("one_empty_member", "masked", True), ("local_empty", "masked", True),
-                ("whole_groups_empty", "fused", False), ("whole_groups_empty", "dense", False)]
+BATCH_CASES = [
+    (pattern, path, True)
+    for pattern in BATCH_PATTERNS
+    for path in ("fused", "channels_first", "dense")
+]
+BATCH_CASES += [
+    ("whole_groups_empty", "renorm", True),
+    ("whole_groups_empty", "masked", True),
+    ("one_empty_member", "masked", True),
+    ("local_empty", "masked", True),
+    ("whole_groups_empty", "fused", False),
+    ("whole_groups_empty", "dense", False),
+]
 
 
 def _run_uneven_replicas(strategy, layer, xs, dys, masks=None, dynamic_batch=True):
@@ -260,9 +305,11 @@ def _run_uneven_replicas(strategy, layer, xs, dys, masks=None, dynamic_batch=Tru
     Returns per-replica numpy lists: outputs, input gradients, gamma gradients, beta gradients, and
     the layer's non-trainable weights (moving statistics).
     """
+
     def per_replica(values):
         return strategy.experimental_distribute_values_from_function(
-            lambda ctx: values[ctx.replica_id_in_sync_group])
+            lambda ctx: values[ctx.replica_id_in_sync_group]
+        )
 
     def replica_fn(x, dy, mask):
         if dynamic_batch:
@@ -276,7 +323,8 @@ def _run_uneven_replicas(strategy, layer, xs, dys, masks=None, dynamic_batch=Tru
 
     masks = None if masks is None else per_replica(masks)
     out = tf.function(lambda x, dy, mask: strategy.run(replica_fn, args=(x, dy, mask)))(
-        per_replica(xs), per_replica(dys), masks)
+        per_replica(xs), per_replica(dys), masks
+    )
     local = strategy.experimental_local_results
     ys, dxs, dgammas, dbetas = ([np.asarray(t) for t in local(o)] for o in out[:4])
     stats = [[np.asarray(t) for t in local(w)] for w in out[4]]
@@ -285,7 +333,8 @@ def _run_uneven_replicas(strategy, layer, xs, dys, masks=None, dynamic_batch=Tru
 
 @pytest.mark.parametrize("pattern, path, dynamic_batch", BATCH_CASES)
 def test_empty_and_uneven_replica_batches_match_the_reference(
-        strategy, pattern, path, dynamic_batch):
+    strategy, pattern, path, dynamic_batch
+):
     sizes, group_size = BATCH_PATTERNS[pattern]
     shape, kwargs = BATCH_PATHS[path]
     kwargs = dict(kwargs, momentum=0.7)
@@ -300,11 +349,14 @@ def test_empty_and_uneven_replica_batches_match_the_reference(
     dys = [tf.constant(rng.normal(size=(n,) + shape), tf.float32) for n in sizes]
     masks = None
     if path == "masked":
-        lengths = [rng.integers(0 if r in (2, 3) else 1, 1 if r in (2, 3) else 7, size=n)
-                   for r, n in enumerate(sizes)]
+        lengths = [
+            rng.integers(0 if r in (2, 3) else 1, 1 if r in (2, 3) else 7, size=n)
+            for r, n in enumerate(sizes)
+        ]
         masks = [tf.constant(np.arange(shape[0]) < length[:, None]) for length in lengths]
     ys, dxs, dgammas, dbetas, stats = _run_uneven_replicas(
-        strategy, layer, xs, dys, masks, dynamic_batch)
+        strategy, layer, xs, dys, masks, dynamic_batch
+    )
     for values in (ys, dxs, dgammas, dbetas, stats):
         assert all(np.all(np.isfinite(v)) for v in values)
     close = {"rtol": 1e-5, "atol": 2e-5}
@@ -327,7 +379,8 @@ def test_empty_and_uneven_replica_batches_match_the_reference(
         x_group = tf.concat([xs[r] for r in members], 0)
         dy_group = tf.concat([dys[r] for r in members], 0)
         y_ref, dx_ref, dgamma_ref, dbeta_ref, mean_ref, var_ref = _reference(
-            x_group, dy_group, weights, group_mask, **kwargs)
+            x_group, dy_group, weights, group_mask, **kwargs
+        )
         np.testing.assert_allclose(np.concatenate([ys[r] for r in members]), y_ref, **close)
         np.testing.assert_allclose(np.concatenate([dxs[r] for r in members]), dx_ref, **close)
         # The group's gamma/beta gradient is the sum of its members'.
@@ -364,7 +417,9 @@ def test_empty_batch_without_a_strategy_keeps_the_moving_statistics():
 def _topology(x, y, cores=2):
     """A TPU v3-like slice of x*y chips, built without hardware."""
     coords = [[i, j, 0, c] for j in range(y) for i in range(x) for c in range(cores)]
-    return tf.tpu.experimental.Topology(mesh_shape=[x, y, 1, cores], device_coordinates=np.array([coords]))
+    return tf.tpu.experimental.Topology(
+        mesh_shape=[x, y, 1, cores], device_coordinates=np.array([coords])
+    )
 
 
 def _chip_tiles(x, y, tile_x, tile_y, cores=2):
@@ -393,14 +448,21 @@ def _tpu_training_graph(mesh, per_replica_shape, group_size, calls=2, gradients=
         if gradients:
             tape.gradient(y, x)
     sums = [op for op in graph.get_operations() if op.type == "CrossReplicaSum"]
-    assignments = [sorted(tuple(g) for g in tf.get_static_value(op.inputs[1]).tolist()) for op in sums]
+    assignments = [
+        sorted(tuple(g) for g in tf.get_static_value(op.inputs[1]).tolist()) for op in sums
+    ]
     return sums, assignments
 
 
-@pytest.mark.parametrize("chips, group_size, tile", [
-    ((2, 2), 2, (1, 1)), ((2, 2), 8, (2, 2)),
-    ((4, 4), 8, (2, 2)), ((4, 4), 32, (4, 4)),
-])
+@pytest.mark.parametrize(
+    "chips, group_size, tile",
+    [
+        ((2, 2), 2, (1, 1)),
+        ((2, 2), 8, (2, 2)),
+        ((4, 4), 8, (2, 2)),
+        ((4, 4), 32, (4, 4)),
+    ],
+)
 def test_tpu_graph_has_one_cross_replica_sum_per_call(chips, group_size, tile):
     mesh = ReplicaMesh.from_topology(_topology(*chips))
     sums, assignments = _tpu_training_graph(mesh, [4, 3, 3, 5], group_size, calls=2)
@@ -416,7 +478,9 @@ def test_tpu_graph_gradient_is_one_more_group_sum():
     assert len(sums) == 2 and assignments[0] == assignments[1] == _chip_tiles(4, 4, 2, 2)
 
 
-@pytest.mark.parametrize("per_replica_batch, group_size, tile", [(16, 4, (2, 1)), (8, 8, (2, 2)), (64, 1, None)])
+@pytest.mark.parametrize(
+    "per_replica_batch, group_size, tile", [(16, 4, (2, 1)), (8, 8, (2, 2)), (64, 1, None)]
+)
 def test_default_group_reaches_a_span_of_64(per_replica_batch, group_size, tile):
     mesh = ReplicaMesh.from_topology(_topology(4, 4))
     sums, assignments = _tpu_training_graph(mesh, [per_replica_batch, 3], None, calls=1)
@@ -437,7 +501,9 @@ def test_default_group_needs_a_static_batch():
 
 def test_group_size_that_does_not_divide_the_replicas(strategy):
     with strategy.scope():
-        with pytest.raises(ValueError, match=r"group_size=3 does not divide the 8 replicas.*\[1, 2, 4, 8\]"):
+        with pytest.raises(
+            ValueError, match=r"group_size=3 does not divide the 8 replicas.*\[1, 2, 4, 8\]"
+        ):
             DistributedBatchNormalization(group_size=3).build((None, 4))
     layer = DistributedBatchNormalization(group_size=16)
     layer.build((None, 4))  # no strategy yet: checked at the first training call
@@ -445,11 +511,14 @@ def test_group_size_that_does_not_divide_the_replicas(strategy):
         strategy.run(tf.function(lambda: layer(tf.ones([2, 4]), training=True)))
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"group_size": 0}, "positive int"),
-    ({"group_size": 2.0}, "positive int"),
-    ({"group_size": 1, "synchronized": True}, "only one of them"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"group_size": 0}, "positive int"),
+        ({"group_size": 2.0}, "positive int"),
+        ({"group_size": 1, "synchronized": True}, "only one of them"),
+    ],
+)
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         DistributedBatchNormalization(**kwargs)
@@ -462,12 +531,17 @@ def test_behaves_like_keras_without_a_strategy():
     np.testing.assert_array_equal(ours.moving_variance.numpy(), keras_bn.moving_variance.numpy())
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"scale": False, "center": False}, {"epsilon": 0.1, "momentum": 0.5}])
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"scale": False, "center": False}, {"epsilon": 0.1, "momentum": 0.5}]
+)
 def test_four_d_training_matches_keras_without_a_strategy(kwargs):
-    # 4-D channels-last training calls normalize with the fused kernel: same values as Keras's element-wise
-    # ops up to rounding, same moving statistics, same gradients.
+    # 4-D channels-last training calls normalize with the fused kernel: same values as Keras's
+    # element-wise ops up to rounding, same moving statistics, same gradients.
     x = tf.constant(np.random.default_rng(1).normal(2.0, 3.0, size=(3, 5, 4, 7)).astype(np.float32))
-    ours, keras_bn = DistributedBatchNormalization(**kwargs), keras.layers.BatchNormalization(**kwargs)
+    ours, keras_bn = (
+        DistributedBatchNormalization(**kwargs),
+        keras.layers.BatchNormalization(**kwargs),
+    )
     outputs, grads = [], []
     for layer in (ours, keras_bn):
         layer.build(x.shape)
@@ -484,13 +558,15 @@ def test_four_d_training_matches_keras_without_a_strategy(kwargs):
     for got, want in zip(grads[0], grads[1]):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(ours.moving_mean.numpy(), keras_bn.moving_mean.numpy(), rtol=1e-6)
-    np.testing.assert_allclose(ours.moving_variance.numpy(), keras_bn.moving_variance.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(
+        ours.moving_variance.numpy(), keras_bn.moving_variance.numpy(), rtol=1e-6
+    )
 
 
 @pytest.mark.parametrize("jit_compile", [True, False])
 def test_fit_without_a_strategy_matches_keras(jit_compile):
-    # The fused kernels and written-out gradients also compile with XLA (`jit_compile`, Keras's default
-    # when it can) and train exactly as Keras's layer does.
+    # The fused kernels and written-out gradients also compile with XLA (`jit_compile`, Keras's
+    # default when it can) and train exactly as Keras's layer does.
     x = np.random.default_rng(2).random((32, 8, 8, 3)).astype(np.float32)
     y = np.random.default_rng(3).integers(0, 2, 32)
     losses = []
@@ -499,19 +575,28 @@ def test_fit_without_a_strategy_matches_keras(jit_compile):
         inputs = keras.Input((8, 8, 3))
         h = keras.layers.GlobalAveragePooling2D()(norm()(keras.layers.Conv2D(4, 3)(inputs)))
         model = keras.Model(inputs, keras.layers.Dense(2)(h))
-        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=jit_compile)
-        losses.append(model.fit(x, y, epochs=3, batch_size=8, verbose=0, shuffle=False).history["loss"])
+        model.compile(
+            "sgd",
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            jit_compile=jit_compile,
+        )
+        losses.append(
+            model.fit(x, y, epochs=3, batch_size=8, verbose=0, shuffle=False).history["loss"]
+        )
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
 
 
-@pytest.mark.parametrize("shape, kwargs, mask, fused", [
-    ((2, 3, 3, 4), {}, False, True),
-    ((2, 3, 3, 4), {"dtype": "mixed_bfloat16"}, False, True),
-    ((2, 3, 3, 4), {"axis": 1}, False, False),  # the kernel here takes NHWC only
-    ((2, 3, 3, 4), {}, True, False),  # masked statistics
-    ((2, 3, 3, 4), {"renorm": True}, False, False),
-    ((2, 5, 4), {}, False, False),  # 3-D
-])
+@pytest.mark.parametrize(
+    "shape, kwargs, mask, fused",
+    [
+        ((2, 3, 3, 4), {}, False, True),
+        ((2, 3, 3, 4), {"dtype": "mixed_bfloat16"}, False, True),
+        ((2, 3, 3, 4), {"axis": 1}, False, False),  # the kernel here takes NHWC only
+        ((2, 3, 3, 4), {}, True, False),  # masked statistics
+        ((2, 3, 3, 4), {"renorm": True}, False, False),
+        ((2, 5, 4), {}, False, False),  # 3-D
+    ],
+)
 def test_fused_kernel_only_where_its_contract_holds(shape, kwargs, mask, fused):
     layer = DistributedBatchNormalization(**kwargs)
     layer.build(shape)
@@ -526,7 +611,8 @@ def test_fused_kernel_only_where_its_contract_holds(shape, kwargs, mask, fused):
 
     graph = step.get_concrete_function(tf.TensorSpec(shape, layer.compute_dtype)).graph
     assert (_count_ops(graph, "FusedBatchNormV3"), _count_ops(graph, "FusedBatchNormGradV3")) == (
-        (1, 1) if fused else (0, 0))
+        (1, 1) if fused else (0, 0)
+    )
 
 
 # --------------------------------------------------------------------------- model.fit
@@ -534,14 +620,16 @@ def test_fused_kernel_only_where_its_contract_holds(shape, kwargs, mask, fused):
 
 def _conv_model(group_size, seed=0, norm=DistributedBatchNormalization):
     keras.utils.set_random_seed(seed)
-    return keras.Sequential([
-        keras.Input((6, 6, 2)),
-        keras.layers.Conv2D(4, 3, padding="same", use_bias=False),
-        norm(group_size=group_size, momentum=0.5),
-        keras.layers.ReLU(),
-        keras.layers.GlobalAveragePooling2D(),
-        keras.layers.Dense(3),
-    ])
+    return keras.Sequential(
+        [
+            keras.Input((6, 6, 2)),
+            keras.layers.Conv2D(4, 3, padding="same", use_bias=False),
+            norm(group_size=group_size, momentum=0.5),
+            keras.layers.ReLU(),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(3),
+        ]
+    )
 
 
 def _dataset(steps=3, per_replica_batch=2):
@@ -549,14 +637,19 @@ def _dataset(steps=3, per_replica_batch=2):
     n = steps * per_replica_batch * NUM_REPLICAS
     x = rng.normal(1.0, 2.0, size=(n, 6, 6, 2)).astype(np.float32)
     y = rng.integers(0, 3, size=n)
-    return tf.data.Dataset.from_tensor_slices((x, y)).batch(per_replica_batch * NUM_REPLICAS, drop_remainder=True)
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(
+        per_replica_batch * NUM_REPLICAS, drop_remainder=True
+    )
 
 
 def _fit(strategy, group_size, run_eagerly):
     with strategy.scope():
         model = _conv_model(group_size)
-        model.compile(keras.optimizers.SGD(0.1),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True), run_eagerly=run_eagerly)
+        model.compile(
+            keras.optimizers.SGD(0.1),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            run_eagerly=run_eagerly,
+        )
     history = model.fit(_dataset(), epochs=1, verbose=0)
     bn = model.layers[1]
     moving = [np.asarray(v) for v in bn.moving_mean.value.values]
@@ -620,8 +713,10 @@ def _fit_reference(weights, steps, group_size, momentum=0.5, epsilon=1e-3, learn
                     continue
                 batch = tf.concat([features[r] for r in members], 0)
                 mean, variance = tf.nn.moments(batch, [0, 1, 2])
-                moving[group] = [old * momentum + new.numpy() * (1.0 - momentum)
-                                 for old, new in zip(moving[group], (mean, variance))]
+                moving[group] = [
+                    old * momentum + new.numpy() * (1.0 - momentum)
+                    for old, new in zip(moving[group], (mean, variance))
+                ]
                 for r in members:
                     h = (features[r] - mean) * tf.math.rsqrt(variance + epsilon) * gamma + beta
                     logits = tf.reduce_mean(tf.nn.relu(h), [1, 2]) @ dense_kernel + dense_bias
@@ -634,8 +729,9 @@ def _fit_reference(weights, steps, group_size, momentum=0.5, epsilon=1e-3, learn
 def _fit_partial(strategy, group_size, norm=DistributedBatchNormalization):
     with strategy.scope():
         model = _conv_model(group_size, norm=norm)
-        model.compile(keras.optimizers.SGD(0.1),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
     initial = [np.asarray(w) for w in model.get_weights()]
     history = model.fit(_partial_last_batch_dataset(), epochs=1, verbose=0)
     bn = model.layers[1]
@@ -645,8 +741,10 @@ def _fit_partial(strategy, group_size, norm=DistributedBatchNormalization):
 
 @pytest.mark.parametrize("group_size", [2, 8])
 def test_fit_with_a_partial_last_batch_trains_as_the_reference(strategy, group_size):
-    steps = [[[np.asarray(t) for t in strategy.experimental_local_results(part)] for part in batch]
-             for batch in strategy.experimental_distribute_dataset(_partial_last_batch_dataset())]
+    steps = [
+        [[np.asarray(t) for t in strategy.experimental_local_results(part)] for part in batch]
+        for batch in strategy.experimental_distribute_dataset(_partial_last_batch_dataset())
+    ]
     # The last step leaves replicas 6 and 7 empty: with groups of 2 a whole group, and the group
     # (4, 5) uneven.
     assert [len(x) for x in steps[-1][0]] == [2, 2, 2, 2, 2, 1, 0, 0]
@@ -663,7 +761,8 @@ def test_fit_with_a_partial_last_batch_trains_as_the_reference(strategy, group_s
         # Over all replicas, Keras's synchronized layer computes the same (its local one turns gamma
         # NaN in this run, from the 0 / 0 moments of the empty replicas).
         _, keras_loss, keras_weights, keras_moving = _fit_partial(
-            strategy, group_size, _keras_synchronized)
+            strategy, group_size, _keras_synchronized
+        )
         np.testing.assert_allclose(loss, keras_loss, rtol=1e-5)
         for got, want in zip(weights, keras_weights):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
@@ -674,12 +773,15 @@ def test_fit_with_a_partial_last_batch_trains_as_the_reference(strategy, group_s
 
 
 def test_save_and_load_round_trip(tmp_path):
-    model = keras.Sequential([
-        keras.Input((5,)),
-        keras.layers.Dense(4),
-        DistributedBatchNormalization(group_size=2, momentum=0.9, epsilon=1e-4, renorm=True,
-                                      renorm_clipping={"rmax": 2.0}),
-    ])
+    model = keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(4),
+            DistributedBatchNormalization(
+                group_size=2, momentum=0.9, epsilon=1e-4, renorm=True, renorm_clipping={"rmax": 2.0}
+            ),
+        ]
+    )
     layer = model.layers[1]
     layer.set_weights(_initial_weights(4, seed=1, renorm=True))
     path = os.path.join(tmp_path, "model.keras")
@@ -701,13 +803,15 @@ def test_convert_resnet50_keeps_inference_outputs():
     # Random statistics and affine parameters, so a weight left behind would change the outputs.
     for layer in model.layers:
         if isinstance(layer, keras.layers.BatchNormalization):
-            layer.set_weights(_initial_weights(layer.gamma.shape[0], seed=int(rng.integers(1 << 30))))
+            layer.set_weights(
+                _initial_weights(layer.gamma.shape[0], seed=int(rng.integers(1 << 30)))
+            )
     converted = convert_batch_normalization(model, group_size=4)
-    old_bn = [l for l in model.layers if isinstance(l, keras.layers.BatchNormalization)]
-    new_bn = [l for l in converted.layers if isinstance(l, keras.layers.BatchNormalization)]
+    old_bn = [x for x in model.layers if isinstance(x, keras.layers.BatchNormalization)]
+    new_bn = [x for x in converted.layers if isinstance(x, keras.layers.BatchNormalization)]
     assert len(new_bn) == len(old_bn) == 53
-    assert all(type(l) is DistributedBatchNormalization and l.group_size == 4 for l in new_bn)
-    assert not any(type(l) is DistributedBatchNormalization for l in model.layers)
+    assert all(type(x) is DistributedBatchNormalization and x.group_size == 4 for x in new_bn)
+    assert not any(type(x) is DistributedBatchNormalization for x in model.layers)
     x = rng.uniform(0, 255, size=(2, 224, 224, 3)).astype(np.float32)
     np.testing.assert_array_equal(converted(x, training=False), model(x, training=False))
 
@@ -725,21 +829,28 @@ def test_convert_rejects_subclassed_models():
 
 
 def worker_fit():
-    """Runs in each of 2 workers x 2 CPUs: fits with local and with cross-worker groups; returns the results."""
+    """Runs in each of 2 workers x 2 CPUs: fits with local and with cross-worker groups."""
     strategy = tpu_scale.create_strategy(
-        num_cpu_replicas=int(os.environ["TPU_SCALE_CPUS_PER_WORKER"]), gradient_reduction="native")
+        num_cpu_replicas=int(os.environ["TPU_SCALE_CPUS_PER_WORKER"]), gradient_reduction="native"
+    )
     rng = np.random.default_rng(0)
     x = rng.normal(1.0, 2.0, size=(64, 6, 6, 2)).astype(np.float32)
     y = rng.integers(0, 3, size=64)
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16, drop_remainder=True).with_options(options)
+    dataset = (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .batch(16, drop_remainder=True)
+        .with_options(options)
+    )
     results = {"mesh": strategy.mesh.shape}
     for group_size in (1, 4):
         with strategy.scope():
             model = _conv_model(group_size)
-            model.compile(keras.optimizers.SGD(0.1),
-                          keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model.compile(
+                keras.optimizers.SGD(0.1),
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            )
         history = model.fit(dataset, epochs=1, verbose=0)
         results[group_size] = {
             "loss": history.history["loss"],
@@ -750,7 +861,9 @@ def worker_fit():
 
 
 def test_two_workers_fit_with_a_group_across_workers():
-    first, second = run_workers(f"{__name__}:worker_fit", num_workers=2, cpus_per_worker=2, timeout=300)
+    first, second = run_workers(
+        f"{__name__}:worker_fit", num_workers=2, cpus_per_worker=2, timeout=300
+    )
     assert first["mesh"] == second["mesh"] == (2, 2)
     # With local statistics the four replicas disagree (they saw different examples)...
     local_means = first[1]["moving_means"] + second[1]["moving_means"]

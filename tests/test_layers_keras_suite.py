@@ -1,24 +1,25 @@
 """Keras's own BatchNormalization test suite, run with `DistributedBatchNormalization` in its place.
 
-The installed Keras ships `keras/src/layers/normalization/batch_normalization_test.py`. Its tests refer to the
-layer as `layers.BatchNormalization`; an autouse fixture swaps that module's `layers` for a view of
-`keras.src.layers` whose `BatchNormalization` is ours, and checks that every test took our class and that
-every test that trains computed its statistics in our layer.
+The installed Keras ships `keras/src/layers/normalization/batch_normalization_test.py`. Its tests
+refer to the layer as `layers.BatchNormalization`; an autouse fixture swaps that module's `layers`
+for a view of `keras.src.layers` whose `BatchNormalization` is ours, and checks that every test took
+our class and that every test that trains computed its statistics in our layer.
 
 The suite runs twice:
 
-* `TestKerasSuiteLocal`: no strategy, so our layer must behave exactly like Keras's (it delegates the local
-  moments to Keras).
-* `TestKerasSuiteGrouped`: every training call is forced through our own grouped statistics (packed sums,
-  moving-mean shift, mask counts, the group sum) over a one-replica group, so Keras's expectations about
-  values, moving statistics, masking and renorm are checked against our arithmetic too. Except one case
-  of `test_correctness` (`test_correctness15`: channels on axis 1 of a 4-D input): it applies one layer three
-  times in a row and checks the last moving variance, about 0.999, against 1 with `atol=1e-3`, a margin of
-  about 1e-6. Each replica's own variance is two-pass, as in Keras, but the spread of the replicas' means
-  around the group mean is `E[d^2] - E[d]^2` with `d = mean - moving_mean`, and here the moving mean is stale
-  by about 7 standard deviations (the first call saw mean 5, the next ones mean 0), which costs a few float32
-  roundings (~3e-6) in that one case. The other 15 cases pass, and the same properties are
-  checked against plain batch normalization with real tolerances in `test_layers.py`.
+* `TestKerasSuiteLocal`: no strategy, so our layer must behave exactly like Keras's (it delegates
+  the local moments to Keras).
+* `TestKerasSuiteGrouped`: every training call is forced through our own grouped statistics (packed
+  sums, moving-mean shift, mask counts, the group sum) over a one-replica group, so Keras's
+  expectations about values, moving statistics, masking and renorm are checked against our
+  arithmetic too. Except one case of `test_correctness` (`test_correctness15`: channels on axis 1 of
+  a 4-D input): it applies one layer three times in a row and checks the last moving variance, about
+  0.999, against 1 with `atol=1e-3`, a margin of about 1e-6. Each replica's own variance is
+  two-pass, as in Keras, but the spread of the replicas' means around the group mean is `E[d^2] -
+  E[d]^2` with `d = mean - moving_mean`, and here the moving mean is stale by about 7 standard
+  deviations (the first call saw mean 5, the next ones mean 0), which costs a few float32 roundings
+  (~3e-6) in that one case. The other 15 cases pass, and the same properties are checked against
+  plain batch normalization with real tolerances in `test_layers.py`.
 """
 
 import functools
@@ -32,14 +33,19 @@ from tpu_scale.layers import DistributedBatchNormalization
 
 # Keras tests that call the layer in training mode; each must reach our statistics at least once.
 TRAINING_TESTS = (
-    "test_bn_basics", "test_correctness", "test_input_fully_masked", "test_bachnorm_ignore_masked_values",
-    "test_trainable_behavior", "test_masked_broadcast_normalization", "test_renorm_basics",
+    "test_bn_basics",
+    "test_correctness",
+    "test_input_fully_masked",
+    "test_bachnorm_ignore_masked_values",
+    "test_trainable_behavior",
+    "test_masked_broadcast_normalization",
+    "test_renorm_basics",
     "test_renorm_correctness",
 )
 
 
 class _LayersWithOurs:
-    """`keras.src.layers` with `BatchNormalization` replaced; counts how often the suite takes it."""
+    """`keras.src.layers` with `BatchNormalization` replaced; counts the suite's uses of it."""
 
     def __init__(self):
         self.taken = 0
@@ -76,13 +82,18 @@ def ours_in_place_of_keras(request, monkeypatch):
         pytest.skip("1e-6 margin on a chained moving variance; see the module docstring")
     if grouped:
         # One replica, one group: the grouped arithmetic runs, the group sum is the identity.
-        monkeypatch.setattr(DistributedBatchNormalization, "_group_assignment",
-                            lambda self, inputs: np.zeros((1, 1), np.int64))
+        monkeypatch.setattr(
+            DistributedBatchNormalization,
+            "_group_assignment",
+            lambda self, inputs: np.zeros((1, 1), np.int64),
+        )
     yield
     test_name = request.node.name
     assert layers.taken > 0, f"{test_name} never used layers.BatchNormalization"
     if test_name.startswith(TRAINING_TESTS):
-        assert counter["_moments"] > 0, f"{test_name} never computed training statistics with our layer"
+        assert counter["_moments"] > 0, (
+            f"{test_name} never computed training statistics with our layer"
+        )
     assert counter["_group_moments"] == (counter["_moments"] if grouped else 0)
 
 

@@ -1,4 +1,4 @@
-"""The package's shape: imports run one way, Keras internals stay in one module, modules stay small."""
+"""The package's shape: imports run one way, Keras internals in one module, small modules."""
 
 import ast
 import pathlib
@@ -32,7 +32,9 @@ def _imports(path):
 
 def _graph():
     names = {name for name, _ in _modules()}
-    return {name: {i for i in _imports(path) if i in names and i != name} for name, path in _modules()}
+    return {
+        name: {i for i in _imports(path) if i in names and i != name} for name, path in _modules()
+    }
 
 
 def test_no_import_cycles():
@@ -43,7 +45,7 @@ def test_no_import_cycles():
         if state.get(node) == "done":
             return
         if state.get(node) == "open":
-            cycle = trail[trail.index(node):] + [node]
+            cycle = trail[trail.index(node) :] + [node]
             pytest.fail("import cycle: " + " -> ".join(cycle))
         state[node] = "open"
         for nxt in sorted(graph[node]):
@@ -59,7 +61,7 @@ def test_no_import_cycles():
 def test_core_imports_run_one_way():
     graph = _graph()
     for i, name in enumerate(CORE):
-        above = {f"tpu_scale.{m}" for m in CORE[i + 1:]}
+        above = {f"tpu_scale.{m}" for m in CORE[i + 1 :]}
         assert not graph[f"tpu_scale.{name}"] & above, f"tpu_scale.{name} imports a module above it"
 
 

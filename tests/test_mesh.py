@@ -10,16 +10,32 @@ def make_topology(x, y, z=1, cores=2):
     """A TPU `Topology` of an x*y*z-chip slice with `cores` per chip, built without hardware."""
     import tensorflow as tf  # only the topology tests need it
 
-    coords = np.array([[cx, cy, cz, c] for cz in range(z) for cy in range(y) for cx in range(x)
-                       for c in range(cores)])
+    coords = np.array(
+        [
+            [cx, cy, cz, c]
+            for cz in range(z)
+            for cy in range(y)
+            for cx in range(x)
+            for c in range(cores)
+        ]
+    )
     per_task = min(len(coords), 8)
     return tf.tpu.experimental.Topology(
-        mesh_shape=[x, y, z, cores], device_coordinates=coords.reshape(-1, per_task, 4))
+        mesh_shape=[x, y, z, cores], device_coordinates=coords.reshape(-1, per_task, 4)
+    )
 
 
 # Slices from a v2/v3-8 to a full 1024-chip pod, and a v4-like 3-D shape with one core per chip.
-SLICES = [(2, 2, 1, 2), (4, 4, 1, 2), (8, 8, 1, 2), (16, 8, 1, 2), (16, 16, 1, 2), (32, 16, 1, 2),
-          (32, 32, 1, 2), (4, 4, 4, 1)]
+SLICES = [
+    (2, 2, 1, 2),
+    (4, 4, 1, 2),
+    (8, 8, 1, 2),
+    (16, 8, 1, 2),
+    (16, 16, 1, 2),
+    (32, 16, 1, 2),
+    (32, 32, 1, 2),
+    (4, 4, 4, 1),
+]
 
 
 def assert_partition(groups, n, size):
@@ -61,8 +77,9 @@ def test_group_assignments_partition(tiled):
 
 
 def test_contiguous_groups():
-    np.testing.assert_array_equal(ReplicaMesh.from_shape(2, 4).group_assignment(2),
-                                  [[0, 1], [2, 3], [4, 5], [6, 7]])
+    np.testing.assert_array_equal(
+        ReplicaMesh.from_shape(2, 4).group_assignment(2), [[0, 1], [2, 3], [4, 5], [6, 7]]
+    )
 
 
 def test_group_size_that_does_not_divide():
@@ -104,7 +121,9 @@ def test_pod_meshes_follow_the_torus(shape):
                 assert min(cols) % cores == 0 and (max(cols) + 1) % cores == 0
 
 
-@pytest.mark.parametrize("cores_in_group,chips", [(8, (2, 2)), (16, (2, 4)), (32, (4, 4)), (64, (4, 8))])
+@pytest.mark.parametrize(
+    "cores_in_group,chips", [(8, (2, 2)), (16, (2, 4)), (32, (4, 4)), (64, (4, 8))]
+)
 def test_v3_tiles_match_the_reference_shapes(cores_in_group, chips):
     mesh = ReplicaMesh.from_topology(make_topology(32, 32))
     group = mesh.group_assignment(cores_in_group, tiled=True)[0]

@@ -1,9 +1,9 @@
 """Tests for `tpu_scale.models`: ResNet-50 v1.5 and the small ResNet."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-import keras
 
 from tpu_scale.layers import DistributedBatchNormalization
 from tpu_scale.losses import SmoothedSparseCategoricalCrossentropy
@@ -96,8 +96,9 @@ def test_small_resnet_structure():
     assert all(bn.group_size == 2 for bn in _batch_norms(model))
     assert model.input_shape == (None, 64, 64, 3) and model.output_shape == (None, 10)
     assert model.count_params() < 200_000
-    deeper = small_resnet(10, image_size=32, widths=(8, 16), blocks_per_stage=(2, 3),
-                          bottleneck=True)
+    deeper = small_resnet(
+        10, image_size=32, widths=(8, 16), blocks_per_stage=(2, 3), bottleneck=True
+    )
     assert _check_zero_gamma_rule(deeper) == 5
     assert deeper.get_layer("stage2_block1_conv2").strides == (2, 2)
     assert deeper.output_shape == (None, 10)
@@ -148,8 +149,9 @@ def test_small_resnet_learns_with_the_recipe():
     model = small_resnet(4, image_size=32)
     steps = 6 * 8  # 384 training images, batch 64, 8 epochs
     model.compile(
-        optimizer=LARS(WarmupPolynomialDecay(10.0, warmup_steps=8, total_steps=steps),
-                       weight_decay=1e-4),
+        optimizer=LARS(
+            WarmupPolynomialDecay(10.0, warmup_steps=8, total_steps=steps), weight_decay=1e-4
+        ),
         loss=SmoothedSparseCategoricalCrossentropy(),
         metrics=["accuracy"],
     )
@@ -163,8 +165,9 @@ def _fit_recipe(strategy, images, labels, bn_group_size):
         keras.utils.set_random_seed(5)
         model = small_resnet(4, image_size=16, widths=(8, 16), bn_group_size=bn_group_size)
         model.compile(
-            optimizer=LARS(WarmupPolynomialDecay(5.0, warmup_steps=1, total_steps=4),
-                           weight_decay=1e-3),
+            optimizer=LARS(
+                WarmupPolynomialDecay(5.0, warmup_steps=1, total_steps=4), weight_decay=1e-3
+            ),
             loss=SmoothedSparseCategoricalCrossentropy(),
         )
     model.fit(images, labels, batch_size=32, epochs=1, shuffle=False, verbose=0)
@@ -186,8 +189,19 @@ def test_small_resnet_on_8_replicas_matches_one_device():
     start = small_resnet(4, image_size=16, widths=(8, 16))
     for a, b, s in zip(distributed.weights, local.weights, start.weights):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=2e-3, atol=2e-5, err_msg=a.path)
-    assert np.abs(local.get_layer("logits").kernel.numpy() - start.get_layer("logits").kernel.numpy()).max() > 1e-4
-    assert np.abs(local.get_layer("stem_conv").kernel.numpy() - start.get_layer("stem_conv").kernel.numpy()).max() > 1e-4
+    assert (
+        np.abs(
+            local.get_layer("logits").kernel.numpy() - start.get_layer("logits").kernel.numpy()
+        ).max()
+        > 1e-4
+    )
+    assert (
+        np.abs(
+            local.get_layer("stem_conv").kernel.numpy()
+            - start.get_layer("stem_conv").kernel.numpy()
+        ).max()
+        > 1e-4
+    )
 
 
 @pytest.mark.parametrize(

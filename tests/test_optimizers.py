@@ -1,12 +1,11 @@
 """Tests for `tpu_scale.optimizers.LARS`."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-import keras
 
 import tpu_scale.strategy  # its MirroredStrategy has private collective keys: tests share a process
-
 from tpu_scale.optimizers import LARS
 
 
@@ -66,16 +65,27 @@ def test_exclusion_rules_are_configurable():
     kernel = keras.Variable(k0, name="kernel")
     grads = [_grads(rng, (5,), 3), _grads(rng, (2, 3), 3)]
     # Rank-1 variables adapted; the kernel excluded by name from decay only.
-    opt = LARS(learning_rate=1.0, weight_decay=0.1, exclude_vectors=False,
-               exclude_from_weight_decay=["kernel"], exclude_from_layer_adaptation=[])
+    opt = LARS(
+        learning_rate=1.0,
+        weight_decay=0.1,
+        exclude_vectors=False,
+        exclude_from_weight_decay=["kernel"],
+        exclude_from_layer_adaptation=[],
+    )
     for g1, g2 in zip(*grads):
         opt.apply([tf.constant(g1), tf.constant(g2)], [vector, kernel])
     np.testing.assert_allclose(
-        vector.numpy(), numpy_lars(w0, grads[0], [1.0] * 3, 0.9, 0.1, 0.001, True, True)[-1],
-        rtol=1e-5, atol=1e-6)
+        vector.numpy(),
+        numpy_lars(w0, grads[0], [1.0] * 3, 0.9, 0.1, 0.001, True, True)[-1],
+        rtol=1e-5,
+        atol=1e-6,
+    )
     np.testing.assert_allclose(
-        kernel.numpy(), numpy_lars(k0, grads[1], [1.0] * 3, 0.9, 0.1, 0.001, True, False)[-1],
-        rtol=1e-5, atol=1e-6)
+        kernel.numpy(),
+        numpy_lars(k0, grads[1], [1.0] * 3, 0.9, 0.1, 0.001, True, False)[-1],
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 def test_default_rule_on_a_real_model():
@@ -107,8 +117,14 @@ def test_zero_weights_fall_back_to_plain_learning_rate():
 
 def test_config_round_trip_and_model_saving(tmp_path):
     schedule = keras.optimizers.schedules.ExponentialDecay(3.0, 100, 0.5)
-    opt = LARS(learning_rate=schedule, momentum=0.8, weight_decay=5e-5, eta=0.01,
-               exclude_from_weight_decay=["bn"], exclude_vectors=False)
+    opt = LARS(
+        learning_rate=schedule,
+        momentum=0.8,
+        weight_decay=5e-5,
+        eta=0.01,
+        exclude_from_weight_decay=["bn"],
+        exclude_vectors=False,
+    )
     config = opt.get_config()
     clone = keras.optimizers.deserialize(keras.optimizers.serialize(opt))
     assert isinstance(clone, LARS)
@@ -185,8 +201,9 @@ def test_mixed_bfloat16_keeps_float32_master_weights(cpu_devices):
     rng = np.random.default_rng(4)
     x = rng.normal(size=(32, 6)).astype(np.float32)
     y = x.sum(axis=1, keepdims=True)
-    model = _fit(tpu_scale.strategy.MirroredStrategy(cpu_devices), (x, y), steps=2,
-                 policy="mixed_bfloat16")
+    model = _fit(
+        tpu_scale.strategy.MirroredStrategy(cpu_devices), (x, y), steps=2, policy="mixed_bfloat16"
+    )
     assert model.layers[0].compute_dtype == "bfloat16"
     start = _regression_model(seed=3)
     for w, s in zip(model.weights, start.weights):

@@ -37,8 +37,9 @@ def test_converted_kernel_computes_the_standard_stem(size):
 
 def test_kernel_conversion_round_trips_and_rejects_foreign_kernels():
     kernel = np.random.default_rng(1).normal(size=(7, 7, 3, 4)).astype("float32")
-    np.testing.assert_array_equal(stem_kernel_from_space_to_depth(stem_kernel_to_space_to_depth(kernel)),
-                                  kernel)
+    np.testing.assert_array_equal(
+        stem_kernel_from_space_to_depth(stem_kernel_to_space_to_depth(kernel)), kernel
+    )
     with pytest.raises(ValueError, match="outside the 7x7 window"):
         stem_kernel_from_space_to_depth(np.ones((4, 4, 12, 4), np.float32))
     with pytest.raises(ValueError, match=r"\[7, 7, C, O\]"):
@@ -58,12 +59,14 @@ def test_resnet50_with_a_space_to_depth_stem_equals_the_standard_one():
     assert standard.count_params() + 64 * (16 * 12 - 49 * 3) == s2d.count_params()
     models.convert_stem(standard, s2d)
     x = np.random.default_rng(2).normal(size=(2, 64, 64, 3)).astype("float32")
-    np.testing.assert_allclose(s2d(x, training=False).numpy(), standard(x, training=False).numpy(),
-                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        s2d(x, training=False).numpy(), standard(x, training=False).numpy(), rtol=1e-4, atol=1e-4
+    )
     back = models.resnet50(num_classes=10, input_shape=(64, 64, 3))
     models.convert_stem(s2d, back)
-    np.testing.assert_allclose(back.get_layer("stem_conv").kernel.numpy(),
-                               standard.get_layer("stem_conv").kernel.numpy())
+    np.testing.assert_allclose(
+        back.get_layer("stem_conv").kernel.numpy(), standard.get_layer("stem_conv").kernel.numpy()
+    )
 
 
 def test_model_that_normalizes_uint8_inputs_saves_and_loads(tmp_path):
@@ -73,5 +76,6 @@ def test_model_that_normalizes_uint8_inputs_saves_and_loads(tmp_path):
     model.save(path)
     loaded = keras.models.load_model(path)
     x = np.random.default_rng(3).integers(0, 256, size=(2, 16, 16, 3)).astype("uint8")
-    np.testing.assert_allclose(loaded(x, training=False).numpy(), model(x, training=False).numpy(),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        loaded(x, training=False).numpy(), model(x, training=False).numpy(), rtol=1e-5, atol=1e-5
+    )

@@ -1,4 +1,4 @@
-"""create_strategy: CPU virtual replicas, errors, and a real two-process MultiWorkerMirroredStrategy."""
+"""create_strategy: CPU replicas, errors, and a real two-process MultiWorkerMirroredStrategy."""
 
 import os
 
@@ -12,7 +12,9 @@ from tpu_scale.testing import run_workers
 
 
 def test_cpu_strategy_has_a_mesh(cpu_devices):
-    strategy = tpu_scale.create_strategy(num_cpu_replicas=8, mesh_shape=(2, 4), gradient_reduction="native")
+    strategy = tpu_scale.create_strategy(
+        num_cpu_replicas=8, mesh_shape=(2, 4), gradient_reduction="native"
+    )
     assert isinstance(strategy, tf.distribute.MirroredStrategy)
     assert strategy.num_replicas_in_sync == 8
     assert strategy.mesh.shape == (2, 4)
@@ -30,18 +32,22 @@ def test_more_replicas_after_start_up_is_a_clear_error():
         tpu_scale.create_strategy(num_cpu_replicas=16)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"gradient_reduction": "ring"}, "choose one of"),
-    ({"num_cpu_replicas": 0}, "positive int"),
-    ({"num_cpu_replicas": 8, "mesh_shape": (3, 3)}, r"holds 9 replicas but there are 8"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"gradient_reduction": "ring"}, "choose one of"),
+        ({"num_cpu_replicas": 0}, "positive int"),
+        ({"num_cpu_replicas": 8, "mesh_shape": (3, 3)}, r"holds 9 replicas but there are 8"),
+    ],
+)
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         tpu_scale.create_strategy(**kwargs)
 
 
 def test_missing_tpu_is_an_error_that_names_it():
-    # "local" asks for this VM's own TPU; there is none here, and that must not silently become the CPU.
+    # "local" asks for this VM's own TPU; there is none here, and that must not silently become the
+    # CPU.
     with pytest.raises(RuntimeError, match="Could not reach the TPU 'local'"):
         tpu_scale.create_strategy(tpu="local")
 
@@ -51,13 +57,15 @@ def test_plain_strategies_get_a_derived_mesh():
     assert tpu_scale.mesh_of(strategy).shape == (1, 4)
 
 
-# --------------------------------------------------------------------------- multi-worker, two processes
+# --------------------------------------------------------------------------- multi-worker, two
+# processes
 
 
 def worker_all_reduce():
     """Runs in each worker: a full all-reduce and row/column group sums over the 2 x 2 mesh."""
     strategy = tpu_scale.create_strategy(
-        num_cpu_replicas=int(os.environ["TPU_SCALE_CPUS_PER_WORKER"]), gradient_reduction="native")
+        num_cpu_replicas=int(os.environ["TPU_SCALE_CPUS_PER_WORKER"]), gradient_reduction="native"
+    )
     mesh = strategy.mesh
 
     @tf.function
@@ -69,6 +77,7 @@ def worker_all_reduce():
             rows = collectives.group_sum(value, mesh.row_groups())
             columns = collectives.group_sum(value, mesh.column_groups())
             return total, rows, columns
+
         return strategy.run(replica_fn)
 
     results = step()
@@ -81,9 +90,10 @@ def worker_all_reduce():
 
 
 def worker_fit():
-    """Runs in each worker: Keras model.fit under the multi-worker strategy; returns the final weights."""
+    """Runs in each worker: Keras model.fit under the multi-worker strategy; the final weights."""
     strategy = tpu_scale.create_strategy(
-        num_cpu_replicas=int(os.environ["TPU_SCALE_CPUS_PER_WORKER"]), gradient_reduction="native")
+        num_cpu_replicas=int(os.environ["TPU_SCALE_CPUS_PER_WORKER"]), gradient_reduction="native"
+    )
     import keras
 
     rng = np.random.default_rng(0)
@@ -95,8 +105,9 @@ def worker_fit():
     dataset = dataset.with_options(options)
     with strategy.scope():
         keras.utils.set_random_seed(1)
-        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="relu"),
-                                  keras.layers.Dense(1)])
+        model = keras.Sequential(
+            [keras.Input((5,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(1)]
+        )
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
     history = model.fit(dataset, epochs=2, steps_per_epoch=3, verbose=0)
     return {"weights": [w.numpy() for w in model.weights], "loss": history.history["loss"]}
@@ -104,7 +115,9 @@ def worker_fit():
 
 @pytest.mark.multiprocess
 def test_two_workers_all_reduce():
-    results = run_workers(f"{__name__}:worker_all_reduce", num_workers=2, cpus_per_worker=2, timeout=240)
+    results = run_workers(
+        f"{__name__}:worker_all_reduce", num_workers=2, cpus_per_worker=2, timeout=240
+    )
     for task, result in enumerate(results):
         assert result["num_replicas"] == 4 and result["mesh"] == (2, 2)
         assert len(result["local_devices"]) == 2
@@ -125,7 +138,8 @@ def test_two_workers_keras_fit_agree():
 
 @pytest.mark.multiprocess
 def test_worker_failure_shows_every_output():
-    # The first worker to fail stops the cluster: the other one is killed before or after its own failure.
+    # The first worker to fail stops the cluster: the other one is killed before or after its own
+    # failure.
     with pytest.raises(RuntimeError) as failure:
         run_workers("tpu_scale.no_such_module:f", num_workers=2, timeout=60)
     message = str(failure.value)
@@ -134,10 +148,16 @@ def test_worker_failure_shows_every_output():
 
 
 def test_strategies_over_different_devices_coexist():
-    """Each strategy gets its own collective keys: reusing key 1 for other devices would abort the runtime."""
+    """Each strategy gets its own collective keys: key 1 reused elsewhere aborts the runtime."""
+
     def all_reduce(strategy):
-        return strategy.experimental_local_results(tf.function(lambda: strategy.run(
-            lambda: tf.distribute.get_replica_context().all_reduce("sum", 1.0)))())
+        return strategy.experimental_local_results(
+            tf.function(
+                lambda: strategy.run(
+                    lambda: tf.distribute.get_replica_context().all_reduce("sum", 1.0)
+                )
+            )()
+        )
 
     first = tpu_scale.create_strategy(num_cpu_replicas=8, gradient_reduction="native")
     assert [float(v) for v in all_reduce(first)] == [8.0] * 8

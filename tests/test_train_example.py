@@ -7,14 +7,23 @@ import keras
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+)
 
 import train_imagenet  # noqa: E402
 
 
 def tiny_config(**overrides):
-    settings = dict(epochs=3, image_size=32, global_batch_size=64, synthetic_train_examples=512,
-                    synthetic_eval_examples=128, deterministic=True, seed=3)
+    settings = dict(
+        epochs=3,
+        image_size=32,
+        global_batch_size=64,
+        synthetic_train_examples=512,
+        synthetic_eval_examples=128,
+        deterministic=True,
+        seed=3,
+    )
     settings.update(overrides)
     return train_imagenet.TrainConfig(**settings)
 
@@ -45,20 +54,28 @@ def test_interrupted_run_resumes_where_it_stopped(tmp_path):
     reference = train_imagenet.train(tiny_config(model_dir=str(tmp_path / "straight")))
     resumed_dir = str(tmp_path / "resumed")
     with pytest.raises(KeyboardInterrupt):
-        train_imagenet.train(tiny_config(model_dir=resumed_dir), extra_callbacks=[Interrupt(after_epochs=2)])
+        train_imagenet.train(
+            tiny_config(model_dir=resumed_dir), extra_callbacks=[Interrupt(after_epochs=2)]
+        )
     resumed = train_imagenet.train(tiny_config(model_dir=resumed_dir))
     for a, b in zip(reference["model"].weights, resumed["model"].weights):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-5, err_msg=a.path)
     assert resumed["top_1"] == pytest.approx(reference["top_1"], abs=1e-6)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (dict(global_batch_size=100), r"does not divide over 8 replicas; use a multiple of 8, e.g. 96"),
-    (dict(bn_group_size=3), r"group_size=3 does not divide the 8 replicas"),
-    (dict(data_dir="/tmp", tfds_name="imagenet2012"), "not both"),
-    (dict(model="vgg"), "choose resnet50 or small_resnet"),
-    (dict(mesh_shape="2by4"), "ROWSxCOLS"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            dict(global_batch_size=100),
+            r"does not divide over 8 replicas; use a multiple of 8, e.g. 96",
+        ),
+        (dict(bn_group_size=3), r"group_size=3 does not divide the 8 replicas"),
+        (dict(data_dir="/tmp", tfds_name="imagenet2012"), "not both"),
+        (dict(model="vgg"), "choose resnet50 or small_resnet"),
+        (dict(mesh_shape="2by4"), "ROWSxCOLS"),
+    ],
+)
 def test_bad_flags_fail_at_start(overrides, message):
     with pytest.raises(ValueError, match=message):
         train_imagenet.train(tiny_config(**overrides))

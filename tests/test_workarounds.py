@@ -1,4 +1,4 @@
-"""Tests for `tpu_scale._workarounds`: each workaround does what it claims, and is applied for the user."""
+"""Tests for `tpu_scale._workarounds`: each does what it claims and is applied for the user."""
 
 import os
 
@@ -9,7 +9,9 @@ import tpu_scale
 from tpu_scale import _workarounds
 from tpu_scale._workarounds import batch_scheduling
 
-LINUX_POLICIES = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies only")
+LINUX_POLICIES = pytest.mark.skipif(
+    not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies only"
+)
 
 
 def _policies():
@@ -51,7 +53,8 @@ def test_local_device_type_from_device_names(strategy):
 
 def test_reduce_nested_maps_structures_and_reduces_scalars_over_replicas(strategy):
     values = strategy.experimental_distribute_values_from_function(
-        lambda ctx: (tf.constant(float(ctx.replica_id_in_sync_group)), tf.fill([2], 1.0)))
+        lambda ctx: (tf.constant(float(ctx.replica_id_in_sync_group)), tf.fill([2], 1.0))
+    )
     calls = []
 
     def reduce_one(op, value, axis):
@@ -59,7 +62,8 @@ def test_reduce_nested_maps_structures_and_reduces_scalars_over_replicas(strateg
         return strategy.reduce(op, value, axis=axis)
 
     mean, vector = _workarounds.reduce_nested(
-        reduce_one, tf.distribute.ReduceOp.MEAN, values, 0, strategy.experimental_local_results)
+        reduce_one, tf.distribute.ReduceOp.MEAN, values, 0, strategy.experimental_local_results
+    )
     assert float(mean) == pytest.approx(3.5) and float(vector) == pytest.approx(1.0)
     assert calls == [None, 0]  # the scalar is reduced over replicas, the vector along its axis
 
@@ -67,7 +71,9 @@ def test_reduce_nested_maps_structures_and_reduces_scalars_over_replicas(strateg
 def test_quiet_cuda_probe_drops_only_the_cuinit_line(capfd, monkeypatch):
     monkeypatch.setattr(_workarounds, "has_nvidia_driver", lambda: False)
     with _workarounds.quiet_cuda_probe():
-        os.write(2, b"kept line\nE0000 cuda_platform.cc:52] failed call to cuInit: UNKNOWN ERROR (303)\n")
+        os.write(
+            2, b"kept line\nE0000 cuda_platform.cc:52] failed call to cuInit: UNKNOWN ERROR (303)\n"
+        )
         os.write(2, b"another kept line\n")
     err = capfd.readouterr().err
     assert "kept line" in err and "another kept line" in err and "cuInit" not in err

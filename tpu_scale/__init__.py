@@ -1,12 +1,13 @@
 """tpu_scale: supercomputer-scale image training techniques for TensorFlow/Keras.
 
 The public surface:
-  create_strategy   one call that finds the hardware and returns a `tf.distribute` strategy with a `.mesh`
-  ReplicaMesh       the 2-D grid of replicas (TPU torus, or hosts x local devices)
+  create_strategy   one call that finds the hardware and returns a `tf.distribute` strategy with a
+  `.mesh` ReplicaMesh       the 2-D grid of replicas (TPU torus, or hosts x local devices)
 
-Subpackages: `tpu_scale.layers` (grouped batch norm), `tpu_scale.collectives` (group sums over the mesh),
-`tpu_scale.torus` (2-D gradient summation), `tpu_scale.data` (the input builder), `tpu_scale.optimizers`,
-`tpu_scale.schedules`, `tpu_scale.models`, `tpu_scale.plan` (the pod-scale cost model).
+Subpackages: `tpu_scale.layers` (grouped batch norm), `tpu_scale.collectives` (group sums over the
+mesh), `tpu_scale.torus` (2-D gradient summation), `tpu_scale.data` (the input builder),
+`tpu_scale.optimizers`, `tpu_scale.schedules`, `tpu_scale.models`, `tpu_scale.plan` (the pod-scale
+cost model).
 """
 
 from tpu_scale.mesh import ReplicaMesh

@@ -1,14 +1,15 @@
 """Workarounds for TensorFlow and Keras behaviour, in one place.
 
-Each entry names the upstream report (or says none was found), the versions it was seen on, and how to tell
-it can go. Users never call these: `create_strategy` and the strategy classes apply them.
+Each entry names the upstream report (or says none was found), the versions it was seen on, and how
+to tell it can go. Users never call these: `create_strategy` and the strategy classes apply them.
 
-  batch_scheduling              tf.data iterator deletion stalls for up to 60 s per iterator on CPU hosts
-  next_collective_key_base      every strategy in a process numbers its collective keys from 1
+  batch_scheduling              tf.data iterator deletion stalls for up to 60 s per iterator on CPU
+  hosts next_collective_key_base      every strategy in a process numbers its collective keys from 1
   MultiWorkerExtended           MultiWorkerMirroredStrategy uses one CPU device per worker
-  reduce_nested                 Keras 3 `fit` asks a multi-worker `reduce` for nested and scalar values
-  local_device_type             which kind of device a multi-worker strategy's replicas run on
-  quiet_cuda_probe              the spurious "failed call to cuInit" error on machines without a GPU
+  reduce_nested                 Keras 3 `fit` asks a multi-worker `reduce` for nested and scalar
+  values local_device_type             which kind of device a multi-worker strategy's replicas run
+  on quiet_cuda_probe              the spurious "failed call to cuInit" error on machines without a
+  GPU
 """
 
 import contextlib
@@ -20,20 +21,22 @@ import tempfile
 import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy as _collective_lib
 
-# --------------------------------------------------------------------------- tf.data iterator deletion
+# --------------------------------------------------------------------------- tf.data iterator
+# deletion
 
 _batch_scheduling_applied = False
 
 
 def batch_scheduling(enabled=True):
-    """Puts every thread of this process, and those it starts later, under Linux's SCHED_BATCH policy.
+    """Puts every thread of this process, and those it starts later, under SCHED_BATCH (Linux).
 
-    Why: TensorFlow's tf.data autotuning threads can miss their cancellation: the wake-up comes before
-    the "cancelled" flag is set, and a thread woken first sleeps again for up to 60 s. Deleting an
-    iterator then waits that long, once per per-replica iterator of a distributed dataset: Keras deletes
-    one at every evaluation and at the end of `fit`, and epochs of a 3-second job took 6, 11 and 21 s.
-    Under SCHED_BATCH a woken thread does not preempt the deleting one and the race is not lost (0 of 24
-    deletions stalled, against 13 of 32). Threads that already run are switched too.
+    Why: TensorFlow's tf.data autotuning threads can miss their cancellation: the wake-up comes
+    before the "cancelled" flag is set, and a thread woken first sleeps again for up to 60 s.
+    Deleting an iterator then waits that long, once per per-replica iterator of a distributed
+    dataset: Keras deletes one at every evaluation and at the end of `fit`, and epochs of a 3-second
+    job took 6, 11 and 21 s. Under SCHED_BATCH a woken thread does not preempt the deleting one and
+    the race is not lost (0 of 24 deletions stalled, against 13 of 32). Threads that already run are
+    switched too.
 
     Upstream: no report found; seen with TF 2.16 to 2.21 on 2-core Linux hosts with 8 CPU replicas.
     How to tell it can go: `python benchmarks/iterator_stall.py` shows no stalled deletion with this
@@ -74,33 +77,35 @@ _strategies_created = itertools.count(1)
 def next_collective_key_base():
     """A private range of collective group keys for each new strategy in this process.
 
-    Why: TensorFlow numbers every strategy's group keys from 1: a second strategy over other devices (or
-    the same devices in another order) then reuses key 1 for a different group and aborts the process's
-    collective runtime ("joining a group with size 2, but that group has size 3"). Workers create their
-    strategies in the same order, so the k-th strategy gets the same range on every worker.
+    Why: TensorFlow numbers every strategy's group keys from 1: a second strategy over other devices
+    (or the same devices in another order) then reuses key 1 for a different group and aborts the
+    process's collective runtime ("joining a group with size 2, but that group has size 3"). Workers
+    create their strategies in the same order, so the k-th strategy gets the same range on every
+    worker.
 
-    Upstream: tensorflow/tensorflow#61314 (a maintainer: strategies created in sequence "share the same
-    collective key"); seen with TF 2.13 to 2.21.
-    How to tell it can go: `tests/test_strategy.py::test_strategies_over_different_devices_coexist` passes
-    with every strategy given key base 0.
+    Upstream: tensorflow/tensorflow#61314 (a maintainer: strategies created in sequence "share the
+    same collective key"); seen with TF 2.13 to 2.21. How to tell it can go:
+    `tests/test_strategy.py::test_strategies_over_different_devices_coexist` passes with every
+    strategy given key base 0.
     """
     return next(_strategies_created) * 100_000
 
 
-# --------------------------------------------------------------------------- several CPUs per worker
+# --------------------------------------------------------------------------- several CPUs per
+# worker
 
 
 class MultiWorkerExtended(_collective_lib.CollectiveAllReduceExtended):
     """Multi-worker extended that can give each worker several logical CPU devices.
 
-    Why: TensorFlow's `CollectiveAllReduceExtended._initialize_local_devices` uses exactly one CPU per
-    worker when there is no GPU; virtual replicas let a multi-host mesh be built and tested on CPUs.
-    The strategy class builds this extended itself instead of calling TensorFlow's `__init__`, which
-    would build its own.
+    Why: TensorFlow's `CollectiveAllReduceExtended._initialize_local_devices` uses exactly one CPU
+    per worker when there is no GPU; virtual replicas let a multi-host mesh be built and tested on
+    CPUs. The strategy class builds this extended itself instead of calling TensorFlow's `__init__`,
+    which would build its own.
 
-    Upstream: a design limit, not a reported bug; seen with TF 2.16 to 2.21.
-    How to tell it can go: `tf.distribute.MultiWorkerMirroredStrategy` gains an argument for local CPU
-    devices (it has none in 2.21).
+    Upstream: a design limit, not a reported bug; seen with TF 2.16 to 2.21. How to tell it can go:
+    `tf.distribute.MultiWorkerMirroredStrategy` gains an argument for local CPU devices (it has none
+    in 2.21).
     """
 
     def __init__(self, container_strategy, cluster_resolver, communication_options, num_local_cpus):
@@ -115,24 +120,25 @@ class MultiWorkerExtended(_collective_lib.CollectiveAllReduceExtended):
 
 
 def local_device_type(strategy):
-    """"CPU", "GPU" or "TPU": the kind of device `strategy`'s local replicas run on, from their names."""
+    """The kind of device ("CPU", "GPU", "TPU") of `strategy`'s local replicas, from their names."""
     name = strategy.extended.worker_devices[0]
     return tf.DeviceSpec.from_string(name).device_type or "CPU"
 
 
-# --------------------------------------------------------------------------- Keras fit, several workers
+# --------------------------------------------------------------------------- Keras fit, several
+# workers
 
 
 def reduce_nested(reduce_one, reduce_op, value, axis, local_results):
-    """`Strategy.reduce` that maps over nested values and reduces per-replica scalars across replicas.
+    """`Strategy.reduce` over nested values, reducing per-replica scalars across replicas.
 
-    Why: Keras 3 `model.fit` breaks under `MultiWorkerMirroredStrategy` with more than one worker: while
-    building the model it asks `reduce` for the mean of a nested `(x, y)` batch ("Attempt to convert a
-    value (PerReplica...) to a Tensor"), and it reduces scalar metrics along axis 0 ("Invalid reduction
-    dimension 0").
+    Why: Keras 3 `model.fit` breaks under `MultiWorkerMirroredStrategy` with more than one worker:
+    while building the model it asks `reduce` for the mean of a nested `(x, y)` batch ("Attempt to
+    convert a value (PerReplica...) to a Tensor"), and it reduces scalar metrics along axis 0
+    ("Invalid reduction dimension 0").
 
-    Upstream: keras-team/keras#20585; seen with Keras 3.6 to 3.15 on TF 2.18 to 2.21.
-    How to tell it can go: `tests/test_strategy.py::test_two_workers_keras_fit_agree` passes with TensorFlow's own
+    Upstream: keras-team/keras#20585; seen with Keras 3.6 to 3.15 on TF 2.18 to 2.21. How to tell it
+    can go: `tests/test_strategy.py::test_two_workers_keras_fit_agree` passes with TensorFlow's own
     `reduce`.
 
     Args:
@@ -172,15 +178,15 @@ def quiet_cuda_probe():
     """Drops TensorFlow's "failed call to cuInit" error line while devices are first listed.
 
     Why: TensorFlow's CUDA build tries to initialize CUDA when it first enumerates devices and logs
-    `E ... failed call to cuInit: ... UNKNOWN ERROR (303)` on every machine without a GPU driver, before
-    its log settings apply (TF_CPP_MIN_LOG_LEVEL does not hide it). Users read it as a failure. On a
-    Linux machine with no NVIDIA driver, stderr is captured around the first device listing and written
-    back without that one line; everything else TensorFlow prints there still shows.
+    `E ... failed call to cuInit: ... UNKNOWN ERROR (303)` on every machine without a GPU driver,
+    before its log settings apply (TF_CPP_MIN_LOG_LEVEL does not hide it). Users read it as a
+    failure. On a Linux machine with no NVIDIA driver, stderr is captured around the first device
+    listing and written back without that one line; everything else TensorFlow prints there still
+    shows.
 
-    Upstream: tensorflow/tensorflow#37689 (closed without a fix; tensorflow-cpu does not probe); seen
-    with TF 2.16 to 2.21.
-    How to tell it can go: `python -c "import tensorflow as tf; tf.config.list_physical_devices()"`
-    prints no cuInit line on a machine without a GPU.
+    Upstream: tensorflow/tensorflow#37689 (closed without a fix; tensorflow-cpu does not probe);
+    seen with TF 2.16 to 2.21. How to tell it can go: `python -c "import tensorflow as tf;
+    tf.config.list_physical_devices()"` prints no cuInit line on a machine without a GPU.
     """
     if has_nvidia_driver():
         yield
@@ -195,7 +201,10 @@ def quiet_cuda_probe():
             os.dup2(saved, 2)
             os.close(saved)
             captured.seek(0)
-            kept = [line for line in captured.read().decode(errors="replace").splitlines(True)
-                    if _SPURIOUS_CUDA_LINE not in line]
+            kept = [
+                line
+                for line in captured.read().decode(errors="replace").splitlines(True)
+                if _SPURIOUS_CUDA_LINE not in line
+            ]
             sys.stderr.write("".join(kept))
             sys.stderr.flush()

@@ -1,12 +1,13 @@
 """What is running here: the mesh of a strategy, the mesh collectives run over, and their backend.
 
-Look-ups of the running `tf.distribute` context, shared by the collectives, the layers and the gradient
-sum, so that none of them reaches up into the strategy factory:
+Look-ups of the running `tf.distribute` context, shared by the collectives, the layers and the
+gradient sum, so that none of them reaches up into the strategy factory:
 
   mesh_of(strategy)   the `ReplicaMesh` of a strategy (ours carry one; any other gets a derived one)
   current_mesh()      the mesh of the current replica context, or None with nothing to talk to
-  backend()           which collective implementation applies here: "tpu", "collective", "eager", "single"
-  tpu_graph(mesh)     build TPU ops for `mesh` in a graph, with no TPU present (to inspect TPU graphs)
+  backend()           which collective implementation applies here: "tpu", "collective", "eager",
+  "single" tpu_graph(mesh)     build TPU ops for `mesh` in a graph, with no TPU present (to inspect
+  TPU graphs)
 """
 
 import contextlib
@@ -29,8 +30,8 @@ def is_tpu_strategy(strategy):
 def mesh_of(strategy=None):
     """The `ReplicaMesh` of a strategy (the current one by default).
 
-    Strategies from `create_strategy` carry their mesh; for any other strategy it is derived: one row per
-    worker for multi-worker strategies, a single row of replicas otherwise.
+    Strategies from `create_strategy` carry their mesh; for any other strategy it is derived: one
+    row per worker for multi-worker strategies, a single row of replicas otherwise.
 
     Args:
       strategy: a `tf.distribute.Strategy`; defaults to `tf.distribute.get_strategy()`.
@@ -53,9 +54,9 @@ def mesh_of(strategy=None):
 def tpu_graph(mesh):
     """Builds TPU ops for `mesh` in the current graph, with no TPU present.
 
-    Used to inspect the graph a TPU training step would run (op types, group assignments) on a machine
-    without TPUs: inside this context `current_mesh()` is `mesh` and `backend()` is `"tpu"`, so every
-    collective builds its TPU op. The graph cannot run on CPU.
+    Used to inspect the graph a TPU training step would run (op types, group assignments) on a
+    machine without TPUs: inside this context `current_mesh()` is `mesh` and `backend()` is `"tpu"`,
+    so every collective builds its TPU op. The graph cannot run on CPU.
 
     Args:
       mesh: the `ReplicaMesh` the TPU ops are built for.
@@ -99,7 +100,8 @@ def backend():
     ctx = tf.distribute.get_replica_context()
     if ctx is None:
         raise RuntimeError(
-            "tpu_scale collectives run in replica context: call them inside strategy.run(...), a Keras "
+            "tpu_scale collectives run in replica context: call them inside strategy.run(...), a "
+            "Keras "
             "train_step or a layer's call, not in cross-replica context."
         )
     if ctx.num_replicas_in_sync == 1:

@@ -1,10 +1,11 @@
-"""The replica mesh: the 2-D grid of replicas that grouped batch norm and the torus sum are defined on.
+"""The replica mesh: the 2-D grid of replicas that grouped batch norm and the torus sum use.
 
-Pure geometry: numpy only, no TensorFlow runtime, so pod-scale shapes can be built and checked anywhere.
+Pure geometry: numpy only, no TensorFlow runtime, so pod-scale shapes can be built and checked
+anywhere.
 
-A mesh is an int array `grid[rows, cols]` of replica ids. On a TPU slice the rows and columns follow the
-physical torus (the cores of one chip sit next to each other in a row); on GPU/CPU hosts the rows are hosts and
-the columns are the host's local devices, so a row never crosses a host boundary.
+A mesh is an int array `grid[rows, cols]` of replica ids. On a TPU slice the rows and columns follow
+the physical torus (the cores of one chip sit next to each other in a row); on GPU/CPU hosts the
+rows are hosts and the columns are the host's local devices, so a row never crosses a host boundary.
 
 Reference:
   Ying et al., "Image Classification at Supercomputer Scale", 2018 (arXiv:1811.06992).
@@ -22,19 +23,23 @@ class ReplicaMesh:
 
     Args:
       grid: int array-like `[rows, cols]` holding every replica id `0..n-1` exactly once.
-      cores_per_chip: how many adjacent columns of a row belong to one chip (TPU); 1 elsewhere. Tiled
-        groups are measured in chips, so a group never splits a chip unless it is smaller than one.
-      is_torus: True when rows and columns are physical torus rings (a TPU slice). Grouped batch norm then
-        uses topology tiles by default.
+      cores_per_chip: how many adjacent columns of a row belong to one chip (TPU); 1 elsewhere.
+        Tiled groups are measured in chips, so a group never splits a chip unless it is smaller than
+        one.
+      is_torus: True when rows and columns are physical torus rings (a TPU slice). Grouped batch
+        norm then uses topology tiles by default.
     """
 
     def __init__(self, grid, cores_per_chip=1, is_torus=False):
         grid = np.asarray(grid, dtype=np.int64)
         if grid.ndim != 2 or grid.size == 0:
-            raise ValueError(f"A replica mesh needs a non-empty 2-D grid of replica ids, got shape {grid.shape}.")
+            raise ValueError(
+                f"A replica mesh needs a non-empty 2-D grid of replica ids, got shape {grid.shape}."
+            )
         if sorted(grid.ravel().tolist()) != list(range(grid.size)):
             raise ValueError(
-                f"A replica mesh must hold each replica id 0..{grid.size - 1} exactly once, got {grid.tolist()}."
+                f"A replica mesh must hold each replica id 0..{grid.size - 1} exactly once, got "
+                f"{grid.tolist()}."
             )
         if cores_per_chip < 1 or grid.shape[1] % cores_per_chip:
             raise ValueError(
@@ -59,44 +64,50 @@ class ReplicaMesh:
 
     @classmethod
     def for_devices(cls, num_replicas, shape=None):
-        """The mesh of one host's local devices: `(1, n)` by default, or the `(rows, cols)` given."""
+        """The mesh of one host's devices: `(1, n)` by default, or the `(rows, cols)` given."""
         if shape is None:
             return cls.from_shape(1, num_replicas)
         rows, cols = (int(s) for s in shape)
         if rows * cols != num_replicas:
             options = ", ".join(f"({d}, {num_replicas // d})" for d in _divisors(num_replicas))
             raise ValueError(
-                f"mesh_shape={tuple(shape)} holds {rows * cols} replicas but there are {num_replicas}; "
+                f"mesh_shape={tuple(shape)} holds {rows * cols} replicas but there are "
+                f"{num_replicas}; "
                 f"use one of {options}."
             )
         return cls.from_shape(rows, cols)
 
     @classmethod
     def for_workers(cls, num_workers, replicas_per_worker):
-        """Several hosts: one row per worker, its local replicas along the row (replica = task * local + i)."""
+        """Several hosts: one row per worker, its replicas along it (replica = task * local + i)."""
         return cls.from_shape(num_workers, replicas_per_worker)
 
     @classmethod
     def from_topology(cls, topology, device_assignment=None):
         """The mesh of a TPU slice, following its physical torus.
 
-        Rows are the torus's second dimension (folded with the third on 3-D slices), columns the first
-        dimension times the cores of a chip, so the cores of one chip are neighbours in a row.
+        Rows are the torus's second dimension (folded with the third on 3-D slices), columns the
+        first dimension times the cores of a chip, so the cores of one chip are neighbours in a row.
 
         Args:
-          topology: a `tf.tpu.experimental.Topology` (anything with `mesh_shape` and `device_coordinates`).
-          device_assignment: the `tf.tpu.experimental.DeviceAssignment` the strategy uses; replica `i` is
-            placed at its logical core 0. Without one, replicas follow the topology's device order.
+          topology: a `tf.tpu.experimental.Topology` (anything with `mesh_shape` and
+            `device_coordinates`).
+          device_assignment: the `tf.tpu.experimental.DeviceAssignment` the strategy uses; replica
+            `i` is placed at its logical core 0. Without one, replicas follow the topology's device
+            order.
         """
         mesh_shape = [int(s) for s in np.asarray(topology.mesh_shape)]
         if len(mesh_shape) != 4:
-            raise ValueError(f"Expected a TPU topology mesh_shape [x, y, z, cores], got {mesh_shape}.")
+            raise ValueError(
+                f"Expected a TPU topology mesh_shape [x, y, z, cores], got {mesh_shape}."
+            )
         if device_assignment is not None:
             coords = np.asarray(device_assignment.core_assignment)[:, 0, :]
         else:
             coords = np.asarray(topology.device_coordinates).reshape(-1, 4)
         cores = mesh_shape[3]
-        # Compact the used coordinates: a sub-slice's device assignment need not start at the origin.
+        # Compact the used coordinates: a sub-slice's device assignment need not start at the
+        # origin.
         axes = [np.unique(coords[:, i], return_inverse=True)[1] for i in range(4)]
         extent = [int(a.max()) + 1 for a in axes]
         used_cores = extent[3]
@@ -141,9 +152,9 @@ class ReplicaMesh:
 
         Args:
           group_size: replicas per group; must divide the replica count.
-          tiled: False gives contiguous replica ids (`r // group_size`); True gives compact rectangles of
-            neighbouring chips (on TPU v3: 8 cores -> 2x2 chips, 16 -> 2x4, 32 -> 4x4), so a group's sum
-            stays on short links.
+          tiled: False gives contiguous replica ids (`r // group_size`); True gives compact
+            rectangles of neighbouring chips (on TPU v3: 8 cores -> 2x2 chips, 16 -> 2x4, 32 ->
+            4x4), so a group's sum stays on short links.
 
         Returns:
           int array `[num_groups, group_size]` of replica ids, each group sorted.
@@ -161,13 +172,15 @@ class ReplicaMesh:
         if tile is None:
             valid = [g for g in _divisors(n) if self._tile_shape(g) is not None]
             raise ValueError(
-                f"group_size={group_size} cannot tile the {self.shape[0]}x{self.shape[1]} mesh of {n} replicas "
-                f"({self.cores_per_chip} cores per chip) into equal rectangles; sizes that tile: {valid}."
+                f"group_size={group_size} cannot tile the {self.shape[0]}x{self.shape[1]} mesh of "
+                f"{n} replicas "
+                f"({self.cores_per_chip} cores per chip) into equal rectangles; sizes that tile: "
+                f"{valid}."
             )
         tr, tc = tile
         rows, cols = self.shape
         groups = [
-            np.sort(self.grid[r:r + tr, c:c + tc].ravel())
+            np.sort(self.grid[r : r + tr, c : c + tc].ravel())
             for r in range(0, rows, tr)
             for c in range(0, cols, tc)
         ]
@@ -211,7 +224,8 @@ class ReplicaMesh:
 
 
 def smallest_group_for_span(mesh, per_replica_batch, span=64, tiled=False):
-    """The smallest valid group size whose span (per-replica batch x group size) reaches `span` examples.
+    """The smallest valid group size whose span (per-replica batch x group size) reaches `span`
+    examples.
 
     Falls back to all replicas when even the whole mesh spans fewer examples.
     """
@@ -224,4 +238,3 @@ def smallest_group_for_span(mesh, per_replica_batch, span=64, tiled=False):
             continue
         return g
     return mesh.num_replicas
-

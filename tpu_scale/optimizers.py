@@ -93,10 +93,16 @@ class LARS(keras.optimizers.Optimizer):
         name=None,
         **kwargs,
     ):
-        momentum = _check_float("momentum", momentum, 0.0, 1.0, high_open=True,
-                                hint="use e.g. momentum=0.9")
-        weight_decay = _check_float("weight_decay", 0.0 if weight_decay is None else weight_decay,
-                                    0.0, None, hint="use e.g. weight_decay=1e-4, or 0.0 for none")
+        momentum = _check_float(
+            "momentum", momentum, 0.0, 1.0, high_open=True, hint="use e.g. momentum=0.9"
+        )
+        weight_decay = _check_float(
+            "weight_decay",
+            0.0 if weight_decay is None else weight_decay,
+            0.0,
+            None,
+            hint="use e.g. weight_decay=1e-4, or 0.0 for none",
+        )
         eta = _check_float("eta", eta, 0.0, None, low_open=True, hint="use e.g. eta=0.001")
         if isinstance(learning_rate, int) and not isinstance(learning_rate, bool):
             # The base class accepts only floats; `LARS(25)` is an obvious intent.
@@ -120,10 +126,12 @@ class LARS(keras.optimizers.Optimizer):
         self.exclude_vectors = bool(exclude_vectors)
         # Stored under private names: `exclude_from_weight_decay` is also the name of an
         # inherited method, which keeps working (see `_decays`).
-        self._wd_patterns = _check_patterns("exclude_from_weight_decay", exclude_from_weight_decay,
-                                            DEFAULT_EXCLUDE_PATTERNS)
-        self._adapt_patterns = _check_patterns("exclude_from_layer_adaptation",
-                                               exclude_from_layer_adaptation, self._wd_patterns)
+        self._wd_patterns = _check_patterns(
+            "exclude_from_weight_decay", exclude_from_weight_decay, DEFAULT_EXCLUDE_PATTERNS
+        )
+        self._adapt_patterns = _check_patterns(
+            "exclude_from_layer_adaptation", exclude_from_layer_adaptation, self._wd_patterns
+        )
 
     def build(self, variables):
         """Creates one velocity per variable and decides, once, which rule each follows."""
@@ -189,8 +197,10 @@ class LARS(keras.optimizers.Optimizer):
 
         self.assign(
             velocity,
-            ops.add(ops.multiply(velocity, ops.cast(self.momentum, dtype)),
-                    ops.multiply(update, learning_rate)),
+            ops.add(
+                ops.multiply(velocity, ops.cast(self.momentum, dtype)),
+                ops.multiply(update, learning_rate),
+            ),
         )
         self.assign_sub(variable, velocity)
 
@@ -218,8 +228,9 @@ def _check_float(name, value, low, high, low_open=False, high_open=False, hint="
     too_high = high is not None and (value >= high if high_open else value > high)
     if too_low or too_high:
         interval = (
-            ("(" if low_open else "[") + f"{low}, " + ("inf)" if high is None else
-                                                      f"{high}" + (")" if high_open else "]"))
+            ("(" if low_open else "[")
+            + f"{low}, "
+            + ("inf)" if high is None else f"{high}" + (")" if high_open else "]"))
         )
         raise ValueError(f"`{name}` must be in {interval}; received {name}={value}: {hint}.")
     return value
@@ -243,4 +254,3 @@ def _check_patterns(name, patterns, default):
                 "fix or remove it."
             ) from None
     return patterns
-

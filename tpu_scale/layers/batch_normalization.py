@@ -1,10 +1,10 @@
 """Grouped ("distributed") batch normalization: batch statistics over a group of replicas.
 
-At large scale each replica sees only a handful of examples, too few for good batch statistics, while
-normalizing over all replicas is slow and also hurts accuracy. `DistributedBatchNormalization` normalizes over a
-*group* of replicas instead: each replica packs its local per-channel sum, sum of squares and count into one
-tensor, the group sums it with a single cross-replica reduction, and every member normalizes with the group's
-mean and variance.
+At large scale each replica sees only a handful of examples, too few for good batch statistics,
+while normalizing over all replicas is slow and also hurts accuracy. `DistributedBatchNormalization`
+normalizes over a *group* of replicas instead: each replica packs its local per-channel sum, sum of
+squares and count into one tensor, the group sums it with a single cross-replica reduction, and
+every member normalizes with the group's mean and variance.
 
 Reference:
   Ying et al., "Image Classification at Supercomputer Scale", 2018 (arXiv:1811.06992), section 3.
@@ -17,7 +17,8 @@ import tensorflow as tf
 from tpu_scale import collectives, context, keras_hook
 from tpu_scale.mesh import smallest_group_for_span
 
-# The BN span (examples normalized together) `group_size=None` aims for: the smallest group reaching it.
+# The BN span (examples normalized together) `group_size=None` aims for: the smallest group reaching
+# it.
 DEFAULT_SPAN = 64
 
 
@@ -41,44 +42,49 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
     batch, takes the 0 / 0 moments and turns its moving statistics and `gamma` gradient NaN (a fully
     masked one moves the moving mean and variance towards 0).
 
-    Each training call makes exactly one cross-replica reduction, through `tpu_scale.collectives.group_sum`:
-    the local per-channel `sum(x - shift)`, `sum((x - shift)^2)` and unmasked-element count, packed into a
-    single float32 tensor (float64 for float64 inputs; bfloat16 and float16 inputs are upcast first). The
-    group variance is `E[(x - shift)^2] - E[x - shift]^2`, clamped at zero: the group's true variance, never an
-    average of per-replica variances. The per-channel `shift` is the layer's moving mean (without gradient):
-    the identity holds for any shift shared by the group, and one close to the mean avoids the cancellation
-    that makes `E[x^2] - E[x]^2` lose precision when the mean is large against the spread.
+    Each training call makes exactly one cross-replica reduction, through
+    `tpu_scale.collectives.group_sum`: the local per-channel `sum(x - shift)`, `sum((x - shift)^2)`
+    and unmasked-element count, packed into a single float32 tensor (float64 for float64 inputs;
+    bfloat16 and float16 inputs are upcast first). The group variance is `E[(x - shift)^2] - E[x -
+    shift]^2`, clamped at zero: the group's true variance, never an average of per-replica
+    variances. The per-channel `shift` is the layer's moving mean (without gradient): the identity
+    holds for any shift shared by the group, and one close to the mean avoids the cancellation that
+    makes `E[x^2] - E[x]^2` lose precision when the mean is large against the spread.
 
-    Groups come from the strategy's mesh: `mesh.group_assignment(group_size, tiled=mesh.is_torus)`, i.e.
-    contiguous replica ids on CPU/GPU hosts and compact tiles of neighbouring chips on a TPU torus.
+    Groups come from the strategy's mesh: `mesh.group_assignment(group_size, tiled=mesh.is_torus)`,
+    i.e. contiguous replica ids on CPU/GPU hosts and compact tiles of neighbouring chips on a TPU
+    torus.
 
     Training calls on 4-D channels-last float inputs without mask or renorm (convolutional networks)
-    normalize with TensorFlow's fused batch-norm kernel given these statistics, with a written-out gradient;
-    outputs then match Keras's element-wise ops up to float rounding, and the step is shorter (on one host
-    every replica of a group runs the ops after the group sum at the same time).
+    normalize with TensorFlow's fused batch-norm kernel given these statistics, with a written-out
+    gradient; outputs then match Keras's element-wise ops up to float rounding, and the step is
+    shorter (on one host every replica of a group runs the ops after the group sum at the same
+    time).
 
-    Moving statistics are updated from the group statistics, so all members of a group hold the same values
-    (which the shift relies on). As with Keras's own layer under a mirrored strategy, each replica keeps its
-    own copy; different groups may differ, and saving or reading the weights outside `strategy.run` gives
-    replica 0's group. Batch renormalization (`renorm=True`) runs Keras's algorithm unchanged on the group
-    statistics: its `r`/`d` corrections and all its moving statistics use the group mean and deviation.
+    Moving statistics are updated from the group statistics, so all members of a group hold the same
+    values (which the shift relies on). As with Keras's own layer under a mirrored strategy, each
+    replica keeps its own copy; different groups may differ, and saving or reading the weights
+    outside `strategy.run` gives replica 0's group. Batch renormalization (`renorm=True`) runs
+    Keras's algorithm unchanged on the group statistics: its `r`/`d` corrections and all its moving
+    statistics use the group mean and deviation.
 
     Args:
-      group_size: replicas per group. `1` gives local statistics, `strategy.num_replicas_in_sync` global
-        ones. `None` picks the smallest group whose span (per-replica batch size x group size) reaches 64
-        examples, from the static batch size of the first training call, and keeps it for the layer's life;
-        with `synchronized=True`, `None` means all replicas. Must divide the number of replicas (and tile
-        the torus on TPU).
+      group_size: replicas per group. `1` gives local statistics, `strategy.num_replicas_in_sync`
+        global ones. `None` picks the smallest group whose span (per-replica batch size x group
+        size) reaches 64 examples, from the static batch size of the first training call, and keeps
+        it for the layer's life; with `synchronized=True`, `None` means all replicas. Must divide
+        the number of replicas (and tile the torus on TPU).
       **kwargs: every argument of `keras.layers.BatchNormalization` (`axis`, `momentum`, `epsilon`,
         `center`, `scale`, initializers, regularizers, constraints, `renorm`, `renorm_clipping`,
         `renorm_momentum`, `synchronized`) and the base layer arguments (`name`, `dtype`, ...).
 
     Call arguments:
       inputs: input tensor of any rank.
-      training: Python boolean; in training mode the layer normalizes with the group's batch statistics and
-        updates the moving statistics, otherwise it uses the moving statistics and does not communicate.
-      mask: optional tensor of one dimension less than `inputs`, `True` where an element counts. Masked
-        elements are excluded from the group's statistics (and from its count).
+      training: Python boolean; in training mode the layer normalizes with the group's batch
+        statistics and updates the moving statistics, otherwise it uses the moving statistics and
+        does not communicate.
+      mask: optional tensor of one dimension less than `inputs`, `True` where an element counts.
+        Masked elements are excluded from the group's statistics (and from its count).
 
     Reference:
       - [Ioffe and Szegedy, 2015](https://arxiv.org/abs/1502.03167).
@@ -88,23 +94,31 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
     def __init__(self, group_size=None, **kwargs):
         super().__init__(**kwargs)
         if group_size is not None:
-            if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) or group_size < 1:
+            if (
+                isinstance(group_size, bool)
+                or not isinstance(group_size, (int, np.integer))
+                or group_size < 1
+            ):
                 raise ValueError(
-                    f"group_size must be a positive int (replicas per group) or None, got {group_size!r}."
+                    "group_size must be a positive int (replicas per group) or None, got "
+                    f"{group_size!r}."
                 )
             group_size = int(group_size)
             if self.synchronized and group_size == 1:
                 raise ValueError(
-                    "synchronized=True asks for statistics over all replicas but group_size=1 asks for local "
+                    "synchronized=True asks for statistics over all replicas but group_size=1 "
+                    "asks for local "
                     "ones; pass only one of them."
                 )
         self.group_size = group_size
-        # (mesh, group size) chosen by the span rule; kept so a smaller last batch cannot change the groups.
+        # (mesh, group size) chosen by the span rule; kept so a smaller last batch cannot change the
+        # groups.
         self._resolved = None
 
     def build(self, input_shape):
         super().build(input_shape)
-        # Fail at model construction, not at the first step, when the group size cannot fit the strategy.
+        # Fail at model construction, not at the first step, when the group size cannot fit the
+        # strategy.
         if self.group_size is not None and tf.distribute.has_strategy():
             from tpu_scale.strategy import mesh_of
 
@@ -143,17 +157,24 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
             outputs = _fused_normalization(x, mean, variance, gamma, beta, self.epsilon)
         else:
             outputs = keras.ops.batch_normalization(
-                x, mean, variance, axis=self.axis, offset=beta, scale=gamma, epsilon=self.epsilon)
+                x, mean, variance, axis=self.axis, offset=beta, scale=gamma, epsilon=self.epsilon
+            )
         return tf.cast(outputs, self.compute_dtype)
 
     def _fused_training_call(self, inputs, training, mask):
-        """Whether this call can normalize with the fused kernel: a training step on a 4-D channels-last
-        float input without mask or renorm (the kernel's contract); other training steps normalize
-        with Keras's element-wise `batch_normalization`, and inference calls take Keras's path."""
+        """Whether this call can normalize with the fused kernel: a training step on a 4-D
+        channels-last float input without mask or renorm (the kernel's contract); other training
+        steps normalize with Keras's element-wise `batch_normalization`, and inference calls take
+        Keras's path."""
         rank = inputs.shape.rank
         return bool(
-            training and self.trainable and mask is None and not self.renorm and rank == 4
-            and self.axis % rank == 3 and inputs.dtype in (tf.float32, tf.bfloat16, tf.float16)
+            training
+            and self.trainable
+            and mask is None
+            and not self.renorm
+            and rank == 4
+            and self.axis % rank == 3
+            and inputs.dtype in (tf.float32, tf.bfloat16, tf.float16)
         )
 
     def _update_moving_statistics(self, mean, variance, filled):
@@ -163,8 +184,13 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
         statistics (all five of them with renorm) keep their values exactly.
         """
         if self.renorm:
-            tracked = [self.moving_mean, self.moving_variance, self.moving_stddev, self.renorm_mean,
-                       self.renorm_stddev]
+            tracked = [
+                self.moving_mean,
+                self.moving_variance,
+                self.moving_stddev,
+                self.renorm_mean,
+                self.renorm_stddev,
+            ]
             previous = [] if filled is None else [tf.identity(v.value) for v in tracked]
             self._update_renorm_statistics(mean, variance)
             for variable, value in zip(tracked, previous):
@@ -222,14 +248,17 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
         x = tf.cast(inputs, dtype)
         weights = None
         if mask is not None:
-            weights = tf.cast(tf.broadcast_to(tf.expand_dims(tf.cast(mask, tf.bool), -1), tf.shape(x)), dtype)
+            weights = tf.cast(
+                tf.broadcast_to(tf.expand_dims(tf.cast(mask, tf.bool), -1), tf.shape(x)), dtype
+            )
         shift = tf.stop_gradient(tf.cast(self.moving_mean, dtype))
         count, local_mean, local_variance = self._local_moments(tf.stop_gradient(x), weights)
         offset = local_mean - shift
         local = tf.stack([count * offset, count * (local_variance + tf.square(offset)), count])
         totals = collectives.group_sum(local, groups, latency_bound=True)
         mean, variance = _moments_from_group_sums(
-            x, totals, shift, weights, groups, self._broadcast_shape(x))
+            x, totals, shift, weights, groups, self._broadcast_shape(x)
+        )
         filled = None
         if self._may_be_empty(inputs, mask):
             # As for local statistics (and Keras's fully masked ones): 0 and 0 where none counted.
@@ -238,7 +267,7 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
         return tf.cast(mean, inputs.dtype), tf.cast(variance, inputs.dtype), filled
 
     def _local_moments(self, x, weights):
-        """Count, mean and variance `[channels]` of this replica's unmasked elements (0, 0, 0 if none)."""
+        """Count, mean and variance `[channels]` of this replica's unmasked elements (0 if none)."""
         axes = self._reduction_axes
         if weights is None:
             mean, variance = tf.nn.moments(x, axes)
@@ -251,7 +280,9 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
         count = tf.reduce_sum(weights, axis=axes)
         mean = tf.math.divide_no_nan(tf.reduce_sum(x * weights, axis=axes), count)
         deviation = x - tf.reshape(mean, self._broadcast_shape(x))
-        variance = tf.math.divide_no_nan(tf.reduce_sum(tf.square(deviation) * weights, axis=axes), count)
+        variance = tf.math.divide_no_nan(
+            tf.reduce_sum(tf.square(deviation) * weights, axis=axes), count
+        )
         return count, mean, variance
 
     def _broadcast_shape(self, x):
@@ -281,11 +312,16 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
         per_replica_batch = inputs.shape[0]
         if per_replica_batch is None:
             raise ValueError(
-                f"Layer {self.name!r}: group_size=None picks the group from the per-replica batch size, but "
-                f"the batch dimension is unknown here (inputs.shape={tuple(inputs.shape)}). Pass group_size "
-                f"explicitly, or give the input a static batch size (e.g. batch with drop_remainder=True)."
+                f"Layer {self.name!r}: group_size=None picks the group from the per-replica batch "
+                "size, but "
+                f"the batch dimension is unknown here (inputs.shape={tuple(inputs.shape)}). Pass "
+                "group_size "
+                "explicitly, or give the input a static batch size (e.g. batch with "
+                "drop_remainder=True)."
             )
-        group_size = smallest_group_for_span(mesh, int(per_replica_batch), DEFAULT_SPAN, tiled=mesh.is_torus)
+        group_size = smallest_group_for_span(
+            mesh, int(per_replica_batch), DEFAULT_SPAN, tiled=mesh.is_torus
+        )
         self._resolved = (mesh, group_size)
         return group_size
 
@@ -299,13 +335,13 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
 def _moments_from_group_sums(x, totals, shift, weights, groups, broadcast_shape):
     """The group's mean and variance from its summed `[sum(x - shift), sum((x - shift)^2), count]`.
 
-    With `N` the group's count, `mean = shift + sum(x - shift) / N` and
-    `variance = sum((x - shift)^2) / N - (mean - shift)^2`, so for every element `x_j` of the group
-    `d mean / d x_j = 1 / N` and `d variance / d x_j = 2 (x_j - mean) / N`. Every member's mean and variance
-    depend on every member's `x`, so the gradient first sums the members' upstream gradients over the group
-    (the one reduction of the backward pass), then `dx = x * (2 G_var / N) + (G_mean - 2 G_var mean) / N`,
-    zero where masked. `totals` reaches `x` only through this gradient: the sum that made it is never
-    differentiated.
+    With `N` the group's count, `mean = shift + sum(x - shift) / N` and `variance = sum((x -
+    shift)^2) / N - (mean - shift)^2`, so for every element `x_j` of the group `d mean / d x_j = 1 /
+    N` and `d variance / d x_j = 2 (x_j - mean) / N`. Every member's mean and variance depend on
+    every member's `x`, so the gradient first sums the members' upstream gradients over the group
+    (the one reduction of the backward pass), then `dx = x * (2 G_var / N) + (G_mean - 2 G_var mean)
+    / N`, zero where masked. `totals` reaches `x` only through this gradient: the sum that made it
+    is never differentiated.
     """
 
     @tf.custom_gradient
@@ -313,7 +349,9 @@ def _moments_from_group_sums(x, totals, shift, weights, groups, broadcast_shape)
         total_sum, total_squares, total_count = tf.unstack(totals)
         shifted_mean = tf.math.divide_no_nan(total_sum, total_count)
         # Rounding can take E[x^2] - E[x]^2 a little below zero for a constant channel.
-        variance = tf.maximum(tf.math.divide_no_nan(total_squares, total_count) - tf.square(shifted_mean), 0.0)
+        variance = tf.maximum(
+            tf.math.divide_no_nan(total_squares, total_count) - tf.square(shifted_mean), 0.0
+        )
         mean = shifted_mean + shift
 
         def grad(d_mean, d_variance):
@@ -321,7 +359,8 @@ def _moments_from_group_sums(x, totals, shift, weights, groups, broadcast_shape)
             d_mean = tf.zeros_like(mean) if d_mean is None else d_mean
             d_variance = tf.zeros_like(variance) if d_variance is None else d_variance
             group_mean, group_variance = tf.unstack(
-                collectives.group_sum(tf.stack([d_mean, d_variance]), groups, latency_bound=True))
+                collectives.group_sum(tf.stack([d_mean, d_variance]), groups, latency_bound=True)
+            )
             scale = 2.0 * group_variance * inverse_count
             offset = group_mean * inverse_count - scale * mean
             dx = x * tf.reshape(scale, broadcast_shape) + tf.reshape(offset, broadcast_shape)
@@ -337,24 +376,39 @@ def _moments_from_group_sums(x, totals, shift, weights, groups, broadcast_shape)
 def _fused_normalization(x, mean, variance, gamma, beta, epsilon):
     """`gamma * (x - mean) / sqrt(variance + epsilon) + beta` on NHWC float32, by the fused kernel.
 
-    The kernel in inference mode (`is_training=False`) takes the statistics as given, so any statistics
-    work, the group's included; its gradient kernel returns the gradients for `x`, `gamma` and `beta`, and
-    those for the statistics follow from two of them: with `inv = (variance + epsilon)^(-1/2)`,
-    `d mean = -gamma * inv * sum(dy) = -gamma * inv * d beta` and
-    `d variance = -gamma * inv^3 / 2 * sum(dy * (x - mean)) = -gamma * inv^2 / 2 * d gamma`.
+    The kernel in inference mode (`is_training=False`) takes the statistics as given, so any
+    statistics work, the group's included; its gradient kernel returns the gradients for `x`,
+    `gamma` and `beta`, and those for the statistics follow from two of them: with `inv = (variance
+    + epsilon)^(-1/2)`, `d mean = -gamma * inv * sum(dy) = -gamma * inv * d beta` and `d variance =
+    -gamma * inv^3 / 2 * sum(dy * (x - mean)) = -gamma * inv^2 / 2 * d gamma`.
     """
 
     @tf.custom_gradient
     def normalize(x, mean, variance, gamma, beta):
         y, _, _, _, _, _ = tf.raw_ops.FusedBatchNormV3(
-            x=x, scale=gamma, offset=beta, mean=mean, variance=variance, epsilon=epsilon,
-            exponential_avg_factor=1.0, data_format="NHWC", is_training=False)
+            x=x,
+            scale=gamma,
+            offset=beta,
+            mean=mean,
+            variance=variance,
+            epsilon=epsilon,
+            exponential_avg_factor=1.0,
+            data_format="NHWC",
+            is_training=False,
+        )
 
         def grad(dy):
             dx, d_gamma, d_beta, _, _ = tf.raw_ops.FusedBatchNormGradV3(
-                y_backprop=dy, x=x, scale=gamma, reserve_space_1=mean, reserve_space_2=variance,
-                reserve_space_3=tf.zeros([0], x.dtype), epsilon=epsilon, data_format="NHWC",
-                is_training=False)
+                y_backprop=dy,
+                x=x,
+                scale=gamma,
+                reserve_space_1=mean,
+                reserve_space_2=variance,
+                reserve_space_3=tf.zeros([0], x.dtype),
+                epsilon=epsilon,
+                data_format="NHWC",
+                is_training=False,
+            )
             inverse = tf.math.rsqrt(variance + epsilon)
             d_mean = -gamma * inverse * d_beta
             d_variance = -0.5 * gamma * inverse * inverse * d_gamma
@@ -366,27 +420,30 @@ def _fused_normalization(x, mean, variance, gamma, beta, epsilon):
 
 
 def convert_batch_normalization(model, group_size=None):
-    """Returns a copy of `model` whose `BatchNormalization` layers are `DistributedBatchNormalization`.
+    """A copy of `model` whose `BatchNormalization` layers are `DistributedBatchNormalization`s.
 
-    Every layer keeps its configuration and every weight is carried over, so the copy computes exactly what
-    the original does in inference. Layers that already are `DistributedBatchNormalization` get the new
-    `group_size`. Create the copy under `strategy.scope()` to place its variables on the strategy's replicas.
-    The copy is not compiled.
+    Every layer keeps its configuration and every weight is carried over, so the copy computes
+    exactly what the original does in inference. Layers that already are
+    `DistributedBatchNormalization` get the new `group_size`. Create the copy under
+    `strategy.scope()` to place its variables on the strategy's replicas. The copy is not compiled.
 
     Args:
       model: a functional or sequential `keras.Model` (nested ones are converted too), e.g.
-        `keras.applications.ResNet50()`. Subclassed models cannot be copied this way: build them with
-        `DistributedBatchNormalization` directly.
+        `keras.applications.ResNet50()`. Subclassed models cannot be copied this way: build them
+        with `DistributedBatchNormalization` directly.
       group_size: the `group_size` of every converted layer (see `DistributedBatchNormalization`).
 
     Returns:
       A new, uncompiled `keras.Model` with the same weights.
     """
     if not isinstance(model, keras.Model):
-        raise TypeError(f"convert_batch_normalization expects a keras.Model, got {type(model).__name__}.")
+        raise TypeError(
+            f"convert_batch_normalization expects a keras.Model, got {type(model).__name__}."
+        )
     if not keras_hook.is_functional_or_sequential(model):
         raise ValueError(
-            f"convert_batch_normalization copies functional and sequential models; {type(model).__name__} is "
+            "convert_batch_normalization copies functional and sequential models; "
+            f"{type(model).__name__} is "
             f"a subclassed model. Use DistributedBatchNormalization in its definition instead."
         )
 
@@ -411,5 +468,8 @@ def _copy_weights(source, target):
         )
     for src, dst in zip(source_weights, target_weights):
         if tuple(src.shape) != tuple(dst.shape):
-            raise RuntimeError(f"Weight {src.path} {tuple(src.shape)} does not match {dst.path} {tuple(dst.shape)}.")
+            raise RuntimeError(
+                f"Weight {src.path} {tuple(src.shape)} does not match {dst.path} "
+                f"{tuple(dst.shape)}."
+            )
         dst.assign(src.value)

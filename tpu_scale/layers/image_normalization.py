@@ -1,4 +1,4 @@
-"""`ImageNormalization`: pixels on the 0-255 scale to mean/stddev-normalized values, inside the model."""
+"""`ImageNormalization`: pixels on the 0-255 scale to normalized values, inside the model."""
 
 import keras
 import numpy as np
@@ -11,12 +11,12 @@ from tpu_scale.data.image_ops import IMAGENET_MEAN_RGB, IMAGENET_STDDEV_RGB
 class ImageNormalization(keras.layers.Layer):
     """Normalizes pixels per channel: `(x - mean) / stddev`, in the layer's compute dtype.
 
-    With `ImageNetInput(..., dtype="uint8")` the host sends raw pixels (a quarter of float32's bytes)
-    and this layer, first in the model, does the normalization on the accelerator, as the input
-    pipelines of the reference TPU and GPU systems do. The arithmetic is float32 whatever the inputs
-    (uint8, float16, bfloat16 or float32) and the result is cast to the compute dtype, so under a
-    `mixed_bfloat16` policy the model's first convolution gets bfloat16. On float inputs on the 0-255
-    scale it equals `tpu_scale.data.image_ops.normalize_image`.
+    With `ImageNetInput(..., dtype="uint8")` the host sends raw pixels (a quarter of float32's
+    bytes) and this layer, first in the model, does the normalization on the accelerator, as the
+    input pipelines of the reference TPU and GPU systems do. The arithmetic is float32 whatever the
+    inputs (uint8, float16, bfloat16 or float32) and the result is cast to the compute dtype, so
+    under a `mixed_bfloat16` policy the model's first convolution gets bfloat16. On float inputs on
+    the 0-255 scale it equals `tpu_scale.data.image_ops.normalize_image`.
 
     Args:
       mean: per-channel means on the 0-255 scale (ImageNet's by default).
@@ -27,7 +27,8 @@ class ImageNormalization(keras.layers.Layer):
       inputs: images `[..., channels]`, any real or unsigned integer dtype, on the 0-255 scale.
 
     Reference:
-      Ying et al., "Image Classification at Supercomputer Scale", 2018 (arXiv:1811.06992), section 4.
+      Ying et al., "Image Classification at Supercomputer Scale", 2018 (arXiv:1811.06992), section
+      4.
     """
 
     def __init__(self, mean=IMAGENET_MEAN_RGB, stddev=IMAGENET_STDDEV_RGB, **kwargs):
@@ -36,7 +37,8 @@ class ImageNormalization(keras.layers.Layer):
         self.stddev = tuple(float(s) for s in stddev)
         if len(self.mean) != len(self.stddev):
             raise ValueError(
-                f"mean {self.mean} and stddev {self.stddev} must have one value per channel each.")
+                f"mean {self.mean} and stddev {self.stddev} must have one value per channel each."
+            )
         if min(self.stddev) <= 0:
             raise ValueError(f"stddev must be positive, got {self.stddev}.")
         self._scale = 1.0 / np.asarray(self.stddev, np.float32)
@@ -49,7 +51,9 @@ class ImageNormalization(keras.layers.Layer):
         if input_shape[-1] is not None and input_shape[-1] != len(self.mean):
             raise ValueError(
                 f"ImageNormalization has {len(self.mean)} channel statistics but its input has "
-                f"{input_shape[-1]} channels {tuple(input_shape)}. Pass mean= and stddev= per channel.")
+                f"{input_shape[-1]} channels {tuple(input_shape)}. Pass mean= and stddev= per "
+                "channel."
+            )
         self.built = True
 
     def call(self, inputs):

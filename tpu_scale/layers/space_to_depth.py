@@ -21,7 +21,9 @@ BLOCK = 2
 
 @keras.saving.register_keras_serializable(package="tpu_scale")
 class SpaceToDepth(keras.layers.Layer):
-    """Moves each `block_size x block_size` patch of pixels into the channels (`tf.nn.space_to_depth`).
+    """Moves each `block_size x block_size` patch of pixels into the channels.
+
+    The layer form of `tf.nn.space_to_depth`.
 
     Args:
       block_size: the patch size; height and width must be multiples of it.
@@ -42,7 +44,9 @@ class SpaceToDepth(keras.layers.Layer):
             if size is not None and size % self.block_size:
                 raise ValueError(
                     f"SpaceToDepth({self.block_size}) needs height and width divisible by "
-                    f"{self.block_size}; got input shape {tuple(input_shape)}. Use an even image size.")
+                    f"{self.block_size}; got input shape {tuple(input_shape)}. Use an even image "
+                    "size."
+                )
         self.built = True
 
     def call(self, inputs):
@@ -83,11 +87,16 @@ def stem_kernel_from_space_to_depth(kernel):
     """
     kernel = np.asarray(kernel)
     if kernel.shape[:2] != (4, 4) or kernel.shape[2] % (BLOCK * BLOCK):
-        raise ValueError(f"Expected a [4, 4, 4C, O] space-to-depth kernel, got shape {kernel.shape}.")
+        raise ValueError(
+            f"Expected a [4, 4, 4C, O] space-to-depth kernel, got shape {kernel.shape}."
+        )
     c, o = kernel.shape[2] // (BLOCK * BLOCK), kernel.shape[3]
-    padded = kernel.reshape(4, 4, BLOCK, BLOCK, c, o).transpose(0, 2, 1, 3, 4, 5).reshape(8, 8, c, o)
+    padded = (
+        kernel.reshape(4, 4, BLOCK, BLOCK, c, o).transpose(0, 2, 1, 3, 4, 5).reshape(8, 8, c, o)
+    )
     if np.any(padded[0]) or np.any(padded[:, 0]):
         raise ValueError(
             "This space-to-depth kernel uses taps outside the 7x7 window (its first pixel row or "
-            "column), so no 7x7 stem computes the same function.")
+            "column), so no 7x7 stem computes the same function."
+        )
     return padded[1:, 1:].copy()

@@ -137,7 +137,9 @@ def small_resnet(
     if image_size < 8:
         raise ValueError(f"`image_size` must be at least 8; received {image_size}.")
     # The first stage keeps the stem's resolution, each later one halves it, as in ResNet-50.
-    stages = tuple((w, n, 1 if i == 0 else 2) for i, (w, n) in enumerate(zip(widths, blocks_per_stage)))
+    stages = tuple(
+        (w, n, 1 if i == 0 else 2) for i, (w, n) in enumerate(zip(widths, blocks_per_stage))
+    )
     return _resnet(
         input_shape=(image_size, image_size, 3),
         num_classes=num_classes,
@@ -152,13 +154,28 @@ def small_resnet(
     )
 
 
-def _resnet(input_shape, num_classes, stem, stem_width, stages, block, bn_group_size,
-            kernel_regularizer, normalize_inputs, name):
-    if isinstance(num_classes, bool) or not isinstance(num_classes, numbers.Integral) or num_classes < 1:
+def _resnet(
+    input_shape,
+    num_classes,
+    stem,
+    stem_width,
+    stages,
+    block,
+    bn_group_size,
+    kernel_regularizer,
+    normalize_inputs,
+    name,
+):
+    if (
+        isinstance(num_classes, bool)
+        or not isinstance(num_classes, numbers.Integral)
+        or num_classes < 1
+    ):
         raise ValueError(f"`num_classes` must be a positive integer; received {num_classes!r}.")
     layers = _Layers(bn_group_size, kernel_regularizer)
-    inputs = keras.Input(shape=tuple(input_shape), dtype="uint8" if normalize_inputs else None,
-                         name="images")
+    inputs = keras.Input(
+        shape=tuple(input_shape), dtype="uint8" if normalize_inputs else None, name="images"
+    )
     x = ImageNormalization(name="normalize")(inputs) if normalize_inputs else inputs
     x = stem(layers, x, stem_width)
     for s, (width, num_blocks, stride) in enumerate(stages, start=1):
@@ -226,9 +243,16 @@ def _space_to_depth_stem(layers, x, width):
     # Equal to _imagenet_stem's convolution: see tpu_scale.layers.space_to_depth.
     x = SpaceToDepth(2, name="stem_space_to_depth")(x)
     x = keras.layers.ZeroPadding2D(((2, 1), (2, 1)), name="stem_conv_pad")(x)
-    x = keras.layers.Conv2D(width, 4, strides=1, padding="valid", use_bias=False,
-                            kernel_initializer="he_normal",
-                            kernel_regularizer=layers.kernel_regularizer, name="stem_conv")(x)
+    x = keras.layers.Conv2D(
+        width,
+        4,
+        strides=1,
+        padding="valid",
+        use_bias=False,
+        kernel_initializer="he_normal",
+        kernel_regularizer=layers.kernel_regularizer,
+        name="stem_conv",
+    )(x)
     x = layers.bn(x, "stem_bn")
     x = keras.layers.ReLU(name="stem_relu")(x)
     return keras.layers.MaxPooling2D(3, strides=2, padding="same", name="stem_pool")(x)
@@ -237,12 +261,14 @@ def _space_to_depth_stem(layers, x, width):
 def convert_stem(source, target):
     """Copies `source`'s weights into `target`, two ResNet-50s that differ only in their stem form.
 
-    The `stem_conv` kernel is converted between the 7x7 stride-2 form and the space-to-depth 4x4 form
-    (whichever way the two models differ); every other weight is copied as it is, by layer name.
+    The `stem_conv` kernel is converted between the 7x7 stride-2 form and the space-to-depth 4x4
+    form (whichever way the two models differ); every other weight is copied as it is, by layer
+    name.
 
     Args:
       source: a `resnet50` model, standard or `space_to_depth=True`.
-      target: a `resnet50` model of the other (or the same) stem form and otherwise the same settings.
+      target: a `resnet50` model of the other (or the same) stem form and otherwise the same
+        settings.
     """
     from tpu_scale.layers.space_to_depth import (
         stem_kernel_from_space_to_depth,

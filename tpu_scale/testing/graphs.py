@@ -1,4 +1,4 @@
-"""Graph inspection: which collective ops a traced step holds, and over how many replicas each runs."""
+"""Graph inspection: the collective ops a traced step holds, and their group sizes."""
 
 import tensorflow as tf
 
@@ -6,7 +6,7 @@ COLLECTIVE_OPS = ("CollectiveAllToAllV2", "CollectiveReduceV2", "CollectiveGathe
 
 
 def collective_ops(graph, types=COLLECTIVE_OPS, seen=None):
-    """Every op of `types` in `graph` and in the functions it calls (tf.function, cond, while bodies).
+    """Every op of `types` in `graph` and the functions it calls (tf.function, cond, while).
 
     Args:
       graph: a `tf.Graph` or `FuncGraph`.

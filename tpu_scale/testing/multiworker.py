@@ -1,14 +1,19 @@
-"""Runs a function in N localhost worker processes under `TF_CONFIG`: a real multi-host cluster on one machine.
+"""Runs a function in N localhost worker processes under `TF_CONFIG`.
 
-Each worker is a fresh Python process (a `MultiWorkerMirroredStrategy` must be created before any other
-TensorFlow op, and only once per process) with its own `TF_CONFIG` naming free localhost ports. The target
-function creates the strategy itself, e.g. with `tpu_scale.create_strategy(num_cpu_replicas=...)`, and returns a
-picklable value; `run_workers` returns every worker's value, or raises with every worker's output when one
-fails or the cluster does not finish in time.
+A real multi-host cluster on one
+machine.
+
+Each worker is a fresh Python process (a `MultiWorkerMirroredStrategy` must be created before any
+other TensorFlow op, and only once per process) with its own `TF_CONFIG` naming free localhost
+ports. The target function creates the strategy itself, e.g. with
+`tpu_scale.create_strategy(num_cpu_replicas=...)`, and returns a picklable value; `run_workers`
+returns every worker's value, or raises with every worker's output when one fails or the cluster
+does not finish in time.
 
     results = run_workers("test_strategy:worker_fit", num_workers=2, cpus_per_worker=2)
 
-Workers see `TPU_SCALE_CPUS_PER_WORKER` in their environment, so targets can pass it to `create_strategy`.
+Workers see `TPU_SCALE_CPUS_PER_WORKER` in their environment, so targets can pass it to
+`create_strategy`.
 """
 
 import json
@@ -22,7 +27,7 @@ import time
 
 
 def free_ports(count):
-    """`count` distinct free localhost ports (bound then released; good enough for a test cluster)."""
+    """`count` distinct free localhost ports (bound then released: enough for a test cluster)."""
     sockets = []
     try:
         for _ in range(count):
@@ -37,10 +42,12 @@ def free_ports(count):
 
 def tf_config(ports, index):
     """The `TF_CONFIG` of worker `index` in a localhost cluster on `ports`."""
-    return json.dumps({
-        "cluster": {"worker": [f"localhost:{p}" for p in ports]},
-        "task": {"type": "worker", "index": index},
-    })
+    return json.dumps(
+        {
+            "cluster": {"worker": [f"localhost:{p}" for p in ports]},
+            "task": {"type": "worker", "index": index},
+        }
+    )
 
 
 def _tail(text, lines=60):
@@ -48,12 +55,14 @@ def _tail(text, lines=60):
 
 
 def run_workers(target, num_workers=2, cpus_per_worker=2, kwargs=None, timeout=300):
-    """Runs `target(**kwargs)` in `num_workers` localhost worker processes and returns their results.
+    """Runs `target(**kwargs)` in `num_workers` localhost worker processes; returns their results.
 
     Args:
-      target: `"package.module:function"`, importable in a fresh process (the caller's `sys.path` is passed on).
+      target: `"package.module:function"`, importable in a fresh process (the caller's `sys.path` is
+        passed on).
       num_workers: worker processes, each with its own `TF_CONFIG`.
-      cpus_per_worker: logical CPUs each worker should create (exported as `TPU_SCALE_CPUS_PER_WORKER`).
+      cpus_per_worker: logical CPUs each worker should create (exported as
+        `TPU_SCALE_CPUS_PER_WORKER`).
       kwargs: keyword arguments for the target; must be picklable.
       timeout: seconds for the whole cluster; on expiry every worker is killed.
 
@@ -61,11 +70,13 @@ def run_workers(target, num_workers=2, cpus_per_worker=2, kwargs=None, timeout=3
       The list of the workers' return values, in task order.
 
     Raises:
-      RuntimeError: a worker failed or the cluster timed out; the message holds every worker's output.
+      RuntimeError: a worker failed or the cluster timed out; the message holds every worker's
+        output.
     """
     if ":" not in target:
         raise ValueError(f"target must look like 'package.module:function', got {target!r}.")
-    # The workers' logs and results live only as long as the call: their text is in any error raised.
+    # The workers' logs and results live only as long as the call: their text is in any error
+    # raised.
     with tempfile.TemporaryDirectory(prefix="tpu_scale_workers_") as workdir:
         return _run_in(workdir, target, num_workers, cpus_per_worker, kwargs, timeout)
 
@@ -82,17 +93,24 @@ def _run_in(workdir, target, num_workers, cpus_per_worker, kwargs, timeout):
     for i in range(num_workers):
         log = open(os.path.join(workdir, f"worker{i}.log"), "w+")
         worker_env = dict(env, TF_CONFIG=tf_config(ports, i))
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "tpu_scale.testing.multiworker", target, workdir, str(i)],
-            env=worker_env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        ))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "tpu_scale.testing.multiworker", target, workdir, str(i)],
+                env=worker_env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        )
         logs.append(log)
     deadline = time.monotonic() + timeout
     failed = None
     try:
         while any(p.poll() is None for p in procs):
             if any(p.poll() not in (None, 0) for p in procs):
-                failed = "a worker failed"  # the others would wait for it until the collective timeout
+                failed = (
+                    "a worker failed"  # the others would wait for it until the collective timeout
+                )
                 break
             if time.monotonic() > deadline:
                 failed = f"the cluster did not finish within {timeout} s"
