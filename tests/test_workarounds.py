@@ -84,7 +84,18 @@ def test_create_strategy_on_a_cpu_machine_prints_no_cuda_error():
     import subprocess
     import sys
 
-    code = "import tpu_scale; tpu_scale.create_strategy(num_cpu_replicas=2)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "cuInit" not in out.stderr
+    plain = "import tpu_scale; tpu_scale.create_strategy(num_cpu_replicas=2)"
+    # Under absl.app.run TensorFlow already initializes CUDA while it is imported.
+    under_absl = (
+        "from absl import app\n"
+        "def main(argv):\n"
+        "    import tpu_scale\n"
+        "    tpu_scale.create_strategy(num_cpu_replicas=2)\n"
+        "app.run(main)\n"
+    )
+    for code in (plain, under_absl):
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr
+        assert "cuInit" not in out.stderr

@@ -18,7 +18,10 @@ __version__ = "0.1.0"
 def __getattr__(name):
     # Importing TensorFlow takes seconds; the mesh geometry does not need it.
     if name in ("create_strategy", "mesh_of"):
-        from tpu_scale import strategy
+        from tpu_scale import _workarounds
+
+        with _workarounds.quiet_cuda_probe():  # this may be TensorFlow's first import
+            from tpu_scale import strategy
 
         return getattr(strategy, name)
     raise AttributeError(f"module 'tpu_scale' has no attribute {name!r}")

@@ -5,7 +5,7 @@ to tell it can go. Users never call these: `create_strategy` and the strategy cl
 
   batch_scheduling              tf.data iterator deletion stalls for up to 60 s per iterator on CPU
   hosts next_collective_key_base      every strategy in a process numbers its collective keys from 1
-  MultiWorkerExtended           MultiWorkerMirroredStrategy uses one CPU device per worker
+  multi_worker_extended         MultiWorkerMirroredStrategy uses one CPU device per worker
   reduce_nested                 Keras 3 `fit` asks a multi-worker `reduce` for nested and scalar
   values local_device_type             which kind of device a multi-worker strategy's replicas run
   on quiet_cuda_probe              the spurious "failed call to cuInit" error on machines without a
@@ -18,8 +18,8 @@ import os
 import sys
 import tempfile
 
-import tensorflow as tf
-from tensorflow.python.distribute import collective_all_reduce_strategy as _collective_lib
+# TensorFlow is imported inside the functions: this module loads before TensorFlow does, so that
+# `quiet_cuda_probe` can cover TensorFlow's own first import (see there).
 
 # --------------------------------------------------------------------------- tf.data iterator
 # deletion
@@ -95,8 +95,13 @@ def next_collective_key_base():
 # worker
 
 
-class MultiWorkerExtended(_collective_lib.CollectiveAllReduceExtended):
-    """Multi-worker extended that can give each worker several logical CPU devices.
+_multi_worker_extended = None
+
+
+def multi_worker_extended(
+    container_strategy, cluster_resolver, communication_options, num_local_cpus
+):
+    """A multi-worker extended that can give each worker several logical CPU devices.
 
     Why: TensorFlow's `CollectiveAllReduceExtended._initialize_local_devices` uses exactly one CPU
     per worker when there is no GPU; virtual replicas let a multi-host mesh be built and tested on
@@ -107,20 +112,35 @@ class MultiWorkerExtended(_collective_lib.CollectiveAllReduceExtended):
     `tf.distribute.MultiWorkerMirroredStrategy` gains an argument for local CPU devices (it has none
     in 2.21).
     """
+    global _multi_worker_extended
+    if _multi_worker_extended is None:
+        from tensorflow.python.distribute import collective_all_reduce_strategy as collective_lib
 
-    def __init__(self, container_strategy, cluster_resolver, communication_options, num_local_cpus):
-        self._num_local_cpus = num_local_cpus
-        super().__init__(container_strategy, cluster_resolver, communication_options)
+        class MultiWorkerExtended(collective_lib.CollectiveAllReduceExtended):
+            def __init__(self, container, resolver, options, local_cpus):
+                self._num_local_cpus = local_cpus
+                super().__init__(container, resolver, options)
 
-    def _initialize_local_devices(self, cluster_resolver, worker_device):
-        devices, device_type = super()._initialize_local_devices(cluster_resolver, worker_device)
-        if device_type == "CPU" and self._num_local_cpus:
-            devices = tuple(f"{worker_device}/device:CPU:{i}" for i in range(self._num_local_cpus))
-        return devices, device_type
+            def _initialize_local_devices(self, cluster_resolver, worker_device):
+                devices, device_type = super()._initialize_local_devices(
+                    cluster_resolver, worker_device
+                )
+                if device_type == "CPU" and self._num_local_cpus:
+                    devices = tuple(
+                        f"{worker_device}/device:CPU:{i}" for i in range(self._num_local_cpus)
+                    )
+                return devices, device_type
+
+        _multi_worker_extended = MultiWorkerExtended
+    return _multi_worker_extended(
+        container_strategy, cluster_resolver, communication_options, num_local_cpus
+    )
 
 
 def local_device_type(strategy):
     """The kind of device ("CPU", "GPU", "TPU") of `strategy`'s local replicas, from their names."""
+    import tensorflow as tf
+
     name = strategy.extended.worker_devices[0]
     return tf.DeviceSpec.from_string(name).device_type or "CPU"
 
@@ -157,6 +177,8 @@ def reduce_nested(reduce_one, reduce_op, value, axis, local_results):
             # A scalar per replica has no axis 0: its mean over examples is its mean over replicas.
             return reduce_one(reduce_op, v, None)
         return reduce_one(reduce_op, v, axis)
+
+    import tensorflow as tf
 
     return tf.nest.map_structure(one, value, expand_composites=False)
 

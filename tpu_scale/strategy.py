@@ -58,7 +58,7 @@ class TPUStrategy(_MeshMixin, tf.distribute.TPUStrategy):
 class MultiWorkerMirroredStrategy(_MeshMixin, tf.distribute.MultiWorkerMirroredStrategy):
     """`tf.distribute.MultiWorkerMirroredStrategy` with a mesh, several CPUs per worker, and a Keras fix.
 
-    Several logical CPUs per worker: `_workarounds.MultiWorkerExtended`. Keras 3 `model.fit` with more than
+    Several logical CPUs per worker: `_workarounds.multi_worker_extended`. Keras 3 `model.fit` with more than
     one worker: `_workarounds.reduce_nested` (keras-team/keras#20585).
     """
 
@@ -66,7 +66,7 @@ class MultiWorkerMirroredStrategy(_MeshMixin, tf.distribute.MultiWorkerMirroredS
         communication_options = communication_options or tf.distribute.experimental.CommunicationOptions()
         self._collective_key_base = _workarounds.next_collective_key_base()
         # TensorFlow's __init__ would build its own extended, with one CPU per worker.
-        extended = _workarounds.MultiWorkerExtended(
+        extended = _workarounds.multi_worker_extended(
             self, cluster_resolver, communication_options, num_local_cpus
         )
         tf.distribute.Strategy.__init__(self, extended)
