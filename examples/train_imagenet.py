@@ -45,6 +45,7 @@ Two GPU hosts (run on each host, with its own task index; rows of the mesh are t
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import sys

@@ -176,6 +176,34 @@ def test_train_deterministic_mode_is_reproducible(records):
     assert not np.array_equal(first_batches(7), first_batches(8))
 
 
+@pytest.mark.parametrize("is_training", [True, False])
+def test_uint8_pipeline_normalized_on_the_device_equals_the_float32_pipeline(records, is_training):
+    from tpu_scale.layers import ImageNormalization
+
+    def batches(dtype):
+        inp = make_input(records[0], is_training=is_training, global_batch_size=6, dtype=dtype,
+                         deterministic=True, seed=5, shuffle_buffer_size=8)
+        return list(inp.dataset().take(3))
+
+    normalize = ImageNormalization()
+    for (raw, raw_labels), (floats, labels) in zip(batches("uint8"), batches("float32")):
+        assert raw.dtype == tf.uint8 and raw.shape == floats.shape
+        np.testing.assert_array_equal(raw_labels.numpy(), labels.numpy())
+        # Within the rounding of a pixel to a grey level: 0.5 / the smallest stddev (57.4).
+        np.testing.assert_allclose(normalize(raw).numpy(), floats.numpy(), atol=0.5 / 57.3, rtol=0)
+
+
+def test_uint8_is_a_quarter_of_float32s_bytes(records):
+    sizes = {}
+    for dtype in ("uint8", "float32"):
+        images, _ = next(iter(make_input(records[0], is_training=False, global_batch_size=4,
+                                         dtype=dtype).dataset()))
+        sizes[dtype] = images.numpy().nbytes
+    assert sizes["float32"] == 4 * sizes["uint8"]
+    with pytest.raises(ValueError, match="uint8 \\(raw pixels\\)"):
+        make_input(records[0], is_training=False, global_batch_size=4, dtype="int32")
+
+
 def test_train_bfloat16_and_label_dtype(records):
     inp = make_input(records[0], is_training=True, global_batch_size=4, dtype="bfloat16", shuffle_buffer_size=8)
     images, labels = next(iter(inp.dataset()))

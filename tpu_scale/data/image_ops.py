@@ -206,6 +206,15 @@ def normalize_image(image, dtype=tf.float32):
     return tf.cast(image * scale + offset, dtype)
 
 
+def to_uint8(image):
+    """Rounds float pixels on the 0-255 scale to uint8, saturating (resizing can overshoot 0-255).
+
+    The raw-pixel output of the pipeline: normalizing it later (`tpu_scale.layers.ImageNormalization`)
+    equals `normalize_image` of the float pixels within half a grey level.
+    """
+    return tf.saturate_cast(tf.round(image), tf.uint8)
+
+
 @functools.lru_cache(maxsize=8)
 def _normalization_factors(shape):
     scale = 1.0 / np.asarray(IMAGENET_STDDEV_RGB, np.float32)

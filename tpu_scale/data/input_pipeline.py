@@ -65,7 +65,11 @@ class ImageNetInput:
       num_classes: labels (after `label_offset`) must lie in `[0, num_classes)`; a record outside fails,
         naming its file and index (or is skipped with `skip_corrupt=True`). None: the label map's, else
         unchecked above. A value that disagrees with the label map is an error.
-      dtype: `tf.float32` or `tf.bfloat16` (or their names) for the images; labels are always int32.
+      dtype: the images' dtype: `"float32"` or `"bfloat16"`, normalized with ImageNet's mean and
+        stddev; or `"uint8"`, the cropped, resized and flipped pixels rounded to 0-255 with no
+        normalization, a quarter of float32's bytes per image, for a model that normalizes on the
+        device (`tpu_scale.layers.ImageNormalization`, `models.resnet50(normalize_inputs=True)`).
+        Labels are always int32.
       image_key: the feature holding the encoded JPEG.
       label_key: the feature holding the integer label.
       cache: keep the raw (encoded) records in host memory after the first epoch (training only needs
@@ -125,8 +129,10 @@ class ImageNetInput:
         if image_size < 1:
             raise ValueError(f"image_size must be at least 1, got {image_size}.")
         self.dtype = tf.dtypes.as_dtype(dtype)
-        if self.dtype not in (tf.float32, tf.bfloat16):
-            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype.name}.")
+        if self.dtype not in (tf.float32, tf.bfloat16, tf.uint8):
+            raise ValueError(
+                f"dtype must be float32, bfloat16 (normalized images) or uint8 (raw pixels), got "
+                f"{self.dtype.name}.")
         if pad_last_batch and is_training:
             raise ValueError(
                 "pad_last_batch=True is for evaluation: training batches are already full "
@@ -376,6 +382,8 @@ class ImageNetInput:
             image = image_ops.decode_and_center_crop(
                 image_bytes, self.image_size, resize_method=self.resize_method
             )
+        if self.dtype == tf.uint8:
+            return image_ops.to_uint8(image), label
         return image_ops.normalize_image(image, self.dtype), label
 
     def _decode_skipping_corrupt(self, examples, with_crop_seed):

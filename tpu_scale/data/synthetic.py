@@ -127,7 +127,7 @@ class SyntheticImageNetInput:
       global_batch_size: the batch size over all replicas.
       image_size: output height and width.
       num_classes: labels are drawn from `[0, num_classes)`.
-      dtype: image dtype.
+      dtype: image dtype (uint8: raw pixels around mid-grey, as `ImageNetInput(dtype="uint8")`).
       seed: seed of the random batch.
     """
 
@@ -157,6 +157,8 @@ class SyntheticImageNetInput:
         labels = tf.random.stateless_uniform(
             [batch_size], seed, minval=0, maxval=self.num_classes, dtype=tf.int32
         )
+        if self.dtype == tf.uint8:  # raw pixels, as ImageNetInput(dtype="uint8") gives them
+            images = tf.clip_by_value(tf.round(127.5 + 60.0 * images), 0, 255)
         batch = (tf.cast(images, self.dtype), labels)
         # The batch is a constant of the dataset graph: repeating it costs no host work.
         return tf.data.Dataset.from_tensors(batch).repeat()
