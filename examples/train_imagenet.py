@@ -290,14 +290,40 @@ def eval_steps(num_examples, global_batch_size, num_replicas, num_input_pipeline
     """Steps of one pass over `num_examples` evaluation examples on one input pipeline, the last partial.
 
     The pipeline batches the examples into per-replica batches and the distributed dataset hands one to
-    every replica per step; with exactly as many steps as it has, `evaluate` sees every example and never
-    runs past the end (which Keras reports as "Your input ran out of data"). Several pipelines (hosts)
-    read files of different sizes, so their counts are not known here: None lets the pass run to the end.
+    every replica per step. Several pipelines (hosts) read files of different sizes, so their counts are
+    not known here: None lets each pass run to the end of the data.
     """
     if num_input_pipelines != 1:
         return None
     per_replica_batches = math.ceil(num_examples / (global_batch_size // num_replicas))
     return max(1, math.ceil(per_replica_batches / num_replicas))
+
+
+def eval_dataset_fn(eval_input, steps):
+    """`distribute_datasets_from_function`'s function for evaluation passes of exactly `steps` steps.
+
+    Keras keeps one evaluation iterator for the whole `fit` when it is given `validation_steps`, so
+    the data must repeat; each pass is topped up with empty batches to a whole number of steps, so that
+    every evaluation sees every example exactly once. Exact steps also keep Keras from warning that the
+    input "ran out of data".
+    """
+    import tensorflow as tf
+
+    def make(context):
+        data = eval_input.dataset(context)
+        if steps is None:
+            return data
+        replicas = context.num_replicas_in_sync // context.num_input_pipelines
+        batches = steps * replicas  # per-replica batches in one pass, topped up
+        images, labels = data.element_spec[:2]
+        empty = tf.data.Dataset.from_tensors((
+            tf.zeros([0] + images.shape[1:].as_list(), images.dtype),
+            tf.zeros([0], labels.dtype),
+        ))
+        # The pass's own batches (at most `batches`), then empty ones up to a whole number of steps.
+        return data.concatenate(empty.repeat()).take(batches).repeat()
+
+    return make
 
 
 def _build_model(config):
@@ -464,6 +490,13 @@ def train(config, extra_callbacks=()):
     """
     start = time.perf_counter()
     _check_config(config)
+    import tpu_scale
+
+    strategy = tpu_scale.create_strategy(
+        config.tpu, num_cpu_replicas=config.num_cpu_replicas,
+        mesh_shape=None if (config.tpu or os.environ.get("TF_CONFIG")) else _parse_mesh_shape(config.mesh_shape),
+        gradient_reduction=config.gradient_reduction)
+    _check_config(config, strategy)
     if config.model_dir:
         finished = _finished_run(config.model_dir, config.epochs)
         if finished is not None:
@@ -473,13 +506,6 @@ def train(config, extra_callbacks=()):
                 config.model_dir, finished["epochs"], finished["top_1"])
             return dict(finished, finished_before=True, model=None,
                         wall_seconds=time.perf_counter() - start)
-    import tpu_scale
-
-    strategy = tpu_scale.create_strategy(
-        config.tpu, num_cpu_replicas=config.num_cpu_replicas,
-        mesh_shape=None if (config.tpu or os.environ.get("TF_CONFIG")) else _parse_mesh_shape(config.mesh_shape),
-        gradient_reduction=config.gradient_reduction)
-    _check_config(config, strategy)
 
     import keras
 
@@ -528,8 +554,9 @@ def _run(config, strategy, start, extra_callbacks, temporary):
         return train_input.dataset(context).skip(steps_done * replicas_fed)
 
     train_data = strategy.distribute_datasets_from_function(train_dataset)
-    # Finite: each evaluation is one pass over every example.
-    eval_data = strategy.distribute_datasets_from_function(eval_input.dataset)
+    # Each evaluation is one pass over every example.
+    eval_data = strategy.distribute_datasets_from_function(
+        eval_dataset_fn(eval_input, validation_steps))
 
     with strategy.scope():
         model = _build_model(config)
@@ -542,7 +569,7 @@ def _run(config, strategy, start, extra_callbacks, temporary):
     show_bar = sys.stdout.isatty() if config.progress is None else config.progress
     model.fit(train_data, epochs=config.epochs, steps_per_epoch=config.steps_per_epoch,
               validation_data=eval_data, validation_steps=validation_steps, callbacks=callbacks,
-              verbose=1 if show_bar else 0)
+              verbose=1 if show_bar else 0, shuffle=False)  # the input pipeline shuffles
     results = model.evaluate(eval_data, steps=validation_steps, return_dict=True, verbose=0)
     summary = {
         "top_1": float(results["top_1"]),
