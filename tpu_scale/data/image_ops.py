@@ -146,7 +146,69 @@ def is_complete_jpeg(image_bytes):
     return (length >= 4) & tf.equal(head, b"\xff\xd8\xff") & has_end_marker
 
 
-def decode_and_random_crop(image_bytes, image_size, seed, *, resize_method="bilinear"):
+# DCT-domain downscaling factors libjpeg offers while decoding.
+DECODE_RATIOS = (1, 2, 4, 8)
+
+
+def scaled_decode_ratio(crop_height, crop_width, image_size):
+    """The largest libjpeg downscaling ratio (1, 2, 4 or 8) for a crop that is resized to `image_size`.
+
+    A crop at least `r` times the output size in both dimensions can be decoded at ratio `r` (libjpeg
+    then computes each output pixel from an `r x r` block in the DCT domain, at a fraction of the
+    work) and still be resized down, never up.
+
+    Args:
+      crop_height: int32 scalar tensor, the crop window's height in full-size pixels.
+      crop_width: int32 scalar tensor, the crop window's width.
+      image_size: Python int, the output size.
+
+    Returns:
+      An int32 scalar tensor, one of `DECODE_RATIOS`.
+    """
+    short = tf.minimum(crop_height, crop_width)
+    ratio = tf.constant(1, tf.int32)
+    for r in DECODE_RATIOS[1:]:
+        ratio = tf.where(short >= r * image_size, tf.constant(r, tf.int32), ratio)
+    return ratio
+
+
+def decode_window(image_bytes, window, image_size=None):
+    """Decodes only `window` of a JPEG; with `image_size`, at the largest ratio the window allows.
+
+    `tf.image.decode_and_crop_jpeg(..., ratio=r)` takes its window in the downscaled image's
+    coordinates while `extract_jpeg_shape` reports the full size, so the window is mapped here: its
+    start and end are divided by `r` and rounded to the nearest pixel (an offset of at most half a
+    downscaled pixel, a quarter of an output pixel or less at the ratios chosen).
+
+    Args:
+      image_bytes: string scalar tensor, a JPEG file.
+      window: int32 `[4]` `[offset_y, offset_x, height, width]` in full-size pixels.
+      image_size: Python int, the size the window will be resized to; None decodes at full size.
+
+    Returns:
+      A uint8 `[h, w, 3]` tensor: the window, downscaled by the chosen ratio.
+    """
+    if image_size is None:
+        return tf.image.decode_and_crop_jpeg(image_bytes, window, channels=3)
+    ratio = scaled_decode_ratio(window[2], window[3], image_size)
+
+    def at(r):
+        def decode():
+            if r == 1:
+                return tf.image.decode_and_crop_jpeg(image_bytes, window, channels=3)
+            start = (window[:2] + r // 2) // r
+            end = (window[:2] + window[2:] + r // 2) // r
+            scaled = tf.concat([start, tf.maximum(end - start, 1)], 0)
+            return tf.image.decode_and_crop_jpeg(image_bytes, scaled, channels=3, ratio=r)
+
+        return decode
+
+    index = tf.cast(tf.math.log(tf.cast(ratio, tf.float32)) / math.log(2.0) + 0.5, tf.int32)
+    return tf.switch_case(index, [at(r) for r in DECODE_RATIOS])
+
+
+def decode_and_random_crop(image_bytes, image_size, seed, *, resize_method="bilinear",
+                           scaled_decode=False):
     """Fused training decode: random Inception box from the header, decode only that window, resize, flip.
 
     Args:
@@ -154,6 +216,8 @@ def decode_and_random_crop(image_bytes, image_size, seed, *, resize_method="bili
       image_size: Python int, the output height and width.
       seed: `[2]` int tensor, the stateless seed of this example.
       resize_method: a `tf.image.ResizeMethod` name.
+      scaled_decode: decode crops at least twice the output size at a reduced ratio
+        (`decode_window`).
 
     Returns:
       A float32 `[image_size, image_size, 3]` tensor on the 0-255 scale.
@@ -165,25 +229,26 @@ def decode_and_random_crop(image_bytes, image_size, seed, *, resize_method="bili
     shape = tf.image.extract_jpeg_shape(image_bytes)
     window = _crop_window_from_draws(shape[0], shape[1], draws[:window_draws], AREA_RANGE, ASPECT_RATIO_RANGE,
                                      MAX_ATTEMPTS, image_size)
-    image = tf.image.decode_and_crop_jpeg(image_bytes, window, channels=3)
+    image = decode_window(image_bytes, window, image_size if scaled_decode else None)
     image = tf.image.resize(image, [image_size, image_size], method=resize_method)
     return tf.cond(draws[window_draws] < 0.5, lambda: tf.reverse(image, [1]), lambda: image)
 
 
-def decode_and_center_crop(image_bytes, image_size, *, resize_method="bilinear"):
+def decode_and_center_crop(image_bytes, image_size, *, resize_method="bilinear", scaled_decode=False):
     """Evaluation decode: the reference center crop, decoded as a window, then resized.
 
     Args:
       image_bytes: string scalar tensor, a JPEG file.
       image_size: Python int, the output height and width.
       resize_method: a `tf.image.ResizeMethod` name.
+      scaled_decode: as for `decode_and_random_crop`.
 
     Returns:
       A float32 `[image_size, image_size, 3]` tensor on the 0-255 scale.
     """
     shape = tf.image.extract_jpeg_shape(image_bytes)
     window = center_crop_window(shape[0], shape[1], image_size)
-    image = tf.image.decode_and_crop_jpeg(image_bytes, window, channels=3)
+    image = decode_window(image_bytes, window, image_size if scaled_decode else None)
     return tf.image.resize(image, [image_size, image_size], method=resize_method)
 
 

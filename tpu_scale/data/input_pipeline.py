@@ -96,6 +96,10 @@ class ImageNetInput:
         its own job).
       threadpool_size: size of the private tf.data thread pool (default: the host's CPU count).
       resize_method: a `tf.image.ResizeMethod` name.
+      scaled_decode: decode a crop window at least twice the output size (in both dimensions) at a
+        libjpeg downscaling ratio of 2, 4 or 8 before the resize (`image_ops.decode_window`): less
+        decode work for large photos, a measured PSNR bound against full-size decode + resize (see
+        benchmarks/README.md). Off by default.
     """
 
     def __init__(
@@ -122,6 +126,7 @@ class ImageNetInput:
         data_service_job_name: str | None = None,
         threadpool_size: int | None = None,
         resize_method: str = "bilinear",
+        scaled_decode: bool = False,
         _source: Any = None,
     ):
         if global_batch_size < 1:
@@ -158,6 +163,7 @@ class ImageNetInput:
         self.data_service_job_name = data_service_job_name
         self.threadpool_size = threadpool_size
         self.resize_method = resize_method
+        self.scaled_decode = scaled_decode
         self.source = _source or TFRecordSource(
             file_pattern, image_key, label_key, read_buffer_bytes, cycle_length
         )
@@ -376,11 +382,13 @@ class ImageNetInput:
     def _decode_example(self, image_bytes, label, crop_seed):
         if self.is_training:
             image = image_ops.decode_and_random_crop(
-                image_bytes, self.image_size, crop_seed, resize_method=self.resize_method
+                image_bytes, self.image_size, crop_seed, resize_method=self.resize_method,
+                scaled_decode=self.scaled_decode,
             )
         else:
             image = image_ops.decode_and_center_crop(
-                image_bytes, self.image_size, resize_method=self.resize_method
+                image_bytes, self.image_size, resize_method=self.resize_method,
+                scaled_decode=self.scaled_decode,
             )
         if self.dtype == tf.uint8:
             return image_ops.to_uint8(image), label
