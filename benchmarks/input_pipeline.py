@@ -1,22 +1,19 @@
-"""Input pipeline throughput: `ImageNetInput` against the decode limit and other pipelines.
-
-The others: tf-models-official and a naive
-pipeline.
+"""Input pipeline throughput: `ImageNetInput` against the decode limit and two other pipelines.
 
 On generated ImageNet-like JPEG TFRecords (about 500x375, quality 90, about 100 KB each, multi-scale
 noise so the files compress like photographs), in one run, images per second of:
 
-  ours         `tpu_scale.data.ImageNetInput(..., is_training=True)`: the full training path (fused
-               decode-and-crop, resize, flip, normalize, batch), default options.
-  tfm          tf-models-official's ImageNet classification input (`classification_input.Decoder`
-  and
-               `Parser` under its `InputReader`, as its image classification task builds them) on
-               the same files; it pins its own TensorFlow, so it runs with another environment's
-               python (`--tfm_python`, or the TFM_PYTHON environment variable).
-  naive        sequential read, full JPEG decode, resize to 224, flip, normalize, batch; no
-  parallelism. decode_limit the host's ceiling: cores x the one-core rate of decode-and-crop alone
-  (JPEG header, Inception
-               window, `decode_and_crop_jpeg`; no resize, no tf.data), measured pinned to one core.
+  ours          `tpu_scale.data.ImageNetInput(..., is_training=True)`: the full training path
+                (fused decode-and-crop, resize, flip, normalize, batch), default options.
+  tfm           tf-models-official's ImageNet classification input (`classification_input.Decoder`
+                and `Parser` under its `InputReader`, as its image classification task builds them)
+                on the same files; it pins its own TensorFlow, so it runs with another environment's
+                python (`--tfm_python`, or the TFM_PYTHON environment variable).
+  naive         sequential read, full JPEG decode, resize to 224, flip, normalize, batch; no
+                parallelism.
+  decode_limit  the host's ceiling: cores x the one-core rate of decode-and-crop alone (JPEG
+                header, Inception window, `decode_and_crop_jpeg`; no resize, no tf.data), measured
+                pinned to one core.
 
 Each pipeline runs in its own process (own thread pools, own peak RSS), in interleaved rounds so
 that load from other users of the machine hits every pipeline alike; each process times several

@@ -1,8 +1,8 @@
 """tpu_scale: supercomputer-scale image training techniques for TensorFlow/Keras.
 
 The public surface:
-  create_strategy   one call that finds the hardware and returns a `tf.distribute` strategy with a
-  `.mesh` ReplicaMesh       the 2-D grid of replicas (TPU torus, or hosts x local devices)
+  create_strategy   finds the hardware and returns a `tf.distribute` strategy with a `.mesh`
+  ReplicaMesh       the 2-D grid of replicas (TPU torus, or hosts x local devices)
 
 Subpackages: `tpu_scale.layers` (grouped batch norm), `tpu_scale.collectives` (group sums over the
 mesh), `tpu_scale.torus` (2-D gradient summation), `tpu_scale.data` (the input builder),

@@ -3,13 +3,12 @@
 Each entry names the upstream report (or says none was found), the versions it was seen on, and how
 to tell it can go. Users never call these: `create_strategy` and the strategy classes apply them.
 
-  batch_scheduling              tf.data iterator deletion stalls for up to 60 s per iterator on CPU
-  hosts next_collective_key_base      every strategy in a process numbers its collective keys from 1
-  multi_worker_extended         MultiWorkerMirroredStrategy uses one CPU device per worker
-  reduce_nested                 Keras 3 `fit` asks a multi-worker `reduce` for nested and scalar
-  values local_device_type             which kind of device a multi-worker strategy's replicas run
-  on quiet_cuda_probe              the spurious "failed call to cuInit" error on machines without a
-  GPU
+  batch_scheduling          tf.data iterator deletion stalls up to 60 s per iterator on CPU hosts
+  next_collective_key_base  every strategy in a process numbers its collective keys from 1
+  multi_worker_extended     MultiWorkerMirroredStrategy uses one CPU device per worker
+  reduce_nested             Keras 3 `fit` asks a multi-worker `reduce` for nested, scalar values
+  local_device_type         which kind of device a multi-worker strategy's replicas run on
+  quiet_cuda_probe          the spurious "failed call to cuInit" error on machines without a GPU
 """
 
 import contextlib

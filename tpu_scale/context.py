@@ -5,9 +5,8 @@ gradient sum, so that none of them reaches up into the strategy factory:
 
   mesh_of(strategy)   the `ReplicaMesh` of a strategy (ours carry one; any other gets a derived one)
   current_mesh()      the mesh of the current replica context, or None with nothing to talk to
-  backend()           which collective implementation applies here: "tpu", "collective", "eager",
-  "single" tpu_graph(mesh)     build TPU ops for `mesh` in a graph, with no TPU present (to inspect
-  TPU graphs)
+  backend()           the collective implementation here: "tpu", "collective", "eager", "single"
+  tpu_graph(mesh)     build TPU ops for `mesh` in a graph with no TPU present (to inspect them)
 """
 
 import contextlib

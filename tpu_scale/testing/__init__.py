@@ -1,9 +1,9 @@
 """Helpers for testing distributed training on one machine.
 
-run_workers        runs a function in N localhost worker processes under TF_CONFIG (a real cluster)
-collective_ops     the collective ops of a graph and of every function it calls
-group_size         the static group size of a collective op
-train_graphs       the graphs Keras traced for `model.fit`
+  run_workers      runs a function in N localhost worker processes under TF_CONFIG (a real cluster)
+  collective_ops   the collective ops of a graph and of every function it calls
+  group_size       the static group size of a collective op
+  train_graphs     the graphs Keras traced for `model.fit`
 """
 
 from tpu_scale.testing.graphs import collective_ops, group_size, train_graphs
