@@ -467,8 +467,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         super().__init__()
         if not backup_dir:
             raise ValueError("BackupAndRestore needs a backup_dir, got an empty one.")
-        if save_freq not in ("epoch", False) and not (
-                isinstance(save_freq, int) and not isinstance(save_freq, bool) and save_freq > 0):
+        batches = isinstance(save_freq, int) and not isinstance(save_freq, bool) and save_freq > 0
+        if not (save_freq == "epoch" or save_freq is False or batches):
             raise ValueError(f"save_freq={save_freq!r}: use 'epoch', a positive number of batches, "
                              f"or False (save only before preemption).")
         self.backup_dir = str(backup_dir)
@@ -635,7 +635,13 @@ class BackupAndRestore(keras.callbacks.Callback):
             self.last_backup = _write_backup(self.model, self.backup_dir, epoch, step, reason,
                                              self.keep)
             return self.last_backup
-        private = tempfile.mkdtemp(prefix="tpu_scale_backup_worker_")
+        # One fixed local folder per worker and backup_dir: what a killed save leaves is replaced by
+        # the next one, and no copy goes to a shared (possibly remote) filesystem.
+        tag = hashlib.sha256(self.backup_dir.encode()).hexdigest()[:12]
+        task = self._cluster.me.replace("/job:", "").replace("/replica:0/task:", "")
+        private = os.path.join(tempfile.gettempdir(), f"tpu_scale_backup_{tag}_{task}")
+        shutil.rmtree(private, ignore_errors=True)
+        os.makedirs(private)
         try:
             self.model.save_weights(os.path.join(private, WEIGHTS_FILE))
         finally:
@@ -760,6 +766,7 @@ def explain_peer_failure(error, cluster, probe_timeout=2.0):
              for task in tasks]
     first_line = next((line for line in message.splitlines() if "aborted by" in line),
                       message.splitlines()[0] if message else "")
+    first_line = re.sub(r"\{\{[^}]*\}\}\s*", "", first_line)  # the op's own device
     headline = (f"Training on {cluster.me} stopped because "
                 + (f"{'a peer' if len(tasks) == 1 else 'peers'} failed:\n  " + "\n  ".join(lines)
                    if tasks else "of a failure the runtime could not attribute to a task (every "
