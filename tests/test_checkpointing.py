@@ -193,7 +193,7 @@ def test_damaged_newest_backup_falls_back_with_a_warning(tmp_path, caplog):
     assert "restoring the previous backup" in message
 
     # Nothing complete left: the warning says training starts over.
-    for _, path in checkpointing._sequences(backup_dir):
+    for _, path in checkpointing.backups._sequences(backup_dir):
         with open(os.path.join(path, checkpointing.METADATA_FILE), "w") as f:
             f.write('{"epoch": ')
     caplog.clear()
