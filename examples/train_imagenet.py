@@ -20,8 +20,11 @@ writer splits off a stratified validation set (10%), checks every image and writ
 Give --model_dir DIR to keep what a run writes: checkpoints of the last --keep_checkpoints epochs,
 TensorBoard logs, a backup to resume from, the final model (final.keras) and run.json. The same command
 after an interruption resumes from the last finished epoch (it says so); on a finished run it says so and
-stops, and a larger --epochs continues it. Without --model_dir everything goes to a temporary folder
-that is removed at the end. A progress bar shows in a terminal (--noprogress turns it off).
+stops, and a larger --epochs continues it. Backups are written atomically, so a kill at any moment
+loses at most the epoch in progress; a SIGTERM (a scheduler's preemption notice) makes every worker
+save at the same step and exit with code 143, and the same command resumes there. Without
+--model_dir everything goes to a temporary folder that is removed at the end. A progress bar shows
+in a terminal (--noprogress turns it off).
 
 A Cloud TPU v3-8 (ImageNet in the classic layout: train-* and validation-* files):
 
@@ -367,7 +370,7 @@ def progress_callback(global_batch_size, num_replicas, epochs):
 
     The line: epoch, images/s (total and per replica), training loss and top-1, validation top-1. Each
     epoch is timed from the end of its first step to the end of its last, so tracing and the input
-    pipeline's warm-up do not count. A resumed run says so, and from which epoch, when it starts.
+    pipeline's warm-up do not count.
     """
     import keras
 
@@ -375,13 +378,6 @@ def progress_callback(global_batch_size, num_replicas, epochs):
         def __init__(self):
             super().__init__()
             self.images, self.seconds = 0, 0.0
-            self.initial_epoch = 0
-
-        def on_train_begin(self, logs=None):
-            # BackupAndRestore runs first and sets the epoch it restored.
-            self.initial_epoch = getattr(self.model, "_initial_epoch", 0) or 0
-            if self.initial_epoch:
-                logging.info("Resuming from the backup after epoch %d of %d", self.initial_epoch, epochs)
 
         def on_epoch_begin(self, epoch, logs=None):
             self._step_ends = []
@@ -426,27 +422,25 @@ def keep_newest_callback(folder, keep):
     return KeepNewest()
 
 
-def _initial_epoch(backup_dir):
-    """The epoch a backup in `backup_dir` resumes from (0 without one)."""
-    import tensorflow as tf
-
-    path = os.path.join(backup_dir, "training_metadata.json")
-    if not tf.io.gfile.exists(path):
-        return 0
-    with tf.io.gfile.GFile(path) as f:
-        return int(json.load(f).get("epoch", 0))
-
-
-def _callbacks(config, strategy, progress):
+def _callbacks(config, strategy, progress, temporary):
     import keras
 
+    from tpu_scale import checkpointing
+
     is_chief = _is_chief(strategy)
-    # Every worker runs the callbacks (they may save collectively), but only the chief writes to model_dir.
-    out_dir = config.model_dir if is_chief else tempfile.mkdtemp(prefix="tpu_scale_worker_")
+    # Every worker runs the callbacks (they may save collectively), but only the chief writes to
+    # model_dir; the backup callback decides that itself, and every worker restores the chief's.
+    out_dir = config.model_dir
+    if not is_chief:
+        out_dir = tempfile.mkdtemp(prefix="tpu_scale_worker_")
+        temporary.append(out_dir)
     checkpoints = os.path.join(out_dir, "checkpoints")
     return [
-        # Keeps the backup at the end, so that a larger --epochs continues a finished run.
-        keras.callbacks.BackupAndRestore(os.path.join(out_dir, "backup"), delete_checkpoint=False),
+        # Atomic saves; kept at the end, so that a larger --epochs continues a finished run. On
+        # SIGTERM (a preemption notice) every worker saves at the same step and exits with
+        # checkpointing.PREEMPTED_EXIT_CODE; the same command then resumes there.
+        checkpointing.BackupAndRestore(os.path.join(config.model_dir, "backup"),
+                                       delete_checkpoint=False),
         progress,
         keras.callbacks.ModelCheckpoint(os.path.join(checkpoints, "epoch_{epoch:03d}.weights.h5"),
                                         save_weights_only=True),
@@ -524,6 +518,8 @@ def train(config, extra_callbacks=()):
 
 def _run(config, strategy, start, extra_callbacks, temporary):
     """Data, model, `fit` and the final evaluation, under the strategy and the precision policy."""
+    from tpu_scale import checkpointing
+
     config = dataclasses.replace(config)
     synthetic = not (config.data_dir or config.tfds_name)
     data_dir = config.data_dir
@@ -544,7 +540,12 @@ def _run(config, strategy, start, extra_callbacks, temporary):
     validation_steps = None if pad_eval else eval_steps(
         eval_examples, config.global_batch_size, strategy.num_replicas_in_sync, pipelines)
 
-    initial_epoch = _initial_epoch(os.path.join(config.model_dir, "backup"))
+    backup = checkpointing.latest_backup(os.path.join(config.model_dir, "backup"))
+    initial_epoch = backup.epoch if backup else 0
+    if backup:
+        logging.info("Resuming from the backup after epoch %d of %d%s (%s)", backup.epoch,
+                     config.epochs, f" and {backup.step} steps" if backup.step else "", backup.path)
+    # Whole epochs are skipped here; the backup callback drops the steps of a part-done one.
     steps_done = initial_epoch * config.steps_per_epoch if config.deterministic else 0
 
     def train_dataset(context):
@@ -561,15 +562,17 @@ def _run(config, strategy, start, extra_callbacks, temporary):
     with strategy.scope():
         model = _build_model(config)
     progress = progress_callback(config.global_batch_size, strategy.num_replicas_in_sync, config.epochs)
-    callbacks = _callbacks(config, strategy, progress) + list(extra_callbacks)
+    callbacks = _callbacks(config, strategy, progress, temporary) + list(extra_callbacks)
     logging.info("Training %d epochs x %d steps of %d images on %d replicas (mesh %s); model_dir %s",
                  config.epochs, config.steps_per_epoch, config.global_batch_size, strategy.num_replicas_in_sync,
                  "x".join(map(str, strategy.mesh.shape)),
                  config.model_dir if keep_outputs else "a temporary folder (pass --model_dir to keep it)")
     show_bar = sys.stdout.isatty() if config.progress is None else config.progress
-    model.fit(train_data, epochs=config.epochs, steps_per_epoch=config.steps_per_epoch,
-              validation_data=eval_data, validation_steps=validation_steps, callbacks=callbacks,
-              verbose=1 if show_bar else 0, shuffle=False)  # the input pipeline shuffles
+    # A dead or frozen peer is reported by name, not as an aborted collective.
+    with checkpointing.peer_failures_explained(strategy):
+        model.fit(train_data, epochs=config.epochs, steps_per_epoch=config.steps_per_epoch,
+                  validation_data=eval_data, validation_steps=validation_steps, callbacks=callbacks,
+                  verbose=1 if show_bar else 0, shuffle=False)  # the input pipeline shuffles
     results = model.evaluate(eval_data, steps=validation_steps, return_dict=True, verbose=0)
     summary = {
         "top_1": float(results["top_1"]),
