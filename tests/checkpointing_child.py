@@ -30,7 +30,8 @@ def main(options):
 
     strategy = tpu_scale.create_strategy(
         num_cpu_replicas=int(os.environ.get("TPU_SCALE_CPUS_PER_WORKER", 2)),
-        gradient_reduction="native")
+        gradient_reduction="native",
+    )
     import keras
     import tensorflow as tf
 
@@ -62,14 +63,19 @@ def main(options):
         # Every input pipeline reads the same stream; a step takes a batch per replica it feeds.
         replicas_fed = context.num_replicas_in_sync // context.num_input_pipelines
         per_replica = context.get_per_replica_batch_size(options.get("global_batch", 16))
-        return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(per_replica).skip(
-            steps_done * replicas_fed)
+        return (
+            tf.data.Dataset.from_tensor_slices((x, y))
+            .repeat()
+            .batch(per_replica)
+            .skip(steps_done * replicas_fed)
+        )
 
     dataset = strategy.distribute_datasets_from_function(dataset_fn)
     with strategy.scope():
         keras.utils.set_random_seed(1)
-        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="relu"),
-                                  keras.layers.Dense(1)])
+        model = keras.Sequential(
+            [keras.Input((5,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(1)]
+        )
         model.compile(optimizer=keras.optimizers.SGD(0.02, momentum=0.9), loss="mse")
 
     backup = checkpointing.BackupAndRestore(backup_dir, delete_checkpoint=False)
@@ -77,8 +83,12 @@ def main(options):
     class Report(keras.callbacks.Callback):
         def on_train_begin(self, logs=None):
             restored = backup.restored
-            print("resumed", restored.epoch if restored else 0, restored.step if restored else 0,
-                  flush=True)
+            print(
+                "resumed",
+                restored.epoch if restored else 0,
+                restored.step if restored else 0,
+                flush=True,
+            )
 
         def on_train_batch_end(self, batch, logs=None):
             print("step", self._epoch, batch + 1, flush=True)
@@ -92,8 +102,14 @@ def main(options):
             print("saved", epoch + 1, flush=True)
 
     with checkpointing.peer_failures_explained(strategy):
-        model.fit(dataset, epochs=options["epochs"], steps_per_epoch=steps,
-                  callbacks=[backup, Report()], verbose=0, shuffle=False)
+        model.fit(
+            dataset,
+            epochs=options["epochs"],
+            steps_per_epoch=steps,
+            callbacks=[backup, Report()],
+            verbose=0,
+            shuffle=False,
+        )
     if options.get("out"):
         np.savez(options["out"], *[w.numpy() for w in model.weights])
     print("done", flush=True)

@@ -34,7 +34,8 @@ class Processes:
         self.started = []
         self.env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TPU_SCALE_CPUS_PER_WORKER="2")
         self.env["PYTHONPATH"] = os.pathsep.join(
-            [os.path.dirname(TESTS), self.env.get("PYTHONPATH", "")])
+            [os.path.dirname(TESTS), self.env.get("PYTHONPATH", "")]
+        )
         self.env.pop("TF_CONFIG", None)
         # The children's temporary files (TensorFlow's, a worker's private save) stay in the test's.
         self.env["TMPDIR"] = os.path.join(folder, "tmp")
@@ -44,16 +45,23 @@ class Processes:
         log_path = os.path.join(self.folder, f"{name}.log")
         env = dict(self.env, TF_CONFIG=tf_config_json) if tf_config_json else self.env
         with open(log_path, "w") as log:
-            proc = subprocess.Popen([sys.executable, CHILD, json.dumps(options)], env=env,
-                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                [sys.executable, CHILD, json.dumps(options)],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
         proc.log_path = log_path
         self.started.append(proc)
         return proc
 
     def cluster(self, options_per_worker, name):
         ports = free_ports(len(options_per_worker))
-        return [self.start(options, f"{name}_worker{i}", tf_config(ports, i))
-                for i, options in enumerate(options_per_worker)]
+        return [
+            self.start(options, f"{name}_worker{i}", tf_config(ports, i))
+            for i, options in enumerate(options_per_worker)
+        ]
 
     def kill_all(self):
         for proc in self.started:
@@ -84,8 +92,10 @@ def wait_for(proc, pattern, timeout):
         if proc.poll() is not None:
             break
         time.sleep(0.02)
-    raise AssertionError(f"No line matching {pattern!r} within {timeout} s (exit code "
-                         f"{proc.poll()}):\n{output(proc)[-4000:]}")
+    raise AssertionError(
+        f"No line matching {pattern!r} within {timeout} s (exit code "
+        f"{proc.poll()}):\n{output(proc)[-4000:]}"
+    )
 
 
 def wait_exit(proc, timeout):
@@ -116,12 +126,21 @@ def load_weights(path):
 
 def test_kill_at_any_moment_loses_at_most_an_epoch(processes, tmp_path):
     """SIGKILL inside and between backup writes, and one SIGTERM; the last rerun ends exactly."""
-    options = {"backup_dir": str(tmp_path / "backup"), "epochs": 10, "steps": 4,
-               "slow_save": 0.15, "global_batch": 8}
+    options = {
+        "backup_dir": str(tmp_path / "backup"),
+        "epochs": 10,
+        "steps": 4,
+        "slow_save": 0.15,
+        "global_batch": 8,
+    }
     rng = random.Random(0)
     killed_in_writes = 0
-    plan = [("SIGKILL", "wrote", 2), ("SIGKILL", "wrote", 3), ("SIGTERM", "step", 5),
-            ("SIGKILL", "step", 3)]
+    plan = [
+        ("SIGKILL", "wrote", 2),
+        ("SIGKILL", "wrote", 3),
+        ("SIGTERM", "step", 5),
+        ("SIGKILL", "step", 3),
+    ]
     for attempt, (signal_name, event, nth) in enumerate(plan):
         proc = processes.start(options, f"run{attempt}")
         wait_for(proc, r"^resumed", 90)
@@ -141,8 +160,9 @@ def test_kill_at_any_moment_loses_at_most_an_epoch(processes, tmp_path):
             assert "Preempted (SIGTERM on this process): saved the training state" in output(proc)
         else:
             assert code == -signal.SIGKILL
-        killed_in_writes += any(name.startswith(".tmp-backup-")
-                                for name in os.listdir(options["backup_dir"]))
+        killed_in_writes += any(
+            name.startswith(".tmp-backup-") for name in os.listdir(options["backup_dir"])
+        )
         backup = checkpointing.latest_backup(options["backup_dir"])
         assert backup is not None and backup.epoch >= saved_before_kill, (backup, saved_before_kill)
         if signal_name == "SIGTERM":
@@ -157,7 +177,8 @@ def test_kill_at_any_moment_loses_at_most_an_epoch(processes, tmp_path):
 
     # The same run without interruptions, here: 2 CPU replicas as in the child.
     reference = checkpointing_child.main(
-        {"backup_dir": str(tmp_path / "reference"), "epochs": 10, "steps": 4, "global_batch": 8})
+        {"backup_dir": str(tmp_path / "reference"), "epochs": 10, "steps": 4, "global_batch": 8}
+    )
     for got, want in zip(load_weights(tmp_path / "final.npz"), reference):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
@@ -171,8 +192,9 @@ def _tiny_model():
 
 def _tiny_fit(model, callback, epochs):
     x = np.linspace(-1, 1, 24, dtype="float32").reshape(8, 3)
-    return model.fit(x, x[:, :2], batch_size=4, epochs=epochs, shuffle=False, verbose=0,
-                     callbacks=[callback])
+    return model.fit(
+        x, x[:, :2], batch_size=4, epochs=epochs, shuffle=False, verbose=0, callbacks=[callback]
+    )
 
 
 def test_damaged_newest_backup_falls_back_with_a_warning(tmp_path, caplog):
@@ -211,8 +233,11 @@ def test_backup_of_another_model_is_an_error_naming_it(tmp_path):
     keras.utils.set_random_seed(3)
     other = keras.Sequential([keras.Input((3,)), keras.layers.Dense(5), keras.layers.Dense(2)])
     other.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(ValueError, match=r"backup-000001 \(epoch 2, step 0\) is complete but does "
-                                         r"not fit this model"):
+    with pytest.raises(
+        ValueError,
+        match=r"backup-000001 \(epoch 2, step 0\) is complete but does "
+        r"not fit this model",
+    ):
         _tiny_fit(other, checkpointing.BackupAndRestore(backup_dir), 2)
 
 
@@ -253,7 +278,8 @@ def test_sigterm_to_one_worker_saves_everywhere_and_the_relaunch_resumes(process
     # Two workers x 2 replicas, each worker's pipeline the same stream of 4-example batches, compute
     # what 2 replicas with a global batch of 8 compute: the uninterrupted run, here.
     reference = checkpointing_child.main(
-        {"backup_dir": str(tmp_path / "reference"), "epochs": 5, "steps": 5, "global_batch": 8})
+        {"backup_dir": str(tmp_path / "reference"), "epochs": 5, "steps": 5, "global_batch": 8}
+    )
     for got, want in zip(finals[0], reference):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
@@ -263,15 +289,21 @@ def test_worker_that_cannot_see_the_chiefs_backup_stops_everyone(processes, tmp_
     chief_dir, private_dir = str(tmp_path / "chief_backup"), str(tmp_path / "private_backup")
     checkpointing_child.main({"backup_dir": chief_dir, "epochs": 1, "steps": 2})
     assert checkpointing.latest_backup(chief_dir).epoch == 1
-    options = {"backup_dir": chief_dir, "backup_dirs": [chief_dir, private_dir], "epochs": 3,
-               "steps": 2}
+    options = {
+        "backup_dir": chief_dir,
+        "backup_dirs": [chief_dir, private_dir],
+        "epochs": 3,
+        "steps": 2,
+    }
     workers = processes.cluster([options] * 2, "unshared")
     started = time.monotonic()
     codes = [wait_exit(w, 120) for w in workers]
     assert codes[0] != 0 and codes[1] != 0
     assert time.monotonic() - started < 120
-    expected = (f"/job:worker/replica:0/task:1 cannot read {private_dir}/backup-000001: its "
-                f"metadata {private_dir}/backup-000001/backup.json is unreadable")
+    expected = (
+        f"/job:worker/replica:0/task:1 cannot read {private_dir}/backup-000001: its "
+        f"metadata {private_dir}/backup-000001/backup.json is unreadable"
+    )
     for w in workers:
         text = output(w)
         assert "Resuming failed on /job:worker/replica:0/task:1, so no worker starts" in text
@@ -285,8 +317,12 @@ def test_worker_that_cannot_see_the_chiefs_backup_stops_everyone(processes, tmp_
 def test_dead_or_frozen_peer_is_named(processes, tmp_path, signal_name, victim, bound):
     # SIGSTOP of task 0 freezes the coordination service too: the other worker's heartbeats to it
     # time out (about 10 s here).
-    options = {"backup_dir": str(tmp_path / "backup"), "epochs": 100, "steps": 5,
-               "step_sleep": 0.02}
+    options = {
+        "backup_dir": str(tmp_path / "backup"),
+        "epochs": 100,
+        "steps": 5,
+        "step_sleep": 0.02,
+    }
     workers = processes.cluster([options] * 2, signal_name.lower())
     survivor = workers[1 - victim]
     wait_for(survivor, r"^saved 1$", 150)
@@ -297,9 +333,11 @@ def test_dead_or_frozen_peer_is_named(processes, tmp_path, signal_name, victim, 
     text = output(survivor)
     assert code == 1 and seconds < bound
     peer = f"/job:worker/replica:0/task:{victim}"
-    assert re.search(r"PeerFailureError: Training on /job:worker/replica:0/task:\d stopped because "
-                     r"a peer failed:\n  " + re.escape(peer) + r" \(localhost:\d+\): ", text), \
-        text[-3000:]
+    assert re.search(
+        r"PeerFailureError: Training on /job:worker/replica:0/task:\d stopped because "
+        r"a peer failed:\n  " + re.escape(peer) + r" \(localhost:\d+\): ",
+        text,
+    ), text[-3000:]
     why = "is not running" if signal_name == "SIGKILL" else "does not answer: frozen"
     assert why in text
     assert "relaunch every worker with the same command" in text

@@ -1,9 +1,9 @@
 """Tests of the input builder (`tpu_scale.data`).
 
-Most tests read "coded" records: each image is a flat colour whose red channel encodes its label and whose
-green and blue channels encode a unique example id. Flat colours survive JPEG, cropping and resizing, so
-every output image can be traced back to its record, and counts, pairing with labels and sharding are
-checked exactly.
+Most tests read "coded" records: each image is a flat colour whose red channel encodes its label and
+whose green and blue channels encode a unique example id. Flat colours survive JPEG, cropping and
+resizing, so every output image can be traced back to its record, and counts, pairing with labels
+and sharding are checked exactly.
 """
 
 import os
@@ -13,7 +13,6 @@ import pytest
 import tensorflow as tf
 
 import tpu_scale.strategy  # its MirroredStrategy has private collective keys: tests share a process
-
 from tpu_scale.data import ImageNetInput, SyntheticImageNetInput, image_ops, make_synthetic_imagenet
 from tpu_scale.data.schema import make_example
 
@@ -29,7 +28,7 @@ def coded_jpeg(example_id, label, height, width):
 
 
 def write_coded_records(directory, num_files, per_file, *, first_id=0, bad=None, label_base=1):
-    """Writes `num_files` TFRecord files of coded examples; `bad` maps example ids to broken bytes."""
+    """Writes `num_files` TFRecord files of coded examples; `bad` maps ids to broken bytes."""
     os.makedirs(directory, exist_ok=True)
     rng = np.random.default_rng(first_id)
     expected = {}
@@ -46,7 +45,9 @@ def write_coded_records(directory, num_files, per_file, *, first_id=0, bad=None,
                 else:
                     expected[example_id] = label
                 writer.write(
-                    make_example(jpeg, label + label_base, height=height, width=width).SerializeToString()
+                    make_example(
+                        jpeg, label + label_base, height=height, width=width
+                    ).SerializeToString()
                 )
                 example_id += 1
     return os.path.join(directory, "train-*"), expected
@@ -54,7 +55,10 @@ def write_coded_records(directory, num_files, per_file, *, first_id=0, bad=None,
 
 def decode_codes(images):
     """(label, example id) of each image of a normalized batch."""
-    pixels = images.numpy().astype(np.float32) * image_ops.IMAGENET_STDDEV_RGB + image_ops.IMAGENET_MEAN_RGB
+    pixels = (
+        images.numpy().astype(np.float32) * image_ops.IMAGENET_STDDEV_RGB
+        + image_ops.IMAGENET_MEAN_RGB
+    )
     codes = np.rint(pixels.mean(axis=(1, 2)) / STEP).astype(int)
     return codes[:, 0], codes[:, 1] + 32 * codes[:, 2]
 
@@ -65,7 +69,9 @@ def collect(dataset, num_batches=None):
     for batch in dataset.take(num_batches) if num_batches else dataset:
         images, batch_labels = batch[0], batch[1].numpy()
         coded_labels, batch_ids = decode_codes(images)
-        np.testing.assert_array_equal(coded_labels, batch_labels)  # every image carries its own label
+        np.testing.assert_array_equal(
+            coded_labels, batch_labels
+        )  # every image carries its own label
         ids.extend(batch_ids.tolist())
         labels.extend(batch_labels.tolist())
         sizes.append(len(batch_labels))
@@ -89,7 +95,7 @@ def make_input(pattern, **kwargs):
     return ImageNetInput(pattern, **kwargs)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Evaluation path
 
 
@@ -132,15 +138,18 @@ def test_pad_last_batch_refused_for_training(records):
         make_input(records[0], is_training=True, global_batch_size=8, pad_last_batch=True)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Training path
 
 
 @pytest.mark.parametrize("num_pipelines", [1, 2])
 def test_train_epochs_are_exact_with_cache(records, num_pipelines):
     pattern, expected = records
-    # With cache, the shuffle comes before the repeat, so each epoch is one permutation of the shard.
-    inp = make_input(pattern, is_training=True, global_batch_size=6, cache=True, deterministic=True, seed=3)
+    # With cache, the shuffle comes before the repeat, so each epoch is one permutation of the
+    # shard.
+    inp = make_input(
+        pattern, is_training=True, global_batch_size=6, cache=True, deterministic=True, seed=3
+    )
     all_ids = []
     for index in range(num_pipelines):
         dataset = inp.dataset(context(index, num_pipelines))
@@ -160,7 +169,8 @@ def test_train_without_cache_repeats_and_mixes_files(records):
     assert set(sizes) == {10}
     assert set(ids) == set(expected)
     # The interleave mixes the 4 files (ids 0-14, 15-29, ...) within the first batches. (Which files
-    # come first in the non-deterministic mode depends on timing; 20 examples span 3 files reliably.)
+    # come first in the non-deterministic mode depends on timing; 20 examples span 3 files
+    # reliably.)
     assert len({i // 15 for i in ids[:20]}) >= 3
 
 
@@ -168,8 +178,14 @@ def test_train_deterministic_mode_is_reproducible(records):
     pattern, _ = records
 
     def first_batches(seed):
-        inp = make_input(pattern, is_training=True, global_batch_size=8, shuffle_buffer_size=32,
-                         deterministic=True, seed=seed)
+        inp = make_input(
+            pattern,
+            is_training=True,
+            global_batch_size=8,
+            shuffle_buffer_size=32,
+            deterministic=True,
+            seed=seed,
+        )
         return np.concatenate([images.numpy() for images, _ in inp.dataset().take(3)])
 
     np.testing.assert_array_equal(first_batches(7), first_batches(7))
@@ -181,8 +197,15 @@ def test_uint8_pipeline_normalized_on_the_device_equals_the_float32_pipeline(rec
     from tpu_scale.layers import ImageNormalization
 
     def batches(dtype):
-        inp = make_input(records[0], is_training=is_training, global_batch_size=6, dtype=dtype,
-                         deterministic=True, seed=5, shuffle_buffer_size=8)
+        inp = make_input(
+            records[0],
+            is_training=is_training,
+            global_batch_size=6,
+            dtype=dtype,
+            deterministic=True,
+            seed=5,
+            shuffle_buffer_size=8,
+        )
         return list(inp.dataset().take(3))
 
     normalize = ImageNormalization()
@@ -196,8 +219,13 @@ def test_uint8_pipeline_normalized_on_the_device_equals_the_float32_pipeline(rec
 def test_uint8_is_a_quarter_of_float32s_bytes(records):
     sizes = {}
     for dtype in ("uint8", "float32"):
-        images, _ = next(iter(make_input(records[0], is_training=False, global_batch_size=4,
-                                         dtype=dtype).dataset()))
+        images, _ = next(
+            iter(
+                make_input(
+                    records[0], is_training=False, global_batch_size=4, dtype=dtype
+                ).dataset()
+            )
+        )
         sizes[dtype] = images.numpy().nbytes
     assert sizes["float32"] == 4 * sizes["uint8"]
     with pytest.raises(ValueError, match="uint8 \\(raw pixels\\)"):
@@ -205,7 +233,9 @@ def test_uint8_is_a_quarter_of_float32s_bytes(records):
 
 
 def test_train_bfloat16_and_label_dtype(records):
-    inp = make_input(records[0], is_training=True, global_batch_size=4, dtype="bfloat16", shuffle_buffer_size=8)
+    inp = make_input(
+        records[0], is_training=True, global_batch_size=4, dtype="bfloat16", shuffle_buffer_size=8
+    )
     images, labels = next(iter(inp.dataset()))
     assert images.dtype == tf.bfloat16 and labels.dtype == tf.int32
 
@@ -240,7 +270,9 @@ def test_distribute_datasets_from_function(records, cpu_devices, num_replicas):
     local_images = strategy.experimental_local_results(images)
     assert len(local_images) == num_replicas
     assert all(x.shape == (8 // num_replicas, IMAGE_SIZE, IMAGE_SIZE, 3) for x in local_images)
-    for replica_images, replica_labels in zip(local_images, strategy.experimental_local_results(labels)):
+    for replica_images, replica_labels in zip(
+        local_images, strategy.experimental_local_results(labels)
+    ):
         np.testing.assert_array_equal(decode_codes(replica_images)[0], replica_labels.numpy())
 
 
@@ -252,15 +284,24 @@ def test_keras_fit_and_evaluate_on_distributed_datasets(records, cpu_devices):
     train = make_input(pattern, is_training=True, global_batch_size=8, shuffle_buffer_size=16)
     evaluation = make_input(pattern, is_training=False, global_batch_size=16, pad_last_batch=True)
     with strategy.scope():
-        model = keras.Sequential([
-            keras.Input((IMAGE_SIZE, IMAGE_SIZE, 3)),
-            keras.layers.GlobalAveragePooling2D(),
-            keras.layers.Dense(NUM_CLASSES),
-        ])
-        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      weighted_metrics=["accuracy"])
-    history = model.fit(strategy.distribute_datasets_from_function(train.dataset), steps_per_epoch=3,
-                        epochs=1, verbose=0)
+        model = keras.Sequential(
+            [
+                keras.Input((IMAGE_SIZE, IMAGE_SIZE, 3)),
+                keras.layers.GlobalAveragePooling2D(),
+                keras.layers.Dense(NUM_CLASSES),
+            ]
+        )
+        model.compile(
+            "sgd",
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            weighted_metrics=["accuracy"],
+        )
+    history = model.fit(
+        strategy.distribute_datasets_from_function(train.dataset),
+        steps_per_epoch=3,
+        epochs=1,
+        verbose=0,
+    )
     assert np.isfinite(history.history["loss"][0])
     # The padded eval batches carry weights, so the padding (4 of 64 slots) does not count.
     results = model.evaluate(evaluation.dataset(), verbose=0, return_dict=True)
@@ -274,20 +315,27 @@ def test_keras_fit_and_evaluate_on_distributed_datasets(records, cpu_devices):
 
 
 def test_synthetic_source_shapes(cpu_devices):
-    inp = SyntheticImageNetInput(global_batch_size=8, image_size=16, num_classes=10, dtype=tf.bfloat16)
+    inp = SyntheticImageNetInput(
+        global_batch_size=8, image_size=16, num_classes=10, dtype=tf.bfloat16
+    )
     images, labels = next(iter(inp.dataset(context(1, 2))))
     assert images.shape == (4, 16, 16, 3) and images.dtype == tf.bfloat16
     assert labels.dtype == tf.int32 and 0 <= labels.numpy().min() and labels.numpy().max() < 10
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Image operations
 
 
 def test_random_crop_window_stays_in_inception_ranges():
     height, width = 375, 500
-    seeds = tf.stack([tf.range(4000, dtype=tf.int64), tf.fill([4000], tf.constant(11, tf.int64))], axis=1)
-    sample = lambda seed: image_ops.sample_crop_window(tf.constant(height), tf.constant(width), seed)
+    seeds = tf.stack(
+        [tf.range(4000, dtype=tf.int64), tf.fill([4000], tf.constant(11, tf.int64))], axis=1
+    )
+
+    def sample(seed):
+        return image_ops.sample_crop_window(tf.constant(height), tf.constant(width), seed)
+
     windows = tf.function(lambda: tf.map_fn(sample, seeds, fn_output_signature=tf.int32))().numpy()
     offset_y, offset_x, crop_h, crop_w = windows.T
     assert (offset_y >= 0).all() and (offset_x >= 0).all()
@@ -298,8 +346,8 @@ def test_random_crop_window_stays_in_inception_ranges():
     slack = 1.0 / crop_h + 1.0 / crop_w
     assert (area >= 0.08 * (1 - slack)).all() and (area <= 1.0).all()
     assert (aspect >= 0.75 * (1 - slack)).all() and (aspect <= (4 / 3) * (1 + slack)).all()
-    # The distribution matches the definition, simulated here independently with numpy: area fraction
-    # uniform in [0.08, 1], log aspect uniform, first of 10 boxes that fits.
+    # The distribution matches the definition, simulated here independently with numpy: area
+    # fraction uniform in [0.08, 1], log aspect uniform, first of 10 boxes that fits.
     rng = np.random.default_rng(0)
     areas = rng.uniform(0.08, 1.0, (100_000, 10)) * height * width
     ratios = np.exp(rng.uniform(np.log(3 / 4), np.log(4 / 3), (100_000, 10)))
@@ -343,7 +391,8 @@ def test_fused_decode_matches_full_decode_then_crop():
 
 def _check_fused_decode(jpeg, seed):
     fused = image_ops.decode_and_random_crop(jpeg, 32, seed)
-    # The same seed gives the same window as `sample_crop_window`; the draw after the window's decides the flip.
+    # The same seed gives the same window as `sample_crop_window`; the draw after the window's
+    # decides the flip.
     y, x, h, w = image_ops.sample_crop_window(60, 80, seed, fallback_image_size=32).numpy()
     full = tf.io.decode_jpeg(jpeg, channels=3)[y : y + h, x : x + w]
     reference = tf.image.resize(full, (32, 32))
@@ -354,7 +403,7 @@ def _check_fused_decode(jpeg, seed):
     return flip
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Bad input
 
 
@@ -374,7 +423,8 @@ def as_png(jpeg):
 
 
 def bogus_frame_header(jpeg):
-    # Complete file (start and end markers present) whose frame header is nonsense: only libjpeg notices.
+    # Complete file (start and end markers present) whose frame header is nonsense: only libjpeg
+    # notices.
     return jpeg[:2] + b"\xff\xc0\x00\x11\x08\xff\xff\xff\xff" + jpeg[2:]
 
 
@@ -390,7 +440,9 @@ BREAKAGES = {
 def test_corrupt_record_fails_naming_its_file(tmp_path, breakage):
     pattern, _ = write_coded_records(str(tmp_path), 2, 6, bad={8: BREAKAGES[breakage]})
     inp = make_input(pattern, is_training=False, global_batch_size=4)
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"(?s)Record.*2.*train-00001-of-00002.*JPEG"):
+    with pytest.raises(
+        tf.errors.InvalidArgumentError, match=r"(?s)Record.*2.*train-00001-of-00002.*JPEG"
+    ):
         list(inp.dataset())
 
 
@@ -430,7 +482,9 @@ def test_wrong_feature_keys_list_the_keys_found(tmp_path):
     with tf.io.TFRecordWriter(path) as writer:
         writer.write(example.SerializeToString())
     inp = make_input(path, is_training=False, global_batch_size=4)
-    with pytest.raises(ValueError, match=r"image/encoded.*Keys found: 'class' \(int64_list\), 'jpeg'"):
+    with pytest.raises(
+        ValueError, match=r"image/encoded.*Keys found: 'class' \(int64_list\), 'jpeg'"
+    ):
         inp.dataset()
 
 
@@ -438,7 +492,9 @@ def test_negative_label_names_the_file_and_the_fix(tmp_path):
     # Label 0 in a file read with label_offset=1.
     pattern, _ = write_coded_records(str(tmp_path), 1, 4, label_base=0)
     inp = make_input(pattern, is_training=False, global_batch_size=4)
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"(?s)train-00000-of-00001.*label_offset=0"):
+    with pytest.raises(
+        tf.errors.InvalidArgumentError, match=r"(?s)train-00000-of-00001.*label_offset=0"
+    ):
         list(inp.dataset())
 
 
@@ -456,19 +512,28 @@ def without_label(example_id):
 
 # Bad record kinds: how to make one from an example id, the error's words, the skip reason.
 RECORD_FAULTS = {
-    "not an Example": (lambda i: b"\xde\xad\xbe\xef this is no protobuf " * 3,
-                       "not a serialized tf.train.Example", "not a tf.train.Example"),
+    "not an Example": (
+        lambda i: b"\xde\xad\xbe\xef this is no protobuf " * 3,
+        "not a serialized tf.train.Example",
+        "not a tf.train.Example",
+    ),
     "missing label": (without_label, "lacks the image or the label feature", "missing feature"),
-    "label too large": (lambda i: coded_example(i, label=NUM_CLASSES + 1),
-                        "label >= num_classes=5 after subtracting label_offset=1",
-                        "label >= num_classes"),
-    "undecodable JPEG": (lambda i: coded_example(i, jpeg=truncated(coded_jpeg(i, 0, 20, 24))),
-                         "not a complete JPEG", "not a complete JPEG"),
+    "label too large": (
+        lambda i: coded_example(i, label=NUM_CLASSES + 1),
+        "label >= num_classes=5 after subtracting label_offset=1",
+        "label >= num_classes",
+    ),
+    "undecodable JPEG": (
+        lambda i: coded_example(i, jpeg=truncated(coded_jpeg(i, 0, 20, 24))),
+        "not a complete JPEG",
+        "not a complete JPEG",
+    ),
 }
 
 
 def write_records_with(directory, bad, *, num_files=2, per_file=6, cut_last_file_bytes=0):
-    """Coded records; `bad` maps example ids to serialized replacements. Returns (pattern, good ids)."""
+    """Coded records; `bad` maps example ids to serialized replacements. Returns (pattern, good
+    ids)."""
     os.makedirs(directory, exist_ok=True)
     good = set()
     for file_index in range(num_files):
@@ -500,8 +565,10 @@ def test_bad_record_fails_naming_file_and_record(tmp_path, kind):
         pattern, _ = write_records_with(str(tmp_path), {8: make_bad})  # record 2 of the second file
         index = 2
     inp = make_input(pattern, is_training=False, global_batch_size=4, num_classes=NUM_CLASSES)
-    with pytest.raises(tf.errors.InvalidArgumentError,
-                       match=rf"(?s)Record\] \[{index}\] \[of\] \[\S*train-00001-of-00002\].*{words}"):
+    with pytest.raises(
+        tf.errors.InvalidArgumentError,
+        match=rf"(?s)Record\] \[{index}\] \[of\] \[\S*train-00001-of-00002\].*{words}",
+    ):
         list(inp.dataset())
 
 
@@ -514,8 +581,9 @@ def test_bad_record_is_skipped_and_counted(tmp_path, kind):
         make_bad, _, reason = RECORD_FAULTS[kind]
         # Mid-file, and the very last record (the count must not lose trailing skips).
         pattern, good = write_records_with(str(tmp_path), {3: make_bad, 8: make_bad, 11: make_bad})
-    inp = make_input(pattern, is_training=False, global_batch_size=4, skip_corrupt=True,
-                     num_classes=NUM_CLASSES)
+    inp = make_input(
+        pattern, is_training=False, global_batch_size=4, skip_corrupt=True, num_classes=NUM_CLASSES
+    )
     ids, labels, _ = collect(inp.dataset())
     assert sorted(ids) == sorted(good)
     assert labels == [i % NUM_CLASSES for i in ids]
@@ -525,7 +593,9 @@ def test_bad_record_is_skipped_and_counted(tmp_path, kind):
 
 def test_first_record_not_an_example_fails_when_the_pipeline_is_built(tmp_path):
     pattern, good = write_records_with(str(tmp_path), {0: RECORD_FAULTS["not an Example"][0]})
-    with pytest.raises(ValueError, match=r"Record 0 of \S*train-00000-of-00002.*not a tf.train.Example"):
+    with pytest.raises(
+        ValueError, match=r"Record 0 of \S*train-00000-of-00002.*not a tf.train.Example"
+    ):
         make_input(pattern, is_training=False, global_batch_size=4).dataset()
     inp = make_input(pattern, is_training=False, global_batch_size=4, skip_corrupt=True)
     assert sorted(collect(inp.dataset())[0]) == sorted(good) and inp.skipped_records == 1
@@ -535,10 +605,17 @@ def test_skipped_records_counts_what_the_iterator_handed_out(tmp_path):
     # One file read in order (one file, no shuffle buffer): every 4th record is broken.
     bad_ids = set(range(1, 40, 4))
     undecodable = RECORD_FAULTS["undecodable JPEG"][0]
-    pattern, _ = write_records_with(str(tmp_path), dict.fromkeys(bad_ids, undecodable),
-                                    num_files=1, per_file=40)
-    inp = make_input(pattern, is_training=True, global_batch_size=2, shuffle_buffer_size=1,
-                     deterministic=True, skip_corrupt=True)
+    pattern, _ = write_records_with(
+        str(tmp_path), dict.fromkeys(bad_ids, undecodable), num_files=1, per_file=40
+    )
+    inp = make_input(
+        pattern,
+        is_training=True,
+        global_batch_size=2,
+        shuffle_buffer_size=1,
+        deterministic=True,
+        skip_corrupt=True,
+    )
     stream = [i % 40 for i in range(400)]
     good_positions = [n for n, i in enumerate(stream) if i not in bad_ids]
     iterator = iter(inp.dataset())
@@ -564,16 +641,23 @@ def test_label_map_sets_offset_and_num_classes(tmp_path):
     assert inp.label_map.counts == {"train": 10}
     ids, labels, _ = collect(inp.dataset())
     assert labels == [expected[i] for i in ids]
-    make_input(pattern, is_training=False, global_batch_size=10, label_offset=0, num_classes=NUM_CLASSES)
-    with pytest.raises(ValueError, match=r"label_offset=1 disagrees with the label map .*labels\.json.*"
-                                         r"label_offset=0"):
+    make_input(
+        pattern, is_training=False, global_batch_size=10, label_offset=0, num_classes=NUM_CLASSES
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"label_offset=1 disagrees with the label map .*labels\.json.*"
+        r"label_offset=0",
+    ):
         make_input(pattern, is_training=False, global_batch_size=10, label_offset=1)
     with pytest.raises(ValueError, match="num_classes=4 disagrees"):
         make_input(pattern, is_training=False, global_batch_size=10, num_classes=4)
     # A label map with one class too few: the records of the last class are out of range.
     write_label_map(str(tmp_path), names[:-1], 0)
     inp = make_input(pattern, is_training=False, global_batch_size=10)
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"(?s)train-00000-of-00001.*num_classes=4"):
+    with pytest.raises(
+        tf.errors.InvalidArgumentError, match=r"(?s)train-00000-of-00001.*num_classes=4"
+    ):
         list(inp.dataset())
 
 
@@ -584,11 +668,16 @@ def test_without_label_map_the_offset_defaults_to_one(records):
 
 def test_skip_corrupt_with_data_service_is_refused(records):
     with pytest.raises(ValueError, match="skip_corrupt"):
-        make_input(records[0], is_training=False, global_batch_size=4, skip_corrupt=True,
-                   data_service_address="grpc://localhost:1")
+        make_input(
+            records[0],
+            is_training=False,
+            global_batch_size=4,
+            skip_corrupt=True,
+            data_service_address="grpc://localhost:1",
+        )
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # TFDS and tf.data service
 
 
@@ -597,11 +686,13 @@ def test_tfds_mock_imagenet_uses_our_decode():
     skip = {"image": tfds.decode.SkipDecoding()}
     with tfds.testing.mock_data(num_examples=10):
         raw = list(tfds.load("imagenet2012", split="validation", decoders=skip))
-        inp = ImageNetInput.from_tfds("imagenet2012", "validation", is_training=False, global_batch_size=4,
-                                      image_size=16)
+        inp = ImageNetInput.from_tfds(
+            "imagenet2012", "validation", is_training=False, global_batch_size=4, image_size=16
+        )
         batches = list(inp.dataset())
-        train = ImageNetInput.from_tfds("imagenet2012", "train", is_training=True, global_batch_size=4,
-                                        image_size=16)
+        train = ImageNetInput.from_tfds(
+            "imagenet2012", "train", is_training=True, global_batch_size=4, image_size=16
+        )
         train_images, train_labels = next(iter(train.dataset()))
     labels = np.concatenate([labels.numpy() for _, labels in batches])
     images = np.concatenate([images.numpy() for images, _ in batches])
@@ -625,7 +716,9 @@ def test_tfds_pipelines_read_even_splits(monkeypatch):
 
     monkeypatch.setattr(tfds.core.DatasetBuilder, "as_dataset", spy)
     with tfds.testing.mock_data(num_examples=4):
-        inp = ImageNetInput.from_tfds("imagenet2012", "validation", is_training=False, global_batch_size=4)
+        inp = ImageNetInput.from_tfds(
+            "imagenet2012", "validation", is_training=False, global_batch_size=4
+        )
         for index in range(2):
             inp.dataset(context(index, 2))
     assert requested == [str(s) for s in tfds.even_splits("validation", n=2)]
@@ -636,29 +729,39 @@ def data_service():
     service = tf.data.experimental.service
     dispatcher = service.DispatchServer(service.DispatcherConfig(port=0))
     address = dispatcher.target.split("://")[1]
-    workers = [service.WorkerServer(service.WorkerConfig(dispatcher_address=address, port=0)) for _ in range(2)]
+    workers = [
+        service.WorkerServer(service.WorkerConfig(dispatcher_address=address, port=0))
+        for _ in range(2)
+    ]
     yield dispatcher.target
     del workers, dispatcher
 
 
 def test_data_service_eval_gives_each_example_once(records, data_service):
     pattern, expected = records
-    inp = make_input(pattern, is_training=False, global_batch_size=8, data_service_address=data_service)
+    inp = make_input(
+        pattern, is_training=False, global_batch_size=8, data_service_address=data_service
+    )
     ids, labels, _ = collect(inp.dataset())
     assert sorted(ids) == sorted(expected)
 
 
 def test_data_service_train(records, data_service):
     pattern, expected = records
-    inp = make_input(pattern, is_training=True, global_batch_size=8, shuffle_buffer_size=16,
-                     data_service_address=data_service)
-    # Two workers take file splits from the dispatcher as they go, so one pass over the 60 examples is not
-    # 60 consecutive draws: 20 batches (2.7 passes) missed an example about one run in seven.
+    inp = make_input(
+        pattern,
+        is_training=True,
+        global_batch_size=8,
+        shuffle_buffer_size=16,
+        data_service_address=data_service,
+    )
+    # Two workers take file splits from the dispatcher as they go, so one pass over the 60 examples
+    # is not 60 consecutive draws: 20 batches (2.7 passes) missed an example about one run in seven.
     ids, _, sizes = collect(inp.dataset(), num_batches=60)
     assert set(sizes) == {8} and set(ids) == set(expected)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The synthetic dataset
 
 
@@ -670,8 +773,13 @@ def test_synthetic_imagenet_is_deterministic_and_learnable(tmp_path):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
 
     def features_and_labels(pattern, is_training):
-        inp = ImageNetInput(pattern, is_training=is_training, global_batch_size=40, image_size=16,
-                            deterministic=True)
+        inp = ImageNetInput(
+            pattern,
+            is_training=is_training,
+            global_batch_size=40,
+            image_size=16,
+            deterministic=True,
+        )
         images, labels = next(iter(inp.dataset()))
         return images.numpy().mean(axis=(1, 2)), labels.numpy()
 
@@ -685,12 +793,15 @@ def test_synthetic_imagenet_is_deterministic_and_learnable(tmp_path):
 
 @pytest.mark.parametrize("cache", [False, True])
 def test_deterministic_stream_replays_from_every_new_iterator(records, cache):
-    """A resumed run skips to where it stopped: every iterator must see the stream an earlier one saw."""
+    """A resumed run skips to where it stopped: every iterator must see the stream an earlier one
+    saw."""
     pattern, _ = records
-    inp = make_input(pattern, is_training=True, global_batch_size=5, cache=cache, deterministic=True, seed=7)
+    inp = make_input(
+        pattern, is_training=True, global_batch_size=5, cache=cache, deterministic=True, seed=7
+    )
     dataset = inp.dataset()
     first = collect(dataset, num_batches=30)[0]
     second = collect(dataset, num_batches=30)[0]
     assert first == second
     epoch = len(set(first))
-    assert first[:epoch] != first[epoch:2 * epoch]  # epochs still come in new orders
+    assert first[:epoch] != first[epoch : 2 * epoch]  # epochs still come in new orders

@@ -1,4 +1,5 @@
-"""Tests for `tpu_scale.data.image_ops`' scaled decode, on real photographs shipped with scikit-learn."""
+"""Tests for `tpu_scale.data.image_ops`' scaled decode, on real photographs shipped with
+scikit-learn."""
 
 import numpy as np
 import pytest

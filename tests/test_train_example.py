@@ -84,13 +84,17 @@ def test_bad_flags_fail_at_start(overrides, message):
 def test_evaluation_passes_see_every_example_once(strategy, tmp_path):
     from tpu_scale import data
 
-    made = data.make_synthetic_imagenet(str(tmp_path), num_classes=10, train_examples=80,
-                                        eval_examples=179, image_shape=(16, 16))
-    eval_input = data.ImageNetInput(made["validation"], is_training=False, global_batch_size=128,
-                                    image_size=16)
+    made = data.make_synthetic_imagenet(
+        str(tmp_path), num_classes=10, train_examples=80, eval_examples=179, image_shape=(16, 16)
+    )
+    eval_input = data.ImageNetInput(
+        made["validation"], is_training=False, global_batch_size=128, image_size=16
+    )
     steps = train_imagenet.eval_steps(179, 128, 8, 1)
     assert steps == 2
-    dataset = strategy.distribute_datasets_from_function(train_imagenet.eval_dataset_fn(eval_input, steps))
+    dataset = strategy.distribute_datasets_from_function(
+        train_imagenet.eval_dataset_fn(eval_input, steps)
+    )
     iterator = iter(dataset)
     expected = sorted(int(y) for _, y in eval_input.dataset().unbatch())
     for _ in range(3):  # three evaluations from one iterator, as Keras's fit runs them

@@ -1,9 +1,9 @@
 """Tests of the writer (`tpu_scale.data.write_tfrecords`) on real images.
 
-The images are scikit-learn's digits (1797 greyscale 8x8 scans of handwritten digits, 10 classes, shipped
-inside the package), upscaled to 32x32 and saved as JPEG and PNG files in one folder per class, with the
-kinds of bad files a photo folder collects beside them. Each file is named after its index in the digits
-arrays, so every stored record can be traced back to its source image and class.
+The images are scikit-learn's digits (1797 greyscale 8x8 scans of handwritten digits, 10 classes,
+shipped inside the package), upscaled to 32x32 and saved as JPEG and PNG files in one folder per
+class, with the kinds of bad files a photo folder collects beside them. Each file is named after its
+index in the digits arrays, so every stored record can be traced back to its source image and class.
 """
 
 import io
@@ -16,12 +16,10 @@ import sys
 import numpy as np
 import pytest
 import tensorflow as tf
+from PIL import Image  # noqa: E402  (pillow is a test requirement)
 
 from tpu_scale.data import ImageNetInput, write_tfrecords
 from tpu_scale.data.schema import read_label_map
-
-PIL = pytest.importorskip("PIL")
-from PIL import Image
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 write_module = sys.modules["tpu_scale.data.write_tfrecords"]
@@ -89,12 +87,14 @@ def read_records(pattern):
     rows = []
     for record in tf.data.TFRecordDataset(files):
         features = tf.io.parse_single_example(record, spec)
-        rows.append((
-            features["image/filename"].numpy().decode(),
-            int(features["image/class/label"]),
-            features["image/class/synset"].numpy().decode(),
-            features["image/encoded"].numpy(),
-        ))
+        rows.append(
+            (
+                features["image/filename"].numpy().decode(),
+                int(features["image/class/label"]),
+                features["image/class/synset"].numpy().decode(),
+                features["image/encoded"].numpy(),
+            )
+        )
     return rows
 
 
@@ -165,7 +165,8 @@ def test_label_map_and_labels_txt(converted):
     assert label_map.counts == summary.split_counts
     assert sum(label_map.class_counts["train"]) == summary.split_counts["train"]
     assert [a + b for a, b in zip(*label_map.class_counts.values())] == np.bincount(
-        list(sources.values())).tolist()
+        list(sources.values())
+    ).tolist()
     with open(os.path.join(output_dir, "labels.json")) as f:
         content = json.load(f)
     assert content["classes"][3] == {"id": 3, "name": "3", "stored_label": 4}
@@ -199,8 +200,9 @@ def test_no_empty_shards(converted, tmp_path):
     image_dir = tmp_path / "few"
     write_digit_folders(str(image_dir), indices=[0, 1, 2, 3], bad_files=False)
     (image_dir / "0" / "broken.jpg").write_bytes(b"\xff\xd8\xff broken")
-    summary = write_tfrecords(str(image_dir), str(tmp_path / "out"), num_shards=16,
-                              validation_fraction=0)
+    summary = write_tfrecords(
+        str(image_dir), str(tmp_path / "out"), num_shards=16, validation_fraction=0
+    )
     names = sorted(os.listdir(tmp_path / "out"))
     assert names == ["labels.json", "labels.txt"] + [f"train-0000{i}-of-00004" for i in range(4)]
     assert record_counts(summary.paths) == [1, 1, 1, 1]
@@ -270,7 +272,9 @@ def test_rerun_is_refused_unless_overwrite(tmp_path):
     summary = write_tfrecords(str(image_dir), str(output_dir), num_shards=2, overwrite=True)
     assert summary.replaced_existing
     assert sorted(name for name in os.listdir(output_dir) if name.startswith("train")) == [
-        "train-00000-of-00002", "train-00001-of-00002"]
+        "train-00000-of-00002",
+        "train-00001-of-00002",
+    ]
     assert leftovers(tmp_path) == []
     other = tmp_path / "other"
     other.mkdir()
@@ -282,21 +286,30 @@ def test_rerun_is_refused_unless_overwrite(tmp_path):
 
 def test_validation_dir_and_no_validation(tmp_path):
     write_digit_folders(str(tmp_path / "train"), indices=range(60), bad_files=False)
-    validation_sources = write_digit_folders(str(tmp_path / "val"), indices=range(60, 80),
-                                             bad_files=False)
-    summary = write_tfrecords(str(tmp_path / "train"), str(tmp_path / "out"),
-                              validation_dir=str(tmp_path / "val"))
+    validation_sources = write_digit_folders(
+        str(tmp_path / "val"), indices=range(60, 80), bad_files=False
+    )
+    summary = write_tfrecords(
+        str(tmp_path / "train"), str(tmp_path / "out"), validation_dir=str(tmp_path / "val")
+    )
     assert summary.split_counts == {"train": 60, "validation": 20}
     rows = read_records(str(tmp_path / "out" / "validation-*"))
     assert {name: label - 1 for name, label, _, _ in rows} == validation_sources
     with pytest.raises(ValueError, match="not both"):
-        write_tfrecords(str(tmp_path / "train"), str(tmp_path / "x"), validation_fraction=0.2,
-                        validation_dir=str(tmp_path / "val"))
+        write_tfrecords(
+            str(tmp_path / "train"),
+            str(tmp_path / "x"),
+            validation_fraction=0.2,
+            validation_dir=str(tmp_path / "val"),
+        )
     (tmp_path / "val" / "cat").mkdir()
-    (tmp_path / "val" / "cat" / "c.jpg").write_bytes(_encoded(_digit_image(_digits()[0][0]), "JPEG"))
+    (tmp_path / "val" / "cat" / "c.jpg").write_bytes(
+        _encoded(_digit_image(_digits()[0][0]), "JPEG")
+    )
     with pytest.raises(ValueError, match="no training images.*cat"):
-        write_tfrecords(str(tmp_path / "train"), str(tmp_path / "y"),
-                        validation_dir=str(tmp_path / "val"))
+        write_tfrecords(
+            str(tmp_path / "train"), str(tmp_path / "y"), validation_dir=str(tmp_path / "val")
+        )
 
     summary = write_tfrecords(str(tmp_path / "train"), str(tmp_path / "all"), validation_fraction=0)
     assert list(summary.split_counts) == ["train"] and summary.split_counts["train"] == 60
@@ -305,15 +318,23 @@ def test_validation_dir_and_no_validation(tmp_path):
 
 def test_reader_takes_offset_and_class_count_from_the_label_map(converted):
     _, output_dir, sources = converted
-    inp = ImageNetInput(os.path.join(output_dir, "validation-*"), is_training=False,
-                        global_batch_size=64, image_size=16)
+    inp = ImageNetInput(
+        os.path.join(output_dir, "validation-*"),
+        is_training=False,
+        global_batch_size=64,
+        image_size=16,
+    )
     assert inp.label_offset == 1 and inp.num_classes == 10
     labels = np.concatenate([labels.numpy() for _, labels in inp.dataset()])
     validation = read_records(os.path.join(output_dir, "validation-*"))
     assert sorted(labels.tolist()) == sorted(sources[name] for name, _, _, _ in validation)
     with pytest.raises(ValueError, match=r"label_offset=0.*labels\.json.*label_offset=1"):
-        ImageNetInput(os.path.join(output_dir, "train-*"), is_training=True, global_batch_size=8,
-                      label_offset=0)
+        ImageNetInput(
+            os.path.join(output_dir, "train-*"),
+            is_training=True,
+            global_batch_size=8,
+            label_offset=0,
+        )
 
 
 def test_package_exports_the_function():
@@ -324,11 +345,18 @@ def test_command_line(tmp_path):
     image_dir = tmp_path / "images"
     write_digit_folders(str(image_dir), indices=range(40))
     env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3")
-    command = [sys.executable, "-m", "tpu_scale.data.write_tfrecords", "--image_dir", str(image_dir)]
+    command = [
+        sys.executable,
+        "-m",
+        "tpu_scale.data.write_tfrecords",
+        "--image_dir",
+        str(image_dir),
+    ]
 
     def run(*args):
-        return subprocess.run(command + list(args), env=env, capture_output=True, text=True,
-                              timeout=300, check=False)
+        return subprocess.run(
+            command + list(args), env=env, capture_output=True, text=True, timeout=300, check=False
+        )
 
     done = run("--output_dir", str(tmp_path / "out"))
     assert done.returncode == 0, done.stderr

@@ -2,10 +2,10 @@
 
   ImageNetInput            the train / eval pipeline (`.dataset(input_context)`, `.from_tfds`)
   SyntheticImageNetInput   random batches with no I/O (the input-free bound of a step)
-  write_tfrecords          a folder of class sub-folders of images -> train/validation TFRecords + labels.json
-  read_label_map           the label map (`labels.json`) next to the shards: classes, label offset, counts
-  make_synthetic_imagenet  a small, learnable dataset of real JPEGs in that layout (examples and tests)
-  image_ops                fused decode-and-crop, center crop, normalization
+  write_tfrecords          class folders of images -> train/validation TFRecords + labels.json
+  read_label_map           the label map next to the shards: classes, label offset, counts
+  make_synthetic_imagenet  a small, learnable dataset of real JPEGs in that layout
+  image_ops                fused decode-and-crop, scaled decode, center crop, normalization
 """
 
 import importlib
@@ -17,9 +17,9 @@ from tpu_scale.data.synthetic import SyntheticImageNetInput, make_synthetic_imag
 
 
 def __getattr__(name):
-    # `write_tfrecords` is both a function and the module `python -m tpu_scale.data.write_tfrecords` runs.
-    # Importing the module lazily keeps `-m` from finding it already imported; the public name stays the
-    # function (importing a submodule would otherwise bind the module to it).
+    # `write_tfrecords` is both a function and the module `python -m tpu_scale.data.write_tfrecords`
+    # runs. Importing the module lazily keeps `-m` from finding it already imported; the public name
+    # stays the function (importing a submodule would otherwise bind the module to it).
     if name in ("write_tfrecords", "TFRecordSummary"):
         module = importlib.import_module("tpu_scale.data.write_tfrecords")
         globals()["write_tfrecords"] = module.write_tfrecords

@@ -1,11 +1,11 @@
 """Image operations of the input builder: fused JPEG decode-and-crop, center crop, normalization.
 
-The training crop reads only the JPEG header to learn the image shape, samples the crop window from that
-shape, and then decodes only the window (`tf.image.decode_and_crop_jpeg`): the pixels outside the window are
-never produced, which is what makes the host CPU fast enough to feed the accelerator.
+The training crop reads only the JPEG header to learn the image shape, samples the crop window from
+that shape, and then decodes only the window (`tf.image.decode_and_crop_jpeg`): the pixels outside
+the window are never produced, which is what makes the host CPU fast enough to feed the accelerator.
 
-All randomness is stateless and driven by an explicit `seed` (a `[2]` int tensor), so a pipeline can be made
-reproducible by seeding its per-example seeds, and never depends on op-level random state.
+All randomness is stateless and driven by an explicit `seed` (a `[2]` int tensor), so a pipeline can
+be made reproducible by seeding its per-example seeds, and never depends on op-level random state.
 """
 
 import functools
@@ -26,12 +26,14 @@ AREA_RANGE = (0.08, 1.0)
 ASPECT_RATIO_RANGE = (3.0 / 4.0, 4.0 / 3.0)
 MAX_ATTEMPTS = 10
 
-# How far from the end of a record the JPEG end-of-image marker may sit (some encoders append padding).
+# How far from the end of a record the JPEG end-of-image marker may sit (some encoders append
+# padding).
 _EOI_SEARCH_BYTES = 1024
 
 
 def center_crop_window(image_height, image_width, image_size):
-    """The reference evaluation crop: a centered square of `image_size / (image_size + 32)` of the short side.
+    """The reference evaluation crop: a centered square of `image_size / (image_size + 32)` of the
+    short side.
 
     Args:
       image_height: int32 scalar tensor, the full image height.
@@ -62,11 +64,12 @@ def sample_crop_window(
 ):
     """Samples an Inception-style random crop window from an image shape alone.
 
-    Each attempt draws an area fraction uniformly from `area_range` and an aspect ratio (width / height)
-    log-uniformly from `aspect_ratio_range`; the first attempt whose box fits inside the image wins, and its
-    position is uniform over the valid offsets. All attempts are drawn at once (they cost a few scalars), so
-    there is no data-dependent loop. When no attempt fits (very elongated images), the window falls back to
-    the evaluation center crop, as in the reference recipe.
+    Each attempt draws an area fraction uniformly from `area_range` and an aspect ratio (width /
+    height) log-uniformly from `aspect_ratio_range`; the first attempt whose box fits inside the
+    image wins, and its position is uniform over the valid offsets. All attempts are drawn at once
+    (they cost a few scalars), so there is no data-dependent loop. When no attempt fits (very
+    elongated images), the window falls back to the evaluation center crop, as in the reference
+    recipe.
 
     Args:
       image_height: int32 scalar tensor, the full image height.
@@ -82,20 +85,34 @@ def sample_crop_window(
     """
     draws = tf.random.stateless_uniform([_draws_per_window(max_attempts)], seed)
     return _crop_window_from_draws(
-        image_height, image_width, draws, area_range, aspect_ratio_range, max_attempts, fallback_image_size)
+        image_height,
+        image_width,
+        draws,
+        area_range,
+        aspect_ratio_range,
+        max_attempts,
+        fallback_image_size,
+    )
 
 
 def _draws_per_window(max_attempts):
     return 2 * max_attempts + 2  # an area and an aspect ratio per attempt, then the two offsets
 
 
-def _crop_window_from_draws(image_height, image_width, draws, area_range, aspect_ratio_range, max_attempts,
-                            fallback_image_size):
-    # Every random number of the window comes from one uniform draw: this runs once per image, and each
-    # separate random op (seed split, key, draw, scaling) costs the map a few microseconds.
+def _crop_window_from_draws(
+    image_height,
+    image_width,
+    draws,
+    area_range,
+    aspect_ratio_range,
+    max_attempts,
+    fallback_image_size,
+):
+    # Every random number of the window comes from one uniform draw: this runs once per image, and
+    # each separate random op (seed split, key, draw, scaling) costs the map a few microseconds.
     height = tf.cast(image_height, tf.float32)
     width = tf.cast(image_width, tf.float32)
-    area_draws, ratio_draws = draws[:max_attempts], draws[max_attempts:2 * max_attempts]
+    area_draws, ratio_draws = draws[:max_attempts], draws[max_attempts : 2 * max_attempts]
     target_area = height * width * (area_range[0] + (area_range[1] - area_range[0]) * area_draws)
     log_low, log_high = math.log(aspect_ratio_range[0]), math.log(aspect_ratio_range[1])
     aspect_ratio = tf.exp(log_low + (log_high - log_low) * ratio_draws)
@@ -114,10 +131,13 @@ def _crop_window_from_draws(image_height, image_width, draws, area_range, aspect
     # Choosing the size before the offsets keeps the offset ranges non-empty when nothing fits.
     crop_height = tf.where(any_fits, crop_heights[first_fit], fallback[2])
     crop_width = tf.where(any_fits, crop_widths[first_fit], fallback[3])
-    # Uniform over [0, image - crop]; the minimum guards the (measure-zero) draw of 1.0 after rounding.
+    # Uniform over [0, image - crop]; the minimum guards the (measure-zero) draw of 1.0 after
+    # rounding.
     slack = tf.cast(tf.stack([image_height - crop_height, image_width - crop_width]), tf.float32)
-    offsets = tf.minimum(tf.cast(draws[2 * max_attempts:2 * max_attempts + 2] * (slack + 1.0), tf.int32),
-                         tf.cast(slack, tf.int32))
+    offsets = tf.minimum(
+        tf.cast(draws[2 * max_attempts : 2 * max_attempts + 2] * (slack + 1.0), tf.int32),
+        tf.cast(slack, tf.int32),
+    )
     sampled = tf.stack([offsets[0], offsets[1], crop_height, crop_width])
     return tf.where(any_fits, sampled, fallback)
 
@@ -125,10 +145,11 @@ def _crop_window_from_draws(image_height, image_width, draws, area_range, aspect
 def is_complete_jpeg(image_bytes):
     """Cheap structural check that a record holds a whole JPEG file (it never raises).
 
-    A JPEG starts with the start-of-image marker `FF D8 FF` and ends with the end-of-image marker `FF D9`
-    (allowing up to 1 KiB of trailing padding). This catches the common bad records (other formats, empty
-    or truncated files) before the decoder sees them, so the pipeline can name the record or skip it. A file
-    that passes but has corrupt compressed data can still fail inside the decoder.
+    A JPEG starts with the start-of-image marker `FF D8 FF` and ends with the end-of-image marker
+    `FF D9` (allowing up to 1 KiB of trailing padding). This catches the common bad records (other
+    formats, empty or truncated files) before the decoder sees them, so the pipeline can name the
+    record or skip it. A file that passes but has corrupt compressed data can still fail inside the
+    decoder.
 
     Args:
       image_bytes: string scalar tensor, the encoded image.
@@ -151,11 +172,12 @@ DECODE_RATIOS = (1, 2, 4, 8)
 
 
 def scaled_decode_ratio(crop_height, crop_width, image_size):
-    """The largest libjpeg downscaling ratio (1, 2, 4 or 8) for a crop that is resized to `image_size`.
+    """The largest libjpeg downscaling ratio (1, 2, 4 or 8) for a crop that is resized to
+    `image_size`.
 
-    A crop at least `r` times the output size in both dimensions can be decoded at ratio `r` (libjpeg
-    then computes each output pixel from an `r x r` block in the DCT domain, at a fraction of the
-    work) and still be resized down, never up.
+    A crop at least `r` times the output size in both dimensions can be decoded at ratio `r`
+    (libjpeg then computes each output pixel from an `r x r` block in the DCT domain, at a fraction
+    of the work) and still be resized down, never up.
 
     Args:
       crop_height: int32 scalar tensor, the crop window's height in full-size pixels.
@@ -207,9 +229,11 @@ def decode_window(image_bytes, window, image_size=None):
     return tf.switch_case(index, [at(r) for r in DECODE_RATIOS])
 
 
-def decode_and_random_crop(image_bytes, image_size, seed, *, resize_method="bilinear",
-                           scaled_decode=False):
-    """Fused training decode: random Inception box from the header, decode only that window, resize, flip.
+def decode_and_random_crop(
+    image_bytes, image_size, seed, *, resize_method="bilinear", scaled_decode=False
+):
+    """Fused training decode: random Inception box from the header, decode only that window, resize,
+    flip.
 
     Args:
       image_bytes: string scalar tensor, a JPEG file.
@@ -222,19 +246,28 @@ def decode_and_random_crop(image_bytes, image_size, seed, *, resize_method="bili
     Returns:
       A float32 `[image_size, image_size, 3]` tensor on the 0-255 scale.
     """
-    # One draw for the window and the flip: its first values are those `sample_crop_window(..., seed)`
-    # draws (counter-based generator), the last one decides the flip.
+    # One draw for the window and the flip: its first values are those `sample_crop_window(...,
+    # seed)` draws (counter-based generator), the last one decides the flip.
     window_draws = _draws_per_window(MAX_ATTEMPTS)
     draws = tf.random.stateless_uniform([window_draws + 1], seed)
     shape = tf.image.extract_jpeg_shape(image_bytes)
-    window = _crop_window_from_draws(shape[0], shape[1], draws[:window_draws], AREA_RANGE, ASPECT_RATIO_RANGE,
-                                     MAX_ATTEMPTS, image_size)
+    window = _crop_window_from_draws(
+        shape[0],
+        shape[1],
+        draws[:window_draws],
+        AREA_RANGE,
+        ASPECT_RATIO_RANGE,
+        MAX_ATTEMPTS,
+        image_size,
+    )
     image = decode_window(image_bytes, window, image_size if scaled_decode else None)
     image = tf.image.resize(image, [image_size, image_size], method=resize_method)
     return tf.cond(draws[window_draws] < 0.5, lambda: tf.reverse(image, [1]), lambda: image)
 
 
-def decode_and_center_crop(image_bytes, image_size, *, resize_method="bilinear", scaled_decode=False):
+def decode_and_center_crop(
+    image_bytes, image_size, *, resize_method="bilinear", scaled_decode=False
+):
     """Evaluation decode: the reference center crop, decoded as a window, then resized.
 
     Args:
@@ -255,9 +288,10 @@ def decode_and_center_crop(image_bytes, image_size, *, resize_method="bilinear",
 def normalize_image(image, dtype=tf.float32):
     """Subtracts the ImageNet mean and divides by the standard deviation, per channel.
 
-    Computed as one multiply and one add, `image * (1 / std) + (-mean / std)`. When the image shape is
-    static, both factors are full-size constants: broadcasting a 3-vector over the channel axis is about
-    ten times slower on CPU than an element-wise operation of the same size, and this runs once per image.
+    Computed as one multiply and one add, `image * (1 / std) + (-mean / std)`. When the image shape
+    is static, both factors are full-size constants: broadcasting a 3-vector over the channel axis
+    is about ten times slower on CPU than an element-wise operation of the same size, and this runs
+    once per image.
 
     Args:
       image: float tensor `[..., 3]` on the 0-255 scale.
@@ -267,15 +301,18 @@ def normalize_image(image, dtype=tf.float32):
       The normalized tensor in `dtype`.
     """
     image = tf.cast(image, tf.float32)
-    scale, offset = _normalization_factors(tuple(image.shape) if image.shape.is_fully_defined() else (3,))
+    scale, offset = _normalization_factors(
+        tuple(image.shape) if image.shape.is_fully_defined() else (3,)
+    )
     return tf.cast(image * scale + offset, dtype)
 
 
 def to_uint8(image):
     """Rounds float pixels on the 0-255 scale to uint8, saturating (resizing can overshoot 0-255).
 
-    The raw-pixel output of the pipeline: normalizing it later (`tpu_scale.layers.ImageNormalization`)
-    equals `normalize_image` of the float pixels within half a grey level.
+    The raw-pixel output of the pipeline: normalizing it later
+    (`tpu_scale.layers.ImageNormalization`) equals `normalize_image` of the float pixels within half
+    a grey level.
     """
     return tf.saturate_cast(tf.round(image), tf.uint8)
 

@@ -1,4 +1,5 @@
-"""The record schema shared by the writer and the reader: feature keys, `make_example`, the label map.
+"""The record schema shared by the writer and the reader: feature keys, `make_example`, the label
+map.
 
 A record is one `tf.train.Example` in the classic ImageNet TFRecord layout: the JPEG bytes under
 `IMAGE_KEY`, the integer class label under `LABEL_KEY`, and the class name, file name and image size
@@ -16,10 +17,10 @@ The label map, `labels.json` next to the shards, says what the stored labels mea
       "examples_per_class": {"train": [180, 180, 180], "validation": [20, 20, 20]}
     }
 
-A class's id is its index in `classes` (the label a model sees, 0-based); the record stores
-`id + label_offset`. `ImageNetInput` reads the map to learn `label_offset` and `num_classes`, so the
-reader cannot be configured with an offset the writer did not use. `labels.txt` (one class name a line,
-in id order) is written beside it for tools that expect the classic file.
+A class's id is its index in `classes` (the label a model sees, 0-based); the record stores `id +
+label_offset`. `ImageNetInput` reads the map to learn `label_offset` and `num_classes`, so the
+reader cannot be configured with an offset the writer did not use. `labels.txt` (one class name a
+line, in id order) is written beside it for tools that expect the classic file.
 """
 
 import dataclasses
@@ -77,10 +78,10 @@ def make_example(jpeg_bytes, label, *, height, width, synset="", filename=""):
 def is_serialized_example(serialized):
     """Cheap structural check that a record is a serialized `tf.train.Example` (it never raises).
 
-    A serialized Example is empty, or one length-delimited field 1 (`features`): the byte `0x0A`, the
-    length as a varint, then exactly that many bytes. This catches the common bad records (other file
-    formats, text, truncated records) before the parser sees them, so the pipeline can name the record or
-    skip it; the parser can still fail on a record whose nested features are corrupt.
+    A serialized Example is empty, or one length-delimited field 1 (`features`): the byte `0x0A`,
+    the length as a varint, then exactly that many bytes. This catches the common bad records (other
+    file formats, text, truncated records) before the parser sees them, so the pipeline can name the
+    record or skip it; the parser can still fail on a record whose nested features are corrupt.
 
     Args:
       serialized: string scalar tensor, one record.
@@ -211,15 +212,15 @@ def read_label_map(
     """Reads the `labels.json` next to a folder of shards, if there is one.
 
     Args:
-      data_dir_or_pattern: the folder of the shards, a file in it, a glob such as `/data/flowers/train-*`,
-        or a list of those.
+      data_dir_or_pattern: the folder of the shards, a file in it, a glob such as
+        `/data/flowers/train-*`, or a list of those.
 
     Returns:
       The `LabelMap`, or None when no `labels.json` is there.
 
     Raises:
-      ValueError: if a `labels.json` is not a valid label map, or the globs of a list lie in folders with
-        different label maps.
+      ValueError: if a `labels.json` is not a valid label map, or the globs of a list lie in folders
+        with different label maps.
     """
     if isinstance(data_dir_or_pattern, (str, bytes, os.PathLike)):
         locations = [data_dir_or_pattern]
@@ -240,7 +241,8 @@ def read_label_map(
         if (other.class_names, other.label_offset) != (maps[0].class_names, maps[0].label_offset):
             raise ValueError(
                 f"The label maps {maps[0].path!r} and {other.path!r} disagree (classes or label "
-                "offset): read files written by one conversion together, or pass each set of files to "
+                "offset): read files written by one conversion together, or pass each set of "
+                "files to "
                 "its own ImageNetInput."
             )
     return maps[0] if maps else None

@@ -1,10 +1,10 @@
 """Where records come from: TFRecord files or a TFDS dataset, sharded per input pipeline.
 
 Each source yields record elements for one pipeline's shard and knows how to `parse` them into
-`(origin, record_index, image_bytes, label, fault)`; `origin` names the file (or TFDS split) so that every
-record-level error can say where the record is, and `fault` is one of the codes below (`OK` for a record
-whose features were read). Parsing never raises on the common bad records: they come out with their fault
-code, and the pipeline fails naming them or skips and counts them.
+`(origin, record_index, image_bytes, label, fault)`; `origin` names the file (or TFDS split) so that
+every record-level error can say where the record is, and `fault` is one of the codes below (`OK`
+for a record whose features were read). Parsing never raises on the common bad records: they come
+out with their fault code, and the pipeline fails naming them or skips and counts them.
 """
 
 import concurrent.futures
@@ -51,12 +51,14 @@ _PROBE_RECORDS = 16
 def shuffle_each_epoch(dataset, buffer_size, seed):
     """Repeats `dataset` forever, shuffled anew in each epoch `e` with the seed `seed + e`.
 
-    Unlike `shuffle(..., reshuffle_each_iteration=True).repeat()`, whose orders depend on how many iterators
-    the dataset already had, every new iterator replays the same stream: a resumed run can skip to the step
-    where it stopped and see what an uninterrupted run would have seen.
+    Unlike `shuffle(..., reshuffle_each_iteration=True).repeat()`, whose orders depend on how many
+    iterators the dataset already had, every new iterator replays the same stream: a resumed run can
+    skip to the step where it stopped and see what an uninterrupted run would have seen.
     """
     return tf.data.Dataset.range(2**62).flat_map(
-        lambda epoch: dataset.shuffle(buffer_size, seed=seed + epoch, reshuffle_each_iteration=False)
+        lambda epoch: dataset.shuffle(
+            buffer_size, seed=seed + epoch, reshuffle_each_iteration=False
+        )
     )
 
 
@@ -69,10 +71,13 @@ class Shard:
 
 
 class TFRecordSource:
-    """TFRecord files of `tf.train.Example`s with JPEG bytes and an int64 label (the classic ImageNet layout)."""
+    """TFRecord files of `tf.train.Example`s with JPEG bytes and an int64 label (the classic
+    ImageNet layout)."""
 
     def __init__(self, file_pattern, image_key, label_key, read_buffer_bytes, cycle_length):
-        self.patterns = [file_pattern] if isinstance(file_pattern, (str, bytes)) else list(file_pattern)
+        self.patterns = (
+            [file_pattern] if isinstance(file_pattern, (str, bytes)) else list(file_pattern)
+        )
         if not self.patterns:
             raise ValueError("file_pattern is empty: give a glob such as '/data/imagenet/train-*'.")
         self.image_key = image_key
@@ -87,7 +92,8 @@ class TFRecordSource:
             files.extend(tf.io.gfile.glob(pattern))
         if not files:
             raise ValueError(
-                f"No files match the pattern {self.description!r}. Check the path, and that the glob "
+                f"No files match the pattern {self.description!r}. Check the path, and that the "
+                "glob "
                 "names the TFRecord shards (for example '/data/imagenet/train-*')."
             )
         return sorted(set(files))
@@ -100,7 +106,9 @@ class TFRecordSource:
         """
         example = None
         try:
-            for index, record in enumerate(tf.data.TFRecordDataset(first_file).take(_PROBE_RECORDS)):
+            for index, record in enumerate(
+                tf.data.TFRecordDataset(first_file).take(_PROBE_RECORDS)
+            ):
                 try:
                     example = tf.train.Example.FromString(record.numpy())
                 except DecodeError:
@@ -109,7 +117,8 @@ class TFRecordSource:
                     break
                 if not skip_corrupt:
                     raise ValueError(
-                        f"Record {index} of {first_file!r} is not a tf.train.Example with features: "
+                        f"Record {index} of {first_file!r} is not a tf.train.Example with "
+                        "features: "
                         "check that the file pattern names TFRecord files of Examples, or pass "
                         "skip_corrupt=True to drop and count such records."
                     )
@@ -127,40 +136,44 @@ class TFRecordSource:
         if problems:
             kinds = ", ".join(f"{k!r} ({v.WhichOneof('kind')})" for k, v in sorted(found.items()))
             raise ValueError(
-                f"The records of {first_file!r} lack {' and '.join(problems)}. Keys found: {kinds}. "
+                f"The records of {first_file!r} lack {' and '.join(problems)}. Keys found: "
+                f"{kinds}. "
                 "Pass image_key=... and label_key=... naming the JPEG bytes and the integer label."
             )
 
     def records(self, shard, *, repeat, shuffle_files, deterministic, seed, skip_corrupt=False):
-        """A dataset of `(origin, record_index, serialized_example, file_fault)` for this shard, plus
-        whether the shard still has to be cut at record level."""
+        """A dataset of `(origin, record_index, serialized_example, file_fault)` for this shard,
+        plus whether the shard still has to be cut at record level."""
         files = self.list_files()
         with tf.init_scope():
             self.check_features(files[0], skip_corrupt)
         record_level = len(files) < shard.count
         if record_level:
             warnings.warn(
-                f"{len(files)} file(s) match {self.description!r} but there are {shard.count} input "
+                f"{len(files)} file(s) match {self.description!r} but there are {shard.count} "
+                "input "
                 "pipelines: every pipeline reads every file and keeps 1 record in "
                 f"{shard.count}. Write at least as many shards as pipelines to read less.",
                 stacklevel=3,
             )
         else:
-            # Strided, deterministic assignment: pipeline i reads files i, i+n, i+2n, ... (balanced shards).
+            # Strided, deterministic assignment: pipeline i reads files i, i+n, i+2n, ... (balanced
+            # shards).
             files = files[shard.index :: shard.count]
         # The sizes let each file's reader tell a complete file from one that stops early.
         with concurrent.futures.ThreadPoolExecutor(16) as pool:
             sizes = list(pool.map(lambda path: tf.io.gfile.stat(path).length, files))
         dataset = tf.data.Dataset.from_tensor_slices((files, tf.constant(sizes, tf.int64)))
-        # Record-level sharding needs every pipeline to see the same record order, so nothing is shuffled
-        # before the cut.
+        # Record-level sharding needs every pipeline to see the same record order, so nothing is
+        # shuffled before the cut.
         if shuffle_files and not record_level and deterministic and repeat:
             dataset = shuffle_each_epoch(dataset, len(files), seed)
             repeat = False
         elif shuffle_files and not record_level:
             dataset = dataset.shuffle(len(files), seed=seed, reshuffle_each_iteration=True)
         if repeat:
-            # Repeating the file list (not the records) lets the interleave run across epoch boundaries.
+            # Repeating the file list (not the records) lets the interleave run across epoch
+            # boundaries.
             dataset = dataset.repeat()
         dataset = dataset.interleave(
             self._read_file,
@@ -190,13 +203,16 @@ class TFRecordSource:
 
         records = records.scan((tf.constant(0, tf.int64), tf.constant(0, tf.int64)), number)
         return records.filter(
-            lambda origin, index, record, file_fault: file_fault | tf.not_equal(record, _END_OF_FILE)
+            lambda origin, index, record, file_fault: (
+                file_fault | tf.not_equal(record, _END_OF_FILE)
+            )
         )
 
     def parse(self, record):
         origin, index, serialized, file_fault = record
         is_example = is_serialized_example(serialized)
-        # A record that is not an Example is parsed as an empty one, so the parser cannot fail on it.
+        # A record that is not an Example is parsed as an empty one, so the parser cannot fail on
+        # it.
         serialized = tf.cond(is_example, lambda: serialized, lambda: tf.constant(b""))
         features = tf.io.parse_single_example(
             serialized,
@@ -240,7 +256,8 @@ class TFDSSource:
             )
         split = self.split
         if shard.count > 1:
-            # Example-level even split: works for any number of files and reads only this pipeline's part.
+            # Example-level even split: works for any number of files and reads only this pipeline's
+            # part.
             split = tfds.even_splits(split, n=shard.count)[shard.index]
         read_config = tfds.ReadConfig(
             shuffle_seed=seed,

@@ -1,8 +1,9 @@
 """A small, learnable, deterministic ImageNet stand-in: real JPEG files in classic-layout TFRecords.
 
-Each class has its own colour and stripe orientation; every image gets a random stripe phase, a colour
-jitter, noise, and a random size around `image_shape`, so random crops and flips keep the class visible
-and a small CNN learns it in a few epochs. Used by the training example's default run and by the tests.
+Each class has its own colour and stripe orientation; every image gets a random stripe phase, a
+colour jitter, noise, and a random size around `image_shape`, so random crops and flips keep the
+class visible and a small CNN learns it in a few epochs. Used by the training example's default run
+and by the tests.
 """
 
 import math
@@ -33,7 +34,8 @@ def _render(rng, style, height, width):
     colour, angle, frequency = style
     y, x = np.meshgrid(np.linspace(0, 1, height), np.linspace(0, 1, width), indexing="ij")
     phase = rng.uniform(0, 2 * math.pi)
-    # The stripes keep their orientation under horizontal flips only up to a sign; the colour disambiguates.
+    # The stripes keep their orientation under horizontal flips only up to a sign; the colour
+    # disambiguates.
     stripes = np.sin(2 * math.pi * frequency * (x * math.cos(angle) + y * math.sin(angle)) + phase)
     image = colour * (0.75 + 0.25 * stripes[..., None])
     image += rng.uniform(-20, 20, size=3) + rng.normal(0, 8, size=(height, width, 3))
@@ -43,13 +45,15 @@ def _render(rng, style, height, width):
 def _write_split(path_prefix, num_examples, num_shards, styles, image_shape, rng):
     height, width = image_shape
     writers = [
-        tf.io.TFRecordWriter(f"{path_prefix}-{index:05d}-of-{num_shards:05d}") for index in range(num_shards)
+        tf.io.TFRecordWriter(f"{path_prefix}-{index:05d}-of-{num_shards:05d}")
+        for index in range(num_shards)
     ]
     labels = np.arange(num_examples) % len(styles)
     rng.shuffle(labels)
     try:
         for index, label in enumerate(labels):
-            # Up to 25% larger than image_shape, in either direction, so the crops have something to do.
+            # Up to 25% larger than image_shape, in either direction, so the crops have something to
+            # do.
             image_height = int(height * rng.uniform(1.0, 1.25))
             image_width = int(width * rng.uniform(1.0, 1.25))
             image = _render(rng, styles[label], image_height, image_width)
@@ -82,9 +86,9 @@ def make_synthetic_imagenet(
 ):
     """Writes a small learnable dataset of JPEGs as `train-*` and `validation-*` TFRecords.
 
-    Labels are stored 1-based, as in the classic ImageNet files, and a `labels.json` label map says so
-    (`ImageNetInput` and the training example read it). The same arguments always give byte-identical
-    files.
+    Labels are stored 1-based, as in the classic ImageNet files, and a `labels.json` label map says
+    so (`ImageNetInput` and the training example read it). The same arguments always give
+    byte-identical files.
 
     Args:
       output_dir: where to write (created if missing).
@@ -103,10 +107,20 @@ def make_synthetic_imagenet(
     rng = np.random.default_rng(seed)
     styles = _class_styles(num_classes)
     train = _write_split(
-        os.path.join(output_dir, "train"), train_examples, num_train_shards, styles, image_shape, rng
+        os.path.join(output_dir, "train"),
+        train_examples,
+        num_train_shards,
+        styles,
+        image_shape,
+        rng,
     )
     validation = _write_split(
-        os.path.join(output_dir, "validation"), eval_examples, num_eval_shards, styles, image_shape, rng
+        os.path.join(output_dir, "validation"),
+        eval_examples,
+        num_eval_shards,
+        styles,
+        image_shape,
+        rng,
     )
     # The same label map the writer leaves, so readers take classes, offset and counts from it.
     write_label_map(
@@ -119,7 +133,8 @@ def make_synthetic_imagenet(
 
 
 class SyntheticImageNetInput:
-    """Random, already-normalized batches with no I/O: the input-free upper bound of a training step.
+    """Random, already-normalized batches with no I/O: the input-free upper bound of a training
+    step.
 
     Use it to measure the training step without the cost of the input pipeline.
 
@@ -131,14 +146,18 @@ class SyntheticImageNetInput:
       seed: seed of the random batch.
     """
 
-    def __init__(self, global_batch_size, *, image_size=224, num_classes=1000, dtype=tf.float32, seed=0):
+    def __init__(
+        self, global_batch_size, *, image_size=224, num_classes=1000, dtype=tf.float32, seed=0
+    ):
         self.global_batch_size = global_batch_size
         self.image_size = image_size
         self.num_classes = num_classes
         self.dtype = tf.dtypes.as_dtype(dtype)
         self.seed = seed
 
-    def dataset(self, input_context: Optional[tf.distribute.InputContext] = None) -> tf.data.Dataset:
+    def dataset(
+        self, input_context: Optional[tf.distribute.InputContext] = None
+    ) -> tf.data.Dataset:
         """One random batch, repeated forever.
 
         Args:

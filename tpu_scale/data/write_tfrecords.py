@@ -1,22 +1,25 @@
-"""Turns a folder of class sub-folders of images into TFRecord shards in the classic ImageNet layout.
+"""Turns a folder of class sub-folders of images into TFRecord shards in the classic ImageNet
+layout.
 
     python -m tpu_scale.data.write_tfrecords --image_dir photos --output_dir records
 
 `photos/<class name>/<image>` becomes `records/train-00000-of-00008` ... and
-`records/validation-00000-of-00002` ...: a seeded split, stratified by class (`--validation_fraction`,
-10% by default; 0 for none, or `--validation_dir` for a folder that already holds the validation images).
-Each record is one `tf.train.Example`: `image/encoded` (JPEG bytes), `image/class/label` (int64, the
-class id + `label_offset`, so 1-based by default like the ImageNet files), `image/class/synset` (the
-folder name), `image/filename`, `image/height`, `image/width`, `image/format`.
+`records/validation-00000-of-00002` ...: a seeded split, stratified by class
+(`--validation_fraction`, 10% by default; 0 for none, or `--validation_dir` for a folder that
+already holds the validation images). Each record is one `tf.train.Example`: `image/encoded` (JPEG
+bytes), `image/class/label` (int64, the class id + `label_offset`, so 1-based by default like the
+ImageNet files), `image/class/synset` (the folder name), `image/filename`, `image/height`,
+`image/width`, `image/format`.
 
-Beside the shards, `labels.json` (see `tpu_scale.data.schema`) records the class names, their ids, the
-label offset and the counts per split; `ImageNetInput` reads it, so the reader's `label_offset` and
-`num_classes` come from the writer. `labels.txt` lists the class names in id order.
+Beside the shards, `labels.json` (see `tpu_scale.data.schema`) records the class names, their ids,
+the label offset and the counts per split; `ImageNetInput` reads it, so the reader's `label_offset`
+and `num_classes` come from the writer. `labels.txt` lists the class names in id order.
 
 What is checked, so that training never meets a bad image:
-  - Every image is decoded in full before it is stored. JPEGs are stored byte for byte; other formats
-    (PNG, GIF, BMP, WebP) and CMYK JPEGs are re-encoded as RGB JPEGs, because the input pipeline's fused
-    decode reads JPEG only. Undecodable or truncated files are skipped, counted and named in the summary.
+  - Every image is decoded in full before it is stored. JPEGs are stored byte for byte; other
+    formats (PNG, GIF, BMP, WebP) and CMYK JPEGs are re-encoded as RGB JPEGs, because the input
+    pipeline's fused decode reads JPEG only. Undecodable or truncated files are skipped, counted and
+    named in the summary.
   - Files of other types (`.txt`, `.tiff`, ...) are skipped, counted and named.
   - Class folders without images are skipped with a warning and get no id: the ids are those of the
     non-empty classes in sorted folder order, and the summary lists the skipped folders.
@@ -24,11 +27,11 @@ What is checked, so that training never meets a bad image:
   - No shard is empty: a split with fewer images than shards gets fewer shards.
 
 The output appears atomically: the shards and label map are written into a hidden folder next to
-`output_dir` (`.<name>.incomplete-*`) and moved into place at the end, so an aborted conversion leaves
-nothing that looks finished. An `output_dir` that already holds a conversion is refused unless
-`--overwrite` is given, which replaces it as a whole; a non-empty folder holding anything else is always
-refused. (On object stores, which cannot rename folders, the files are moved one by one and `labels.json`
-goes last: a folder without it is unfinished.)
+`output_dir` (`.<name>.incomplete-*`) and moved into place at the end, so an aborted conversion
+leaves nothing that looks finished. An `output_dir` that already holds a conversion is refused
+unless `--overwrite` is given, which replaces it as a whole; a non-empty folder holding anything
+else is always refused. (On object stores, which cannot rename folders, the files are moved one by
+one and `labels.json` goes last: a folder without it is unfinished.)
 """
 
 import argparse
@@ -51,8 +54,8 @@ from tpu_scale.data.schema import LABEL_MAP_FILE, LABELS_TXT_FILE, make_example,
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".gif", ".bmp", ".webp")
 DEFAULT_VALIDATION_FRACTION = 0.1
-# About 110 MB of ImageNet-sized JPEGs per shard; at least `_MIN_SHARDS` files so that several hosts and
-# the reader's parallel interleave have files to share.
+# About 110 MB of ImageNet-sized JPEGs per shard; at least `_MIN_SHARDS` files so that several hosts
+# and the reader's parallel interleave have files to share.
 EXAMPLES_PER_SHARD = 1024
 _MIN_SHARDS = 8
 _REENCODE_QUALITY = 95
@@ -82,7 +85,8 @@ class TFRecordSummary:
       skipped: the skipped files by reason (`UNSUPPORTED_TYPE`, `UNDECODABLE`, `CORRUPT_JPEG`, ...).
       empty_classes: class folders without images, skipped (they get no id).
       label_map_path: the `labels.json` written.
-      replaced_existing: whether an earlier conversion in `output_dir` was replaced (`overwrite=True`).
+      replaced_existing: whether an earlier conversion in `output_dir` was replaced
+        (`overwrite=True`).
     """
 
     output_dir: str
@@ -122,7 +126,8 @@ class TFRecordSummary:
           A multi-line string.
         """
         lines = [
-            f"Wrote {self.num_examples} images of {len(self.class_names)} classes to {self.output_dir}"
+            f"Wrote {self.num_examples} images of {len(self.class_names)} classes to "
+            f"{self.output_dir}"
             + (" (replacing the earlier conversion)." if self.replaced_existing else ".")
         ]
         for split, count in self.split_counts.items():
@@ -136,7 +141,8 @@ class TFRecordSummary:
         lines.append(f"  re-encoded as JPEG: {self.num_reencoded}")
         if self.empty_classes:
             lines.append(
-                f"Skipped {len(self.empty_classes)} class folder(s) without images (they get no id): "
+                f"Skipped {len(self.empty_classes)} class folder(s) without images (they get no "
+                "id): "
                 f"{_names(self.empty_classes, max_names)}"
             )
         if self.skipped:
@@ -161,16 +167,16 @@ class _Skip(Exception):
 def as_rgb_jpeg(image_bytes, path=""):
     """Returns `(jpeg_bytes, height, width, reencoded)`: JPEG bytes the pipeline can decode.
 
-    The image is decoded in full, so a file that is truncated or corrupt anywhere fails here rather than
-    in training.
+    The image is decoded in full, so a file that is truncated or corrupt anywhere fails here rather
+    than in training.
 
     Args:
       image_bytes: the file's bytes (JPEG, PNG, GIF, BMP or WebP).
       path: the file's path, for error messages.
 
     Returns:
-      The JPEG bytes (unchanged for grey or RGB JPEGs), the image height and width, and whether it was
-      re-encoded.
+      The JPEG bytes (unchanged for grey or RGB JPEGs), the image height and width, and whether it
+      was re-encoded.
 
     Raises:
       ValueError: if the bytes are not a decodable image.
@@ -254,7 +260,8 @@ def _validation_count(num_images, fraction):
 def _stratified_split(files_by_class, class_ids, fraction, seed):
     train, validation = [], []
     for class_name, paths in files_by_class.items():
-        # A generator per class: adding or removing a class leaves the split of the others unchanged.
+        # A generator per class: adding or removing a class leaves the split of the others
+        # unchanged.
         order = sorted(paths)
         random.Random(f"{seed}/{class_name}").shuffle(order)
         count = _validation_count(len(order), fraction)
@@ -264,13 +271,14 @@ def _stratified_split(files_by_class, class_ids, fraction, seed):
 
 
 def default_num_shards(num_images: int) -> int:
-    """The shard count used when none is given: about `EXAMPLES_PER_SHARD` images a shard, at least 8
-    shards, and never more shards than images."""
+    """The shard count used when none is given: about `EXAMPLES_PER_SHARD` images a shard, at least
+    8 shards, and never more shards than images."""
     return max(1, min(num_images, max(_MIN_SHARDS, math.ceil(num_images / EXAMPLES_PER_SHARD))))
 
 
 def _write_shard(path, images, class_names, label_offset):
-    """Writes one shard; returns (examples written, re-encoded, per-class counts, skipped by reason)."""
+    """Writes one shard; returns (examples written, re-encoded, per-class counts, skipped by
+    reason)."""
     reencoded, written = 0, 0
     per_class = [0] * len(class_names)
     skipped = {}
@@ -311,7 +319,7 @@ def _looks_like_conversion(names):
 
 
 def _check_output_dir(output_dir, overwrite):
-    """Returns whether `output_dir` holds a conversion to replace; raises if it must not be touched."""
+    """Whether `output_dir` holds a conversion to replace; raises if it must not be touched."""
     if not tf.io.gfile.exists(output_dir):
         return False
     if not tf.io.gfile.isdir(output_dir):
@@ -321,15 +329,19 @@ def _check_output_dir(output_dir, overwrite):
         return False
     if not _looks_like_conversion(names):
         raise ValueError(
-            f"output_dir {output_dir!r} is not empty and holds files other than shards and label maps "
+            f"output_dir {output_dir!r} is not empty and holds files other than shards and label "
+            "maps "
             f"({_names(sorted(names), 5)}): choose a new or empty folder."
         )
     if not overwrite:
         finished = LABEL_MAP_FILE in names
         raise ValueError(
             f"output_dir {output_dir!r} already holds "
-            + ("a finished conversion (labels.json)" if finished else "TFRecord shards without "
-               "labels.json (an older or unfinished conversion)")
+            + (
+                "a finished conversion (labels.json)"
+                if finished
+                else "TFRecord shards without labels.json (an older or unfinished conversion)"
+            )
             + ": pass overwrite=True (--overwrite) to replace it, or choose another output_dir."
         )
     return True
@@ -378,7 +390,9 @@ def _remove(path):
 
 
 def _error_listing(what, by_reason):
-    parts = [f"{reason} ({len(paths)}): {_names(paths)}" for reason, paths in sorted(by_reason.items())]
+    parts = [
+        f"{reason} ({len(paths)}): {_names(paths)}" for reason, paths in sorted(by_reason.items())
+    ]
     return f"{what}: " + "; ".join(parts)
 
 
@@ -399,16 +413,16 @@ def write_tfrecords(
     """Writes the images of `image_dir/<class>/` as `train-*` and `validation-*` TFRecord shards.
 
     The validation images are drawn per class (stratified) with `seed`; within each split the image
-    order is shuffled before sharding, so every shard mixes all classes. See the module docstring for
-    what is checked and how the output appears atomically.
+    order is shuffled before sharding, so every shard mixes all classes. See the module docstring
+    for what is checked and how the output appears atomically.
 
     Args:
       image_dir: a folder with one sub-folder of images per class.
       output_dir: the folder to create with the shards, `labels.json` and `labels.txt`.
-      num_shards: training shards (default: `default_num_shards` of the image count). Use at least as
-        many as input pipelines (hosts) that will read them. Capped at the image count.
-      validation_fraction: the share of each class's images that goes to `validation-*` (default 0.1;
-        0 writes no validation split). Not with `validation_dir`.
+      num_shards: training shards (default: `default_num_shards` of the image count). Use at least
+        as many as input pipelines (hosts) that will read them. Capped at the image count.
+      validation_fraction: the share of each class's images that goes to `validation-*` (default
+        0.1; 0 writes no validation split). Not with `validation_dir`.
       validation_dir: a folder of class sub-folders holding the validation images; every one of its
         classes must be a (non-empty) class of `image_dir`.
       num_validation_shards: validation shards (default: `default_num_shards` of their count).
@@ -425,18 +439,23 @@ def write_tfrecords(
 
     Raises:
       ValueError: if the folders are not class folders, no image is usable, `output_dir` holds
-        something that must not be replaced, or (with `strict=True`) any file or class folder was skipped.
+        something that must not be replaced, or (with `strict=True`) any file or class folder was
+        skipped.
     """
     if validation_dir is not None and validation_fraction:
         raise ValueError(
-            "Pass either validation_fraction (split image_dir) or validation_dir (validation images "
+            "Pass either validation_fraction (split image_dir) or validation_dir (validation "
+            "images "
             "already in their own folder), not both."
         )
     if validation_fraction is None:
         validation_fraction = 0.0 if validation_dir is not None else DEFAULT_VALIDATION_FRACTION
     if not 0.0 <= validation_fraction < 1.0:
         raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction}.")
-    for flag, value in (("num_shards", num_shards), ("num_validation_shards", num_validation_shards)):
+    for flag, value in (
+        ("num_shards", num_shards),
+        ("num_validation_shards", num_validation_shards),
+    ):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be at least 1, got {value}.")
     output_dir = os.fspath(output_dir).rstrip("/") or "/"
@@ -451,7 +470,9 @@ def write_tfrecords(
             f"No images ({', '.join(IMAGE_EXTENSIONS)}) in the class folders of {image_dir!r}"
             + (f"; {_error_listing('skipped', skipped)}" if skipped else ".")
         )
-    train, validation = _stratified_split(listing.files_by_class, class_ids, validation_fraction, seed)
+    train, validation = _stratified_split(
+        listing.files_by_class, class_ids, validation_fraction, seed
+    )
     if validation_dir is not None:
         val_listing = _list_class_folders(validation_dir, "validation_dir")
         unknown = sorted(set(val_listing.files_by_class) - set(class_ids))
@@ -464,7 +485,9 @@ def write_tfrecords(
             validation.extend((path, class_ids[class_name]) for path in paths)
         for reason, paths in val_listing.skipped.items():
             skipped.setdefault(reason, []).extend(paths)
-        empty_classes.extend(os.path.join(validation_dir, name) for name in val_listing.empty_classes)
+        empty_classes.extend(
+            os.path.join(validation_dir, name) for name in val_listing.empty_classes
+        )
     if strict and (skipped or empty_classes):
         problems = dict(skipped)
         if empty_classes:
@@ -520,7 +543,9 @@ def write_tfrecords(
                 + ". Remove or fix them, or run without strict to skip them."
             )
         if not sum(split_counts.values()):
-            raise ValueError(f"No usable image in {image_dir!r}; {_error_listing('skipped', skipped)}.")
+            raise ValueError(
+                f"No usable image in {image_dir!r}; {_error_listing('skipped', skipped)}."
+            )
         split_paths = {}
         for split, paths in written_shards.items():
             split_paths[split] = []
@@ -556,20 +581,39 @@ def main(argv: Sequence[str] | None = None) -> TFRecordSummary:
         prog="python -m tpu_scale.data.write_tfrecords",
         description=__doc__.split("\n\n")[0],
     )
-    parser.add_argument("--image_dir", required=True, help="folder with one sub-folder of images per class")
+    parser.add_argument(
+        "--image_dir", required=True, help="folder with one sub-folder of images per class"
+    )
     parser.add_argument("--output_dir", required=True, help="folder to create with the shards")
     parser.add_argument(
-        "--validation_fraction", type=float, default=None,
-        help=f"share of each class held out as validation-* (default {DEFAULT_VALIDATION_FRACTION}; 0: none)",
+        "--validation_fraction",
+        type=float,
+        default=None,
+        help=f"share of each class held out as validation-* (default "
+        f"{DEFAULT_VALIDATION_FRACTION}; 0: none)",
     )
-    parser.add_argument("--validation_dir", help="folder of class sub-folders with the validation images")
-    parser.add_argument("--num_shards", type=int, help="training shards (default: from the image count)")
-    parser.add_argument("--num_validation_shards", type=int, help="validation shards (default: from the count)")
-    parser.add_argument("--label_offset", type=int, default=1, help="stored label of class 0 (default 1)")
+    parser.add_argument(
+        "--validation_dir", help="folder of class sub-folders with the validation images"
+    )
+    parser.add_argument(
+        "--num_shards", type=int, help="training shards (default: from the image count)"
+    )
+    parser.add_argument(
+        "--num_validation_shards", type=int, help="validation shards (default: from the count)"
+    )
+    parser.add_argument(
+        "--label_offset", type=int, default=1, help="stored label of class 0 (default 1)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the split and the shuffles")
-    parser.add_argument("--strict", action="store_true", help="fail on any file or class folder skipped")
-    parser.add_argument("--overwrite", action="store_true", help="replace a conversion in output_dir")
-    parser.add_argument("--num_threads", type=int, help="shards written at once (default: the CPU count)")
+    parser.add_argument(
+        "--strict", action="store_true", help="fail on any file or class folder skipped"
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace a conversion in output_dir"
+    )
+    parser.add_argument(
+        "--num_threads", type=int, help="shards written at once (default: the CPU count)"
+    )
     args = parser.parse_args(argv)
     try:
         summary = write_tfrecords(
