@@ -198,11 +198,10 @@ def test_recipe_checks_its_arguments():
 
 
 def test_recipe_trains_digits_well_above_chance():
-    """The defaults at batch 256 on real data: 8 epochs of scikit-learn's digits, 8 replicas."""
+    """The defaults at batch 128 on real data: 6 epochs of scikit-learn's digits, one device."""
     datasets = pytest.importorskip("sklearn.datasets")
     import tensorflow as tf
 
-    import tpu_scale
     from tpu_scale import losses, models
 
     digits = datasets.load_digits()
@@ -211,19 +210,17 @@ def test_recipe_trains_digits_well_above_chance():
     labels = digits.target.astype("int32")
     order = np.random.default_rng(0).permutation(len(images))
     train, test = order[:1400], order[1400:]
-    batch, epochs = 256, 8
+    batch, epochs = 128, 6
     steps_per_epoch = len(train) // batch
     recipe = recipe_for_batch(batch, total_epochs=epochs)
-    strategy = tpu_scale.create_strategy(num_cpu_replicas=8)
+    assert recipe.optimizer == "sgd"
     keras.utils.set_random_seed(0)
-    with strategy.scope():
-        model = models.small_resnet(10, image_size=8)
-        model.compile(recipe.build_optimizer(steps_per_epoch, epochs),
-                      losses.SmoothedSparseCategoricalCrossentropy(recipe.label_smoothing),
-                      metrics=["sparse_categorical_accuracy"])
+    model = models.small_resnet(10, image_size=8)
+    model.compile(recipe.build_optimizer(steps_per_epoch, epochs),
+                  losses.SmoothedSparseCategoricalCrossentropy(recipe.label_smoothing))
     data = (tf.data.Dataset.from_tensor_slices((images[train], labels[train]))
             .shuffle(len(train), seed=0).repeat().batch(batch, drop_remainder=True))
     model.fit(data, epochs=1, steps_per_epoch=epochs * steps_per_epoch, verbose=0)
     logits = model.predict(images[test], batch_size=len(test), verbose=0)
     top_1 = float(np.mean(np.argmax(logits, -1) == labels[test]))
-    assert top_1 > 0.6, top_1  # chance is 0.1
+    assert top_1 > 0.8, top_1  # chance is 0.1
