@@ -1,11 +1,18 @@
 """Tests for `tpu_scale.schedules`."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import keras
 
 from tpu_scale.optimizers import LARS
-from tpu_scale.schedules import WarmupPolynomialDecay, reference_lars_hparams
+from tpu_scale.schedules import (
+    Recipe,
+    WarmupPolynomialDecay,
+    recipe_for_batch,
+    reference_lars_hparams,
+)
 
 
 def _lr(schedule, step):
@@ -96,3 +103,124 @@ def test_bad_epoch_and_batch_arguments():
         WarmupPolynomialDecay.from_epochs(1.0, 1, 5, 0)
     with pytest.raises(ValueError, match="global_batch_size"):
         reference_lars_hparams(0)
+
+
+# --------------------------------------------------------------------------- recipe_for_batch
+
+BATCHES = [32, 48, 64, 128, 256, 384, 511, 512, 1024, 4096, 8192, 16384, 24576, 32768, 49152,
+           65536]
+
+
+@pytest.mark.parametrize("batch, lr, warmup", [(16384, 25.0, 5.0), (32768, 34.0, 12.0),
+                                               (65536, 35.0, 34.0)])
+def test_recipe_keeps_the_papers_settings_at_16k_to_64k(batch, lr, warmup):
+    recipe = recipe_for_batch(batch)
+    assert (recipe.optimizer, recipe.peak_learning_rate, recipe.warmup_epochs) == ("lars", lr, warmup)
+    assert (recipe.momentum, recipe.eta, recipe.weight_decay) == (0.9, 0.001, 1e-4)
+    # A 90-epoch run keeps them; only a run too short for the warmup cuts it.
+    assert recipe_for_batch(batch, total_epochs=90).warmup_epochs == warmup
+    assert reference_lars_hparams(batch) == {"peak_learning_rate": lr, "warmup_epochs": warmup}
+
+
+@pytest.mark.parametrize("batch", [32, 64, 128, 256, 500])
+def test_recipe_small_batches_get_momentum_sgd(batch):
+    recipe = recipe_for_batch(batch)
+    assert recipe.optimizer == "sgd" and recipe.nesterov
+    assert recipe.peak_learning_rate == pytest.approx(0.4 * np.sqrt(batch / 256))
+    assert recipe.warmup_epochs == 2.0
+    # Never the LARS rate whose plain-momentum steps on batch-norm parameters blow up.
+    assert recipe.peak_learning_rate < 1.0
+
+
+def test_recipe_table_values():
+    table = {b: recipe_for_batch(b) for b in (32, 64, 256, 512, 1024, 8192)}
+    assert table[32].peak_learning_rate == pytest.approx(0.1414, abs=1e-4)
+    assert table[64].peak_learning_rate == pytest.approx(0.2)
+    assert table[256].peak_learning_rate == pytest.approx(0.4)
+    for b in (512, 1024, 8192):
+        assert (table[b].optimizer, table[b].peak_learning_rate, table[b].warmup_epochs) == (
+            "lars", 25.0, 5.0)
+
+
+def test_recipe_is_monotonic_in_batch_size():
+    recipes = [recipe_for_batch(b) for b in BATCHES]
+    names = [r.optimizer for r in recipes]
+    # One switch, from SGD to LARS, never back.
+    assert names == sorted(names, key=["sgd", "lars"].index)
+    assert names[0] == "sgd" and names[-1] == "lars"
+    for name in ("sgd", "lars"):
+        lrs = [r.peak_learning_rate for r in recipes if r.optimizer == name]
+        assert lrs == sorted(lrs)
+    warmups = [r.warmup_epochs for r in recipes]
+    assert warmups == sorted(warmups)
+    # Strictly increasing where the rule scales (SGD) or interpolates (LARS above 16K).
+    sgd = [r.peak_learning_rate for r in recipes if r.optimizer == "sgd"]
+    assert np.all(np.diff(sgd) > 0)
+    big = [r.peak_learning_rate for r, b in zip(recipes, BATCHES) if b >= 16384]
+    assert np.all(np.diff(big) > 0)
+
+
+def test_recipe_warmup_fits_the_run():
+    assert recipe_for_batch(65536, total_epochs=50).warmup_epochs == pytest.approx(20.0)
+    assert recipe_for_batch(64, total_epochs=4).warmup_epochs == pytest.approx(1.6)
+    assert recipe_for_batch(64, total_epochs=40).warmup_epochs == 2.0
+    schedule = recipe_for_batch(1024).schedule(steps_per_epoch=10, total_epochs=10)
+    assert (schedule.warmup_steps, schedule.total_steps) == (40, 100)
+    assert _lr(schedule, 40) == pytest.approx(25.0)
+
+
+def test_recipe_builds_its_optimizers():
+    lars = recipe_for_batch(32768).build_optimizer(steps_per_epoch=39, total_epochs=72)
+    assert isinstance(lars, LARS) and lars.weight_decay == 1e-4 and lars.eta == 0.001
+    assert lars._learning_rate.peak_learning_rate == 34.0
+    sgd = recipe_for_batch(64).build_optimizer(steps_per_epoch=20, total_epochs=10)
+    assert isinstance(sgd, keras.optimizers.SGD) and sgd.nesterov and sgd.momentum == 0.9
+    assert sgd._learning_rate.peak_learning_rate == pytest.approx(0.2)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
+                              keras.layers.BatchNormalization()])
+    sgd.build(model.trainable_variables)
+    decayed = {v.path: sgd._use_weight_decay(v) for v in model.trainable_variables}
+    assert decayed == {"sequential/dense/kernel": True, "sequential/dense/bias": False,
+                       "sequential/batch_normalization/gamma": False,
+                       "sequential/batch_normalization/beta": False}
+
+
+def test_recipe_checks_its_arguments():
+    for bad in (0, -64, 64.5, "64", True):
+        with pytest.raises(ValueError, match="global_batch_size"):
+            recipe_for_batch(bad)
+    with pytest.raises(ValueError, match="total_epochs"):
+        recipe_for_batch(64, total_epochs=0)
+    with pytest.raises(ValueError, match="optimizer"):
+        Recipe(64, "adam", 0.1, 1.0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        recipe_for_batch(64).peak_learning_rate = 1.0
+
+
+def test_recipe_trains_digits_well_above_chance():
+    """The defaults at batch 128 on real data: 6 epochs of scikit-learn's digits, one device."""
+    datasets = pytest.importorskip("sklearn.datasets")
+    import tensorflow as tf
+
+    from tpu_scale import losses, models
+
+    digits = datasets.load_digits()
+    images = digits.images.astype("float32") / 16.0
+    images = np.repeat((images - images.mean())[..., None] / images.std(), 3, axis=-1)
+    labels = digits.target.astype("int32")
+    order = np.random.default_rng(0).permutation(len(images))
+    train, test = order[:1400], order[1400:]
+    batch, epochs = 128, 6
+    steps_per_epoch = len(train) // batch
+    recipe = recipe_for_batch(batch, total_epochs=epochs)
+    assert recipe.optimizer == "sgd"
+    keras.utils.set_random_seed(0)
+    model = models.small_resnet(10, image_size=8)
+    model.compile(recipe.build_optimizer(steps_per_epoch, epochs),
+                  losses.SmoothedSparseCategoricalCrossentropy(recipe.label_smoothing))
+    data = (tf.data.Dataset.from_tensor_slices((images[train], labels[train]))
+            .shuffle(len(train), seed=0).repeat().batch(batch, drop_remainder=True))
+    model.fit(data, epochs=1, steps_per_epoch=epochs * steps_per_epoch, verbose=0)
+    logits = model.predict(images[test], batch_size=len(test), verbose=0)
+    top_1 = float(np.mean(np.argmax(logits, -1) == labels[test]))
+    assert top_1 > 0.8, top_1  # chance is 0.1

@@ -1,0 +1,134 @@
+"""Tests for `tpu_scale.callbacks.LossGuard`."""
+
+import numpy as np
+import pytest
+import keras
+
+from tpu_scale import optimizers, schedules
+from tpu_scale.callbacks import LossGuard
+
+
+def _data(n=256, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 8)).astype("float32")
+    y = (x[:, 0] + x[:, 1] > 0).astype("int32")
+    return x, y
+
+
+def _model(optimizer, seed=0):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(2)])
+    model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _finite(model):
+    return all(np.all(np.isfinite(w)) for w in model.get_weights())
+
+
+def test_absurd_learning_rate_is_stopped_and_reported():
+    x, y = _data()
+    schedule = schedules.WarmupPolynomialDecay(1e8, warmup_steps=4, total_steps=200)
+    model = _model(optimizers.LARS(schedule, eta=1.0))
+    guard = LossGuard(learning_rate_flag="--peak_learning_rate", optimizer_flag="--optimizer")
+    history = model.fit(x, y, batch_size=16, epochs=10, callbacks=[guard], verbose=0)
+    assert guard.stopped
+    # Stopped in the first epochs, not after training on for the whole run.
+    assert guard.stopped_epoch <= 2 and len(history.history["loss"]) == guard.stopped_epoch + 1
+    assert "--peak_learning_rate" in guard.message and "--optimizer sgd" in guard.message
+    assert "from 1e+08 to 2.5e+07" in guard.message
+    assert _finite(model)
+    assert all(np.all(np.isfinite(v.numpy())) for v in model.optimizer.variables)
+    # The restored model still predicts finite logits.
+    assert np.all(np.isfinite(model.predict(x[:8], verbose=0)))
+
+
+def test_restores_the_last_good_epoch_not_the_start():
+    x, y = _data()
+    rates = []
+
+    class Explode(keras.callbacks.Callback):
+        """Three sane epochs, then a learning rate that makes the loss NaN."""
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.model.optimizer.learning_rate.assign(0.05 if epoch < 3 else 1e12)
+            rates.append(epoch)
+
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 2:
+                self.good = [w.copy() for w in self.model.get_weights()]
+
+    explode = Explode()
+    model = _model(keras.optimizers.SGD(0.05, momentum=0.9))
+    guard = LossGuard(learning_rate_flag="--peak_learning_rate")
+    model.fit(x, y, batch_size=16, epochs=8, callbacks=[explode, guard], verbose=0)
+    assert guard.stopped and guard.stopped_epoch == 3
+    assert "end of epoch 3" in guard.message and "warm up for longer" in guard.message
+    for restored, good in zip(model.get_weights(), explode.good):
+        np.testing.assert_array_equal(restored, good)
+
+
+def test_healthy_run_is_not_stopped():
+    x, y = _data()
+    model = _model(keras.optimizers.SGD(0.1, momentum=0.9))
+    guard = LossGuard()
+    history = model.fit(x, y, batch_size=8, epochs=4, callbacks=[guard], verbose=0)
+    assert not guard.stopped and guard.message is None
+    assert len(history.history["loss"]) == 4
+    assert guard.reference_loss == pytest.approx(np.log(2), rel=0.3)
+
+
+class _FakeModel:
+    def __init__(self):
+        self.stop_training = False
+        self.optimizer = None
+        self.weights = [np.zeros(3)]
+
+    def get_weights(self):
+        return [w.copy() for w in self.weights]
+
+    def set_weights(self, weights):
+        self.weights = [w.copy() for w in weights]
+
+
+def _feed(guard, epoch_losses):
+    """Runs the guard's hooks on per-step losses, given per epoch; returns the steps seen."""
+    model = _FakeModel()
+    guard.set_model(model)
+    guard.on_train_begin()
+    seen = 0
+    for epoch, losses in enumerate(epoch_losses):
+        guard.on_epoch_begin(epoch)
+        for step, loss in enumerate(losses):
+            # Keras hands callbacks the running mean of the epoch.
+            guard.on_train_batch_end(step, {"loss": float(np.mean(losses[:step + 1]))})
+            seen += 1
+            if model.stop_training:
+                return seen
+        guard.on_epoch_end(epoch)
+    return seen
+
+
+def test_finite_blow_up_is_caught_after_the_window():
+    guard = LossGuard(factor=3.0, reference_steps=4, window=3)
+    # Reference 2.3; the loss climbs past 6.9 on average over 3 steps in epoch 2.
+    losses = [[2.3] * 10, [2.0] * 5 + [5.0, 8.0, 12.0, 20.0, 30.0]]
+    seen = _feed(guard, losses)
+    assert guard.stopped and guard.stopped_epoch == 1
+    assert seen == 10 + 8  # mean(8, 12, 20) > 6.9; mean(5, 8, 12) is not
+    assert guard.reference_loss == pytest.approx(2.3)
+    assert "3x the first steps' 2.3" in guard.message
+
+
+def test_one_noisy_step_does_not_stop():
+    guard = LossGuard(factor=3.0, reference_steps=4, window=5)
+    losses = [[2.3] * 6 + [12.0] + [1.5] * 10, [1.0] * 10]
+    _feed(guard, losses)
+    assert not guard.stopped
+
+
+@pytest.mark.parametrize("kwargs", [dict(factor=1.0), dict(reference_steps=0), dict(window=2.5)])
+def test_bad_arguments(kwargs):
+    with pytest.raises(ValueError):
+        LossGuard(**kwargs)

@@ -1,0 +1,217 @@
+"""Keras callbacks of the recipe: `LossGuard` stops a diverging run and says which setting to change."""
+
+import logging
+import math
+
+import keras
+import numpy as np
+
+_logger = logging.getLogger("tpu_scale")
+
+
+class LossGuard(keras.callbacks.Callback):
+    """Stops training when the loss diverges, restores the last good weights and names the fix.
+
+    A large-batch learning rate that is too high for a run does not always fail loudly: the loss
+    climbs for a few epochs, then the run limps on to a poor accuracy. This callback watches the
+    loss of every training step and stops `fit` at the first step where either
+
+    - the loss is NaN or infinite, or
+    - the mean loss of the last `window` steps exceeds `factor` times the reference loss, the
+      mean of the first `reference_steps` steps of the run.
+
+    The reference is the loss of a freshly initialized network, close to `log(num_classes)` for
+    a classifier whose logits start small; a healthy run stays below it after its first steps,
+    warmup included. Three times that means the network predicts confidently and wrongly: at 10
+    classes, a mean loss of 6.9 against 2.3 at the start. The check runs from the step after the
+    reference is complete, warmup included: the runs this guards against blow up at the end of
+    warmup, when the learning rate peaks.
+
+    On stopping, the model's weights (and, with `restore_optimizer=True`, the optimizer's
+    variables: momentum, step count) are set back to their values at the end of the last epoch
+    whose every step passed the check, or to the values at the start of `fit` if there was none.
+    So the model is never left in the state a NaN update made, which is where
+    `keras.callbacks.TerminateOnNaN` leaves it. A warning names the step, the loss and the
+    settings to change; it is also kept in `message`.
+
+    Per-step losses are recovered from the running epoch mean Keras passes to
+    `on_train_batch_end` (every step of an epoch has the same number of examples there). With
+    `steps_per_execution > 1` a "step" is one execution.
+
+    Example:
+
+    ```python
+    guard = tpu_scale.callbacks.LossGuard(learning_rate_flag="--peak_learning_rate",
+                                          optimizer_flag="--optimizer")
+    model.fit(data, epochs=20, callbacks=[guard])
+    if guard.stopped:
+        print(guard.message)
+    ```
+
+    Args:
+        factor: Float > 1, how far above the reference loss the recent mean may go. Defaults to
+            `3.0`.
+        reference_steps: Integer >= 1, the number of first steps whose mean is the reference.
+            Defaults to `10`.
+        window: Integer >= 1, the number of recent steps averaged for the check (one noisy
+            small-batch step does not stop a run). Defaults to `5`.
+        restore_weights: Boolean, whether to set the model back to the last good weights on
+            stopping. Defaults to `True`.
+        restore_optimizer: Boolean, whether to restore the optimizer's variables as well, so
+            that `fit` can be called again from the good state. Defaults to `True`.
+        learning_rate_flag: Optional string, the name under which a user sets the peak learning
+            rate (e.g. `"--peak_learning_rate"`); the message names it.
+        optimizer_flag: Optional string, the name under which a user picks the optimizer (e.g.
+            `"--optimizer"`); the message names it.
+        suggested_learning_rate: Optional float, the peak learning rate the message proposes.
+            Defaults to a quarter of the peak learning rate in use.
+
+    Attributes:
+        stopped: Whether this callback stopped the last `fit`.
+        message: The warning it gave, or `None`.
+        stopped_epoch, stopped_step: Where it stopped (0-based epoch, step within the epoch).
+        reference_loss: The reference loss of the last `fit`.
+    """
+
+    def __init__(
+        self,
+        factor=3.0,
+        reference_steps=10,
+        window=5,
+        restore_weights=True,
+        restore_optimizer=True,
+        learning_rate_flag=None,
+        optimizer_flag=None,
+        suggested_learning_rate=None,
+    ):
+        super().__init__()
+        if not float(factor) > 1.0:
+            raise ValueError(f"`factor` must be > 1; received {factor}: use e.g. 3.0.")
+        for name, value in (("reference_steps", reference_steps), ("window", window)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be an integer >= 1; received {value!r}.")
+        self.factor = float(factor)
+        self.reference_steps = reference_steps
+        self.window = window
+        self.restore_weights = bool(restore_weights)
+        self.restore_optimizer = bool(restore_optimizer)
+        self.learning_rate_flag = learning_rate_flag
+        self.optimizer_flag = optimizer_flag
+        self.suggested_learning_rate = suggested_learning_rate
+        self._reset()
+
+    def _reset(self):
+        self.stopped = False
+        self.message = None
+        self.stopped_epoch = None
+        self.stopped_step = None
+        self.reference_loss = None
+        self._first_losses = []
+        self._recent = []
+        self._good = None
+        self._good_epoch = None
+
+    # ------------------------------------------------------------------ Keras hooks
+
+    def on_train_begin(self, logs=None):
+        self._reset()
+        self._good = self._snapshot()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        self._previous_mean = 0.0
+        self._epoch_ok = True
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.stopped or not logs or "loss" not in logs:
+            return
+        running_mean = float(np.asarray(logs["loss"]))
+        # Keras reports the mean over the epoch's steps so far; the step's own loss follows.
+        loss = running_mean * (batch + 1) - self._previous_mean * batch
+        self._previous_mean = running_mean
+        if not math.isfinite(running_mean):
+            self._stop(batch, running_mean, "is not finite")
+            return
+        if self.reference_loss is None:
+            self._first_losses.append(loss)
+            if len(self._first_losses) == self.reference_steps:
+                self.reference_loss = float(np.mean(self._first_losses))
+            return
+        self._recent = (self._recent + [loss])[-self.window:]
+        recent = float(np.mean(self._recent))
+        if len(self._recent) == self.window and recent > self.factor * self.reference_loss:
+            self._stop(batch, recent, f"averaged over the last {self.window} steps is more than "
+                       f"{self.factor:g}x the first steps' {self.reference_loss:.4g}")
+
+    def on_epoch_end(self, epoch, logs=None):
+        if not self.stopped and self._epoch_ok:
+            self._good = self._snapshot()
+            self._good_epoch = epoch
+
+    # ------------------------------------------------------------------ internals
+
+    def _snapshot(self):
+        if not self.restore_weights:
+            return None
+        weights = self.model.get_weights()
+        optimizer = getattr(self.model, "optimizer", None)
+        opt_values = None
+        if self.restore_optimizer and optimizer is not None and optimizer.built:
+            opt_values = [np.array(v.numpy()) for v in optimizer.variables]
+        return weights, opt_values
+
+    def _restore(self):
+        weights, opt_values = self._good
+        self.model.set_weights(weights)
+        optimizer = getattr(self.model, "optimizer", None)
+        if self.restore_optimizer and optimizer is not None and optimizer.built:
+            if opt_values is None:
+                # Snapshotted before the optimizer was built: its state at the start is zeros.
+                opt_values = [np.zeros(v.shape, v.dtype) for v in optimizer.variables]
+            for variable, value in zip(optimizer.variables, opt_values):
+                variable.assign(value)
+        if self._good_epoch is None:
+            return "restored the weights from the start of training"
+        return f"restored the weights of the end of epoch {self._good_epoch + 1}"
+
+    def _peak_learning_rate(self):
+        optimizer = getattr(self.model, "optimizer", None)
+        rate = getattr(optimizer, "_learning_rate", None)
+        if hasattr(rate, "peak_learning_rate"):
+            return float(rate.peak_learning_rate)
+        try:
+            return float(np.asarray(optimizer.learning_rate))
+        except (TypeError, ValueError, AttributeError):
+            return None
+
+    def _advice(self):
+        peak = self._peak_learning_rate()
+        target = self.suggested_learning_rate
+        if target is None and peak is not None:
+            target = peak / 4
+        what = self.learning_rate_flag or "the peak learning rate"
+        advice = f"lower {what}"
+        if peak is not None:
+            advice += f" from {peak:.4g}"
+        if target is not None:
+            advice += f" to {target:.4g}"
+        optimizer = getattr(self.model, "optimizer", None)
+        if type(optimizer).__name__ == "LARS":
+            advice += (f", or use {self.optimizer_flag} sgd" if self.optimizer_flag
+                       else ", or use momentum SGD") + " below batch 16384"
+        else:
+            advice += ", or warm up for longer"
+        return advice
+
+    def _stop(self, batch, value, why):
+        self.stopped = True
+        self._epoch_ok = False
+        self.stopped_epoch, self.stopped_step = self._epoch, batch
+        self.model.stop_training = True
+        restored = self._restore() if self._good is not None else "left the weights as they are"
+        self.message = (
+            f"LossGuard: stopped training at epoch {self._epoch + 1}, step {batch + 1}: the loss "
+            f"{value:.4g} {why}; {restored}. The learning rate is too high for this run: "
+            f"{self._advice()}."
+        )
+        _logger.warning("%s", self.message)
