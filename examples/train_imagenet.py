@@ -89,11 +89,11 @@ class TrainConfig:
     bn_group_size: Optional[int] = None
     gradient_reduction: str = "torus"
     mixed_precision: str = "float32"
-    optimizer: str = "lars"
+    optimizer: Optional[str] = None
     peak_learning_rate: Optional[float] = None
     warmup_epochs: Optional[float] = None
-    weight_decay: float = 1e-4
-    label_smoothing: float = 0.1
+    weight_decay: Optional[float] = None
+    label_smoothing: Optional[float] = None
     model_dir: Optional[str] = None
     num_cpu_replicas: int = 8
     mesh_shape: Optional[str] = "2x4"
@@ -127,11 +127,12 @@ def define_flags():
         "bn_group_size": "Replicas per batch-norm group; empty: the smallest group spanning 64 examples.",
         "gradient_reduction": "torus (2-D torus sum) or native (TensorFlow's all-reduce).",
         "mixed_precision": "float32, bfloat16 (TPU, CPU) or float16 (GPU).",
-        "optimizer": "lars or sgd (momentum 0.9).",
-        "peak_learning_rate": "Peak learning rate; default: the reference for the batch size (LARS).",
-        "warmup_epochs": "Warmup epochs; default: the reference for the batch size (LARS).",
-        "weight_decay": "L2 weight decay (batch-norm parameters and biases excluded).",
-        "label_smoothing": "Label smoothing.",
+        "optimizer": "lars or sgd (momentum 0.9). Default: the recipe for the batch size "
+                     "(tpu_scale.schedules.recipe_for_batch: sgd below 512, lars from 512).",
+        "peak_learning_rate": "Peak learning rate. Default: the recipe's for the batch size and optimizer.",
+        "warmup_epochs": "Warmup epochs. Default: the recipe's.",
+        "weight_decay": "Weight decay (none on batch-norm parameters and biases). Default: the recipe's.",
+        "label_smoothing": "Label smoothing. Default: the recipe's.",
         "model_dir": "Checkpoints, TensorBoard logs and the backup used to resume. Default: a temporary dir.",
         "num_cpu_replicas": "Virtual CPU replicas when there is no accelerator (per worker with TF_CONFIG).",
         "mesh_shape": "ROWSxCOLS mesh of a single host's replicas, e.g. 2x4.",
@@ -168,7 +169,7 @@ def _check_config(config, strategy=None):
         raise ValueError("Give --data_dir or --tfds_name, not both.")
     if config.model not in ("resnet50", "small_resnet"):
         raise ValueError(f"--model={config.model!r}: choose resnet50 or small_resnet.")
-    if config.optimizer not in ("lars", "sgd"):
+    if config.optimizer not in (None, "lars", "sgd"):
         raise ValueError(f"--optimizer={config.optimizer!r}: choose lars or sgd.")
     if config.mixed_precision not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"--mixed_precision={config.mixed_precision!r}: choose float32, bfloat16 or float16.")
@@ -329,9 +330,28 @@ def eval_dataset_fn(eval_input, steps):
     return make
 
 
+def _recipe(config):
+    """The recipe for the global batch size (`schedules.recipe_for_batch`), with the flags given."""
+    from tpu_scale import schedules
+
+    recipe = schedules.recipe_for_batch(config.global_batch_size, total_epochs=config.epochs)
+    if config.optimizer == "sgd" and recipe.optimizer != "sgd":
+        # The recipe's momentum-SGD rule, past the batch sizes where it picks SGD itself.
+        rate = schedules.SGD_LEARNING_RATE_AT_256 * math.sqrt(config.global_batch_size / 256)
+        recipe = dataclasses.replace(recipe, optimizer="sgd", peak_learning_rate=rate,
+                                     warmup_epochs=schedules.SGD_WARMUP_EPOCHS)
+    elif config.optimizer == "lars" and recipe.optimizer != "lars":
+        reference = schedules.reference_lars_hparams(config.global_batch_size)
+        recipe = dataclasses.replace(recipe, optimizer="lars", **reference)
+    given = {name: getattr(config, name) for name in (
+        "peak_learning_rate", "warmup_epochs", "weight_decay", "label_smoothing")}
+    return dataclasses.replace(recipe, **{k: v for k, v in given.items() if v is not None})
+
+
 def _build_model(config):
     import keras
-    from tpu_scale import losses, models, optimizers, schedules
+
+    from tpu_scale import losses, models
 
     if config.model == "resnet50":
         model = models.resnet50(config.num_classes, bn_group_size=config.bn_group_size,
@@ -339,30 +359,16 @@ def _build_model(config):
     else:
         model = models.small_resnet(config.num_classes, image_size=config.image_size,
                                     bn_group_size=config.bn_group_size)
-    if config.optimizer == "lars":
-        reference = schedules.reference_lars_hparams(config.global_batch_size)
-        peak = config.peak_learning_rate or reference["peak_learning_rate"]
-        warmup = reference["warmup_epochs"] if config.warmup_epochs is None else config.warmup_epochs
-    else:
-        # Goyal et al.: 0.1 per 256 examples.
-        peak = config.peak_learning_rate or 0.1 * config.global_batch_size / 256
-        warmup = 5.0 if config.warmup_epochs is None else config.warmup_epochs
-    # A short run cannot warm up for longer than a fraction of itself.
-    warmup = min(warmup, config.epochs / 4)
-    schedule = schedules.WarmupPolynomialDecay.from_epochs(
-        peak, warmup, config.epochs, config.steps_per_epoch)
-    if config.optimizer == "lars":
-        optimizer = optimizers.LARS(schedule, momentum=0.9, weight_decay=config.weight_decay)
-    else:
-        optimizer = keras.optimizers.SGD(schedule, momentum=0.9, nesterov=True)
+    recipe = _recipe(config)
     model.compile(
-        optimizer=optimizer,
-        loss=losses.SmoothedSparseCategoricalCrossentropy(config.label_smoothing, from_logits=True),
+        optimizer=recipe.build_optimizer(config.steps_per_epoch, config.epochs),
+        loss=losses.SmoothedSparseCategoricalCrossentropy(recipe.label_smoothing, from_logits=True),
         weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="top_1")],
     )
-    logging.info("Model %s: %d parameters, peak LR %.3g, warmup %.2f epochs", config.model,
-                 model.count_params(), peak, warmup)
-    return model
+    logging.info("Model %s: %d parameters; %s, peak LR %.3g, warmup %.2f epochs", config.model,
+                 model.count_params(), recipe.optimizer, recipe.peak_learning_rate,
+                 min(recipe.warmup_epochs, 0.4 * config.epochs))
+    return model, recipe
 
 
 def progress_callback(global_batch_size, num_replicas, epochs):
@@ -516,9 +522,14 @@ def train(config, extra_callbacks=()):
             shutil.rmtree(folder, ignore_errors=True)
 
 
+class TrainingDiverged(RuntimeError):
+    """The loss blew up; the message names the step and the flags to change."""
+
+
 def _run(config, strategy, start, extra_callbacks, temporary):
     """Data, model, `fit` and the final evaluation, under the strategy and the precision policy."""
     from tpu_scale import checkpointing
+    from tpu_scale.callbacks import LossGuard
 
     config = dataclasses.replace(config)
     synthetic = not (config.data_dir or config.tfds_name)
@@ -560,9 +571,13 @@ def _run(config, strategy, start, extra_callbacks, temporary):
         eval_dataset_fn(eval_input, validation_steps))
 
     with strategy.scope():
-        model = _build_model(config)
+        model, recipe = _build_model(config)
     progress = progress_callback(config.global_batch_size, strategy.num_replicas_in_sync, config.epochs)
-    callbacks = _callbacks(config, strategy, progress, temporary) + list(extra_callbacks)
+    # Stops a diverging run (NaN, or the loss far above its start) at the last good weights and
+    # names the flags that fix it.
+    guard = LossGuard(learning_rate_flag="--peak_learning_rate", optimizer_flag="--optimizer",
+                      suggested_learning_rate=recipe.peak_learning_rate / 4)
+    callbacks = [guard] + _callbacks(config, strategy, progress, temporary) + list(extra_callbacks)
     logging.info("Training %d epochs x %d steps of %d images on %d replicas (mesh %s); model_dir %s",
                  config.epochs, config.steps_per_epoch, config.global_batch_size, strategy.num_replicas_in_sync,
                  "x".join(map(str, strategy.mesh.shape)),
@@ -573,6 +588,8 @@ def _run(config, strategy, start, extra_callbacks, temporary):
         model.fit(train_data, epochs=config.epochs, steps_per_epoch=config.steps_per_epoch,
                   validation_data=eval_data, validation_steps=validation_steps, callbacks=callbacks,
                   verbose=1 if show_bar else 0, shuffle=False)  # the input pipeline shuffles
+    if guard.stopped:
+        raise TrainingDiverged(guard.message)
     results = model.evaluate(eval_data, steps=validation_steps, return_dict=True, verbose=0)
     summary = {
         "top_1": float(results["top_1"]),
@@ -629,7 +646,7 @@ def main(argv):
     config = TrainConfig(**{f.name: flags.FLAGS[f.name].value for f in dataclasses.fields(TrainConfig)})
     try:
         summary = train(config)
-    except ValueError as e:
+    except (ValueError, TrainingDiverged) as e:
         logging.error("%s", e)
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -103,3 +103,31 @@ def test_evaluation_passes_see_every_example_once(strategy, tmp_path):
             _, y = next(iterator)
             labels.extend(int(v) for r in strategy.experimental_local_results(y) for v in r.numpy())
         assert sorted(labels) == expected and len(labels) == 179
+
+
+def test_a_diverging_run_stops_and_names_the_flag(tmp_path):
+    with pytest.raises(train_imagenet.TrainingDiverged, match="--peak_learning_rate"):
+        train_imagenet.train(
+            tiny_config(model_dir=str(tmp_path), optimizer="sgd", peak_learning_rate=1e4, epochs=2)
+        )
+    # Nothing it kept holds the blown-up weights.
+    from tpu_scale import checkpointing
+
+    backup = checkpointing.latest_backup(str(tmp_path / "backup"))
+    if backup is not None:
+        import h5py
+
+        with h5py.File(os.path.join(backup.path, checkpointing.WEIGHTS_FILE)) as f:
+            values = []
+            f.visititems(lambda _, v: values.append(np.asarray(v)) if hasattr(v, "shape") else None)
+        assert all(np.isfinite(v).all() for v in values if v.dtype.kind == "f")
+
+
+def test_the_recipe_decides_the_optimizer_unless_a_flag_does():
+    small = train_imagenet._recipe(tiny_config(global_batch_size=64))
+    large = train_imagenet._recipe(tiny_config(global_batch_size=1024))
+    assert (small.optimizer, large.optimizer) == ("sgd", "lars")
+    forced = train_imagenet._recipe(tiny_config(global_batch_size=1024, optimizer="sgd"))
+    assert forced.optimizer == "sgd" and forced.peak_learning_rate == pytest.approx(0.8)
+    given = train_imagenet._recipe(tiny_config(global_batch_size=64, peak_learning_rate=0.05))
+    assert given.peak_learning_rate == 0.05 and given.optimizer == "sgd"
