@@ -1,0 +1,162 @@
+"""A new user's path, end to end, on real images the package did not make: scikit-learn's digits.
+
+A folder of class folders (JPEGs and PNGs, with a truncated JPEG, a text file named .jpg and a .txt
+among them) -> `python -m tpu_scale.data.write_tfrecords --image_dir DIR --output_dir OUT` ->
+`python examples/train_imagenet.py --data_dir OUT ...`, killed after its second epoch and run again
+with
+the same command: it resumes, finishes, reaches a top-1 far above chance and names its outputs; a
+third
+run of the same command says the run is finished and trains nothing.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "train_imagenet.py")
+
+
+def write_digits_folder(folder, size=32):
+    """scikit-learn's 1,797 handwritten digits as a folder of class folders of JPEG and PNG.
+
+    Files."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    for label in range(10):
+        os.makedirs(os.path.join(folder, f"digit_{label}"))
+    for index, (image, label) in enumerate(zip(digits.images, digits.target)):
+        pixels = (image * (255.0 / 16.0)).astype(np.uint8)
+        picture = Image.fromarray(pixels).resize((size, size), Image.BILINEAR).convert("RGB")
+        fmt = "png" if index % 7 == 0 else "jpg"
+        picture.save(os.path.join(folder, f"digit_{label}", f"{index:04d}.{fmt}"))
+    # What a real folder holds too: a cut-off JPEG, a text file with an image's name, a note.
+    whole = open(os.path.join(folder, "digit_3", "0003.jpg"), "rb").read()
+    with open(os.path.join(folder, "digit_3", "cut_off.jpg"), "wb") as f:
+        f.write(whole[: len(whole) // 2])
+    with open(os.path.join(folder, "digit_5", "not_an_image.jpg"), "w") as f:
+        f.write("hello")
+    with open(os.path.join(folder, "digit_5", "notes.txt"), "w") as f:
+        f.write("scanned at 8x8")
+    return len(digits.images)
+
+
+def _env():
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("TF_CONFIG", None)
+    return env
+
+
+def _train_command(records, model_dir):
+    return [
+        sys.executable,
+        EXAMPLE,
+        "--data_dir",
+        records,
+        "--image_size",
+        "32",
+        "--model_dir",
+        model_dir,
+        "--epochs",
+        "6",
+        "--noprogress",
+    ]
+
+
+def _kill_after(command, pattern, timeout):
+    """Starts `command`, SIGKILLs it once a line matching `pattern` is printed.
+
+    Returns the output."""
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(),
+        stdin=subprocess.DEVNULL,
+    )
+    lines, deadline = [], time.monotonic() + timeout
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if re.search(pattern, line):
+                proc.send_signal(signal.SIGKILL)
+                break
+            if time.monotonic() > deadline:
+                break
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    return "".join(lines)
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    images = str(tmp_path_factory.mktemp("digits"))
+    count = write_digits_folder(images)
+    out = str(tmp_path_factory.mktemp("records"))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tpu_scale.data.write_tfrecords",
+            "--image_dir",
+            images,
+            "--output_dir",
+            out,
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return out, count, done.stdout
+
+
+def test_the_writer_reports_what_it_skipped(records):
+    out, count, report = records
+    assert "cut_off.jpg" in report and "not_an_image.jpg" in report and "notes.txt" in report
+    from tpu_scale.data import read_label_map
+
+    label_map = read_label_map(out)
+    assert label_map.num_classes == 10
+    assert label_map.class_names == tuple(f"digit_{i}" for i in range(10))
+    assert sum(label_map.counts.values()) == count  # every real digit, none of the broken files
+    assert label_map.counts["validation"] == pytest.approx(0.1 * count, abs=10)
+
+
+def test_interrupted_training_resumes_and_learns(records, tmp_path):
+    out, _, _ = records
+    model_dir = str(tmp_path / "run")
+    command = _train_command(out, model_dir)
+    first = _kill_after(command, r"epoch 2/6:", timeout=600)
+    assert "epoch 2/6:" in first, first[-3000:]
+
+    second = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=900)
+    text = second.stdout + second.stderr
+    assert second.returncode == 0, text[-4000:]
+    assert "Resuming from the backup after epoch 2 of 6" in text
+    assert "epoch 1/6:" not in text and "epoch 6/6:" in text
+    top_1 = float(re.search(r"top-1 ([0-9.]+) \(chance 0.1000\)", text).group(1))
+    assert top_1 > 0.6, text[-3000:]
+    assert os.path.exists(os.path.join(model_dir, "final.keras"))
+    assert f"final model: {os.path.join(model_dir, 'final.keras')}" in text
+    assert len(os.listdir(os.path.join(model_dir, "checkpoints"))) == 3
+    for noise in ("failed call to cuInit", "ran out of data", "Local rendezvous"):
+        assert noise not in text
+
+    third = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=300)
+    assert (
+        third.returncode == 0
+        and "already holds a finished run of 6 epochs" in third.stdout + third.stderr
+    )
