@@ -1,49 +1,56 @@
-"""Trains a ResNet on ImageNet-layout data with the large-batch recipe, on a TPU pod, GPUs or this CPU.
+"""Trains a ResNet on ImageNet-layout data with the large-batch recipe: TPU pod, GPUs or this CPU.
 
-`model.fit` under `tpu_scale.create_strategy`, with grouped batch norm, the 2-D torus gradient sum, the fused
-decode-and-crop input pipeline, LARS with warmup + polynomial decay, label smoothing and (optionally) bfloat16.
-Evaluates every epoch, logs images/s, writes TensorBoard logs and checkpoints to --model_dir, and resumes from
-there after an interruption. Ends with one line: `top-1 <accuracy> | <images/s> | wall <seconds>`.
+`model.fit` under `tpu_scale.create_strategy`, with grouped batch norm, the 2-D torus gradient sum,
+the fused decode-and-crop input pipeline, the recipe for the global batch size
+(`tpu_scale.schedules.recipe_for_batch`: momentum SGD below 512, LARS from 512, warmup + polynomial
+decay, label smoothing) and, optionally, bfloat16. Evaluates every epoch, logs images/s, stops a
+diverging run with the flags that fix it, and ends with one line:
+`top-1 <accuracy> | <images/s> | wall <seconds>`, then where every output is.
 
-This CPU, the built-in default: generates a small learnable dataset of real JPEGs in TFRecords in a temporary
-folder (nothing is downloaded) and trains a small ResNet on 8 virtual CPU replicas in a 2x4 mesh:
+This CPU, the built-in default: generates a small learnable dataset of real JPEGs in TFRecords in a
+temporary folder (nothing is downloaded) and trains a small ResNet on 8 virtual CPU replicas in a
+2x4 mesh:
 
     python examples/train_imagenet.py
 
-Your own images (a folder with one sub-folder of images per class): two commands, no other flags. The
-writer splits off a stratified validation set (10%), checks every image and writes a label map
+Your own images (a folder with one sub-folder of images per class): two commands, no other flags.
+The writer splits off a stratified validation set (10%), checks every image and writes a label map
 (labels.json) that this script reads for the classes, the label offset and the example counts:
 
     python -m tpu_scale.data.write_tfrecords --image_dir ~/flowers --output_dir ~/flowers_records
     python examples/train_imagenet.py --data_dir ~/flowers_records --image_size 64
 
 Give --model_dir DIR to keep what a run writes: checkpoints of the last --keep_checkpoints epochs,
-TensorBoard logs, a backup to resume from, the final model (final.keras) and run.json. The same command
-after an interruption resumes from the last finished epoch (it says so); on a finished run it says so and
-stops, and a larger --epochs continues it. Backups are written atomically, so a kill at any moment
-loses at most the epoch in progress; a SIGTERM (a scheduler's preemption notice) makes every worker
-save at the same step and exit with code 143, and the same command resumes there. Without
---model_dir everything goes to a temporary folder that is removed at the end. A progress bar shows
-in a terminal (--noprogress turns it off).
+TensorBoard logs, a backup to resume from, the final model (final.keras) and run.json. The same
+command after an interruption resumes from the last finished epoch (it says so); on a finished run
+it says so and stops, and a larger --epochs continues it. Backups are written atomically, so a kill
+at any moment loses at most the epoch in progress; a SIGTERM (a scheduler's preemption notice)
+makes every worker save at the same step and exit with code 143, and the same command resumes
+there. Without --model_dir everything goes to a temporary folder that is removed at the end. A
+progress bar shows in a terminal (--noprogress turns it off).
 
 A Cloud TPU v3-8 (ImageNet in the classic layout: train-* and validation-* files):
 
     python examples/train_imagenet.py --tpu $TPU_NAME --data_dir gs://my-bucket/imagenet \
-        --model resnet50 --image_size 224 --num_classes 1000 --global_batch_size 1024 --epochs 90 \
-        --mixed_precision bfloat16 --model_dir gs://my-bucket/runs/v3-8
+        --model resnet50 --image_size 224 --num_classes 1000 --global_batch_size 1024 \
+        --epochs 90 --mixed_precision bfloat16 --model_dir gs://my-bucket/runs/v3-8
 
-A v3-1024 pod slice, the paper's configuration (batch 32768 = 16 per core, LARS, BN groups of 4 cores =
-span 64; the reference LR 34 and 12 warmup epochs come from the batch size):
+A v3-1024 pod slice, the paper's configuration (batch 32768 = 16 per core, LARS, BN groups of 4
+cores = span 64; the reference LR 34 and 12 warmup epochs come from the batch size):
 
     python examples/train_imagenet.py --tpu $TPU_NAME --data_dir gs://my-bucket/imagenet \
-        --model resnet50 --image_size 224 --num_classes 1000 --global_batch_size 32768 --epochs 72 \
-        --bn_group_size 4 --mixed_precision bfloat16 --model_dir gs://my-bucket/runs/v3-1024
+        --model resnet50 --image_size 224 --num_classes 1000 --global_batch_size 32768 \
+        --epochs 72 --bn_group_size 4 --mixed_precision bfloat16 \
+        --model_dir gs://my-bucket/runs/v3-1024
 
-Two GPU hosts (run on each host, with its own task index; rows of the mesh are the hosts):
+Two GPU hosts (run on each host, with its own task index; rows of the mesh are the hosts; the
+model_dir must be on a filesystem both hosts read):
 
-    TF_CONFIG='{"cluster": {"worker": ["host1:2222", "host2:2222"]}, "task": {"type": "worker", "index": 0}}' \
-    python examples/train_imagenet.py --data_dir /data/imagenet --model resnet50 --image_size 224 \
-        --num_classes 1000 --global_batch_size 512 --epochs 90 --mixed_precision float16 --model_dir /shared/run
+    TF_CONFIG='{"cluster": {"worker": ["host1:2222", "host2:2222"]},
+                "task": {"type": "worker", "index": 0}}' \
+    python examples/train_imagenet.py --data_dir /data/imagenet --model resnet50 \
+        --image_size 224 --num_classes 1000 --global_batch_size 512 --epochs 90 \
+        --mixed_precision float16 --model_dir /shared/run
 """
 
 import dataclasses
@@ -58,9 +65,9 @@ from typing import Optional
 
 from absl import app, flags, logging
 
-# TensorFlow's C++ INFO and WARNING lines (a "Local rendezvous ... CANCELLED" for every iterator a pass
-# over the data ends, one per start-up probe) would drown the progress lines; errors still show, and so
-# do Python warnings.
+# TensorFlow's C++ INFO and WARNING lines (a "Local rendezvous ... CANCELLED" for every iterator a
+# pass over the data ends, one per start-up probe) would drown the progress lines; errors still
+# show, and so do Python warnings.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 # Runnable from a checkout without installing: the package sits next to this folder.
@@ -108,45 +115,59 @@ class TrainConfig:
 
 def define_flags():
     defaults = TrainConfig()
-    kinds = {str: flags.DEFINE_string, int: flags.DEFINE_integer, float: flags.DEFINE_float,
-             bool: flags.DEFINE_bool}
+    kinds = {
+        str: flags.DEFINE_string,
+        int: flags.DEFINE_integer,
+        float: flags.DEFINE_float,
+        bool: flags.DEFINE_bool,
+    }
     helps = {
-        "tpu": "TPU name or address, or 'local' on a TPU VM. Empty: GPUs, TF_CONFIG hosts, or the CPU.",
-        "data_dir": "Folder of classic-layout TFRecords (train-*, validation-*). Empty: synthetic JPEGs.",
+        "tpu": "TPU name or address, or 'local' on a TPU VM. Empty: GPUs, TF_CONFIG hosts, CPU.",
+        "data_dir": "Folder of TFRecords (train-*, validation-*). Empty: generated JPEGs.",
         "tfds_name": "A TFDS dataset (e.g. imagenet2012) instead of --data_dir.",
         "tfds_data_dir": "TFDS data directory.",
-        "label_offset": "Subtracted from stored labels. Default: the label map's (labels.json), else 1 "
-                        "(the classic 1-based ImageNet files).",
+        "label_offset": "Subtracted from stored labels. Default: the label map's (labels.json), "
+        "else 1 (the classic 1-based ImageNet files).",
         "num_classes": "Classes. Default: the label map's; 1000 for the classic ImageNet files.",
-        "train_examples": "Training examples per epoch. Default: the label map's count, else counted.",
+        "train_examples": "Training examples per epoch. Default: the label map's, else counted.",
         "eval_examples": "Evaluation examples. Default: the label map's count, else counted.",
         "image_size": "Image height and width.",
         "model": "resnet50 or small_resnet.",
-        "global_batch_size": "Examples per step over all replicas; must divide evenly over the replicas.",
+        "global_batch_size": "Examples per step over all replicas; a multiple of the replicas.",
         "epochs": "Training epochs.",
-        "bn_group_size": "Replicas per batch-norm group; empty: the smallest group spanning 64 examples.",
+        "bn_group_size": "Replicas per batch-norm group. Empty: the smallest spanning 64 examples.",
         "gradient_reduction": "torus (2-D torus sum) or native (TensorFlow's all-reduce).",
         "mixed_precision": "float32, bfloat16 (TPU, CPU) or float16 (GPU).",
         "optimizer": "lars or sgd (momentum 0.9). Default: the recipe for the batch size "
-                     "(tpu_scale.schedules.recipe_for_batch: sgd below 512, lars from 512).",
-        "peak_learning_rate": "Peak learning rate. Default: the recipe's for the batch size and optimizer.",
+        "(tpu_scale.schedules.recipe_for_batch: sgd below 512, lars from 512).",
+        "peak_learning_rate": "Peak learning rate. Default: the recipe's for batch and optimizer.",
         "warmup_epochs": "Warmup epochs. Default: the recipe's.",
-        "weight_decay": "Weight decay (none on batch-norm parameters and biases). Default: the recipe's.",
+        "weight_decay": "Weight decay (none on batch-norm parameters, biases). Default: recipe's.",
         "label_smoothing": "Label smoothing. Default: the recipe's.",
-        "model_dir": "Checkpoints, TensorBoard logs and the backup used to resume. Default: a temporary dir.",
-        "num_cpu_replicas": "Virtual CPU replicas when there is no accelerator (per worker with TF_CONFIG).",
+        "model_dir": "Checkpoints, logs, the backup to resume from, the final model. Empty: none.",
+        "num_cpu_replicas": "Virtual CPU replicas without an accelerator (per TF_CONFIG worker).",
         "mesh_shape": "ROWSxCOLS mesh of a single host's replicas, e.g. 2x4.",
         "deterministic": "Reproducible input order and crops (slower), for comparing runs.",
         "seed": "Random seed.",
         "progress": "Keras progress bar. Default: on when the output is a terminal.",
-        "keep_checkpoints": "Per-epoch weight checkpoints kept in model_dir/checkpoints (the newest).",
+        "keep_checkpoints": "The newest per-epoch checkpoints kept in model_dir/checkpoints.",
         "synthetic_train_examples": "Training examples of the generated default dataset.",
         "synthetic_eval_examples": "Evaluation examples of the generated default dataset.",
     }
     for field in dataclasses.fields(TrainConfig):
-        kind = field.type if field.type in kinds else (
-            int if "int" in str(field.type) else float if "float" in str(field.type) else
-            bool if "bool" in str(field.type) else str)
+        kind = (
+            field.type
+            if field.type in kinds
+            else (
+                int
+                if "int" in str(field.type)
+                else float
+                if "float" in str(field.type)
+                else bool
+                if "bool" in str(field.type)
+                else str
+            )
+        )
         kinds[kind](field.name, getattr(defaults, field.name), helps[field.name])
 
 
@@ -172,7 +193,9 @@ def _check_config(config, strategy=None):
     if config.optimizer not in (None, "lars", "sgd"):
         raise ValueError(f"--optimizer={config.optimizer!r}: choose lars or sgd.")
     if config.mixed_precision not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"--mixed_precision={config.mixed_precision!r}: choose float32, bfloat16 or float16.")
+        raise ValueError(
+            f"--mixed_precision={config.mixed_precision!r}: choose float32, bfloat16 or float16."
+        )
     if config.epochs < 1 or config.global_batch_size < 1:
         raise ValueError("--epochs and --global_batch_size must be at least 1.")
     if strategy is None:
@@ -180,8 +203,9 @@ def _check_config(config, strategy=None):
     replicas = strategy.num_replicas_in_sync
     if config.global_batch_size % replicas:
         raise ValueError(
-            f"--global_batch_size={config.global_batch_size} does not divide over {replicas} replicas; use a "
-            f"multiple of {replicas}, e.g. {replicas * max(1, config.global_batch_size // replicas)}."
+            f"--global_batch_size={config.global_batch_size} does not divide over {replicas} "
+            f"replicas; use a multiple of {replicas}, e.g. "
+            f"{replicas * max(1, config.global_batch_size // replicas)}."
         )
     if config.bn_group_size is not None:
         strategy.mesh.group_assignment(config.bn_group_size)  # raises with the valid sizes
@@ -192,11 +216,19 @@ def _make_default_dataset(config):
 
     folder = tempfile.mkdtemp(prefix="tpu_scale_synthetic_")
     made = data.make_synthetic_imagenet(
-        folder, num_classes=config.num_classes or 10, train_examples=config.synthetic_train_examples,
-        eval_examples=config.synthetic_eval_examples, image_shape=(config.image_size, config.image_size),
-        seed=config.seed)
-    logging.info("Generated %d + %d synthetic JPEG examples in %s (removed at the end)",
-                 config.synthetic_train_examples, config.synthetic_eval_examples, folder)
+        folder,
+        num_classes=config.num_classes or 10,
+        train_examples=config.synthetic_train_examples,
+        eval_examples=config.synthetic_eval_examples,
+        image_shape=(config.image_size, config.image_size),
+        seed=config.seed,
+    )
+    logging.info(
+        "Generated %d + %d synthetic JPEG examples in %s (removed at the end)",
+        config.synthetic_train_examples,
+        config.synthetic_eval_examples,
+        folder,
+    )
     return folder, made["num_classes"]
 
 
@@ -216,7 +248,8 @@ def _looks_like_imagenet(train_pattern):
 
 
 def _resolve_records(config, data_dir):
-    """Classes, label offset and example counts of a folder of shards: the label map's, or the flags'."""
+    """Classes, label offset and example counts of a folder of shards: the label map's, or the
+    flags'."""
     from tpu_scale import data
 
     train_pattern = os.path.join(data_dir, "train-*")
@@ -226,37 +259,53 @@ def _resolve_records(config, data_dir):
         if config.num_classes not in (None, label_map.num_classes):
             raise ValueError(
                 f"--num_classes={config.num_classes} but the label map {label_map.path} lists "
-                f"{label_map.num_classes} classes. Drop --num_classes (it is read from the label map).")
+                f"{label_map.num_classes} classes. Drop --num_classes (it is read from the label "
+                "map)."
+            )
         config.num_classes = label_map.num_classes
         if config.label_offset is None:
             config.label_offset = label_map.label_offset
         counts = label_map.counts
         train = config.train_examples or counts.get("train") or _count_records(train_pattern)
-        evaluation = config.eval_examples or counts.get("validation") or _count_records(eval_pattern)
-        logging.info("Label map %s: %d classes, label offset %d, %d train / %d validation examples",
-                     label_map.path, label_map.num_classes, label_map.label_offset, train, evaluation)
+        evaluation = (
+            config.eval_examples or counts.get("validation") or _count_records(eval_pattern)
+        )
+        logging.info(
+            "Label map %s: %d classes, label offset %d, %d train / %d validation examples",
+            label_map.path,
+            label_map.num_classes,
+            label_map.label_offset,
+            train,
+            evaluation,
+        )
     else:
         imagenet = _looks_like_imagenet(train_pattern)
         if config.num_classes is None:
             if not imagenet:
                 raise ValueError(
-                    f"{data_dir} has no label map (labels.json) and is not the classic ImageNet layout, so "
+                    f"{data_dir} has no label map (labels.json) and is not the classic ImageNet "
+                    "layout, so "
                     "the number of classes is unknown. Write the records with python -m "
-                    "tpu_scale.data.write_tfrecords (it writes the label map), or pass --num_classes.")
+                    "tpu_scale.data.write_tfrecords (it writes the label map), or pass "
+                    "--num_classes."
+                )
             config.num_classes = 1000
         if config.label_offset is None:
             config.label_offset = 1
         imagenet = imagenet and config.num_classes == 1000
-        train = config.train_examples or (IMAGENET_TRAIN_EXAMPLES if imagenet else
-                                          _count_records(train_pattern))
-        evaluation = config.eval_examples or (IMAGENET_EVAL_EXAMPLES if imagenet else
-                                              _count_records(eval_pattern))
+        train = config.train_examples or (
+            IMAGENET_TRAIN_EXAMPLES if imagenet else _count_records(train_pattern)
+        )
+        evaluation = config.eval_examples or (
+            IMAGENET_EVAL_EXAMPLES if imagenet else _count_records(eval_pattern)
+        )
     if train == 0:
         raise ValueError(f"No training records match {train_pattern}.")
     if evaluation == 0:
         raise ValueError(
             f"No validation records match {eval_pattern}. Write them with python -m "
-            "tpu_scale.data.write_tfrecords (it splits off a validation set by default).")
+            "tpu_scale.data.write_tfrecords (it splits off a validation set by default)."
+        )
     return train_pattern, eval_pattern, train, evaluation
 
 
@@ -264,20 +313,43 @@ def _inputs(config, data_dir, pad_eval):
     """The train and eval `ImageNetInput`s and their example counts."""
     from tpu_scale import data
 
-    common = dict(global_batch_size=config.global_batch_size, image_size=config.image_size,
-                  dtype="bfloat16" if config.mixed_precision == "bfloat16" else "float32")
+    common = dict(
+        global_batch_size=config.global_batch_size,
+        image_size=config.image_size,
+        dtype="bfloat16" if config.mixed_precision == "bfloat16" else "float32",
+    )
     if config.tfds_name:
-        train = data.ImageNetInput.from_tfds(config.tfds_name, "train", config.tfds_data_dir, is_training=True,
-                                             deterministic=config.deterministic, seed=config.seed, **common)
-        evaluation = data.ImageNetInput.from_tfds(config.tfds_name, "validation", config.tfds_data_dir,
-                                                  is_training=False, pad_last_batch=pad_eval, **common)
+        train = data.ImageNetInput.from_tfds(
+            config.tfds_name,
+            "train",
+            config.tfds_data_dir,
+            is_training=True,
+            deterministic=config.deterministic,
+            seed=config.seed,
+            **common,
+        )
+        evaluation = data.ImageNetInput.from_tfds(
+            config.tfds_name,
+            "validation",
+            config.tfds_data_dir,
+            is_training=False,
+            pad_last_batch=pad_eval,
+            **common,
+        )
         return train, evaluation, _tfds_counts(config)
     train_pattern, eval_pattern, train_count, eval_count = _resolve_records(config, data_dir)
     labels = dict(label_offset=config.label_offset, num_classes=config.num_classes)
-    train = data.ImageNetInput(train_pattern, is_training=True, deterministic=config.deterministic,
-                               seed=config.seed, **labels, **common)
-    evaluation = data.ImageNetInput(eval_pattern, is_training=False, pad_last_batch=pad_eval, **labels,
-                                    **common)
+    train = data.ImageNetInput(
+        train_pattern,
+        is_training=True,
+        deterministic=config.deterministic,
+        seed=config.seed,
+        **labels,
+        **common,
+    )
+    evaluation = data.ImageNetInput(
+        eval_pattern, is_training=False, pad_last_batch=pad_eval, **labels, **common
+    )
     return train, evaluation, (train_count, eval_count)
 
 
@@ -286,16 +358,19 @@ def _tfds_counts(config):
 
     info = tfds.builder(config.tfds_name, data_dir=config.tfds_data_dir).info
     config.num_classes = config.num_classes or info.features["label"].num_classes
-    return (config.train_examples or info.splits["train"].num_examples,
-            config.eval_examples or info.splits["validation"].num_examples)
+    return (
+        config.train_examples or info.splits["train"].num_examples,
+        config.eval_examples or info.splits["validation"].num_examples,
+    )
 
 
 def eval_steps(num_examples, global_batch_size, num_replicas, num_input_pipelines):
-    """Steps of one pass over `num_examples` evaluation examples on one input pipeline, the last partial.
+    """Steps of one pass over `num_examples` evaluation examples on one input pipeline, the last
+    partial.
 
-    The pipeline batches the examples into per-replica batches and the distributed dataset hands one to
-    every replica per step. Several pipelines (hosts) read files of different sizes, so their counts are
-    not known here: None lets each pass run to the end of the data.
+    The pipeline batches the examples into per-replica batches and the distributed dataset hands one
+    to every replica per step. Several pipelines (hosts) read files of different sizes, so their
+    counts are not known here: None lets each pass run to the end of the data.
     """
     if num_input_pipelines != 1:
         return None
@@ -304,12 +379,13 @@ def eval_steps(num_examples, global_batch_size, num_replicas, num_input_pipeline
 
 
 def eval_dataset_fn(eval_input, steps):
-    """`distribute_datasets_from_function`'s function for evaluation passes of exactly `steps` steps.
+    """`distribute_datasets_from_function`'s function for evaluation passes of exactly `steps`
+    steps.
 
     Keras keeps one evaluation iterator for the whole `fit` when it is given `validation_steps`, so
-    the data must repeat; each pass is topped up with empty batches to a whole number of steps, so that
-    every evaluation sees every example exactly once. Exact steps also keep Keras from warning that the
-    input "ran out of data".
+    the data must repeat; each pass is topped up with empty batches to a whole number of steps, so
+    that every evaluation sees every example exactly once. Exact steps also keep Keras from warning
+    that the input "ran out of data".
     """
     import tensorflow as tf
 
@@ -320,10 +396,12 @@ def eval_dataset_fn(eval_input, steps):
         replicas = context.num_replicas_in_sync // context.num_input_pipelines
         batches = steps * replicas  # per-replica batches in one pass, topped up
         images, labels = data.element_spec[:2]
-        empty = tf.data.Dataset.from_tensors((
-            tf.zeros([0] + images.shape[1:].as_list(), images.dtype),
-            tf.zeros([0], labels.dtype),
-        ))
+        empty = tf.data.Dataset.from_tensors(
+            (
+                tf.zeros([0] + images.shape[1:].as_list(), images.dtype),
+                tf.zeros([0], labels.dtype),
+            )
+        )
         # The pass's own batches (at most `batches`), then empty ones up to a whole number of steps.
         return data.concatenate(empty.repeat()).take(batches).repeat()
 
@@ -338,13 +416,19 @@ def _recipe(config):
     if config.optimizer == "sgd" and recipe.optimizer != "sgd":
         # The recipe's momentum-SGD rule, past the batch sizes where it picks SGD itself.
         rate = schedules.SGD_LEARNING_RATE_AT_256 * math.sqrt(config.global_batch_size / 256)
-        recipe = dataclasses.replace(recipe, optimizer="sgd", peak_learning_rate=rate,
-                                     warmup_epochs=schedules.SGD_WARMUP_EPOCHS)
+        recipe = dataclasses.replace(
+            recipe,
+            optimizer="sgd",
+            peak_learning_rate=rate,
+            warmup_epochs=schedules.SGD_WARMUP_EPOCHS,
+        )
     elif config.optimizer == "lars" and recipe.optimizer != "lars":
         reference = schedules.reference_lars_hparams(config.global_batch_size)
         recipe = dataclasses.replace(recipe, optimizer="lars", **reference)
-    given = {name: getattr(config, name) for name in (
-        "peak_learning_rate", "warmup_epochs", "weight_decay", "label_smoothing")}
+    given = {
+        name: getattr(config, name)
+        for name in ("peak_learning_rate", "warmup_epochs", "weight_decay", "label_smoothing")
+    }
     return dataclasses.replace(recipe, **{k: v for k, v in given.items() if v is not None})
 
 
@@ -354,29 +438,38 @@ def _build_model(config):
     from tpu_scale import losses, models
 
     if config.model == "resnet50":
-        model = models.resnet50(config.num_classes, bn_group_size=config.bn_group_size,
-                                input_shape=(config.image_size, config.image_size, 3))
+        model = models.resnet50(
+            config.num_classes,
+            bn_group_size=config.bn_group_size,
+            input_shape=(config.image_size, config.image_size, 3),
+        )
     else:
-        model = models.small_resnet(config.num_classes, image_size=config.image_size,
-                                    bn_group_size=config.bn_group_size)
+        model = models.small_resnet(
+            config.num_classes, image_size=config.image_size, bn_group_size=config.bn_group_size
+        )
     recipe = _recipe(config)
     model.compile(
         optimizer=recipe.build_optimizer(config.steps_per_epoch, config.epochs),
         loss=losses.SmoothedSparseCategoricalCrossentropy(recipe.label_smoothing, from_logits=True),
         weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="top_1")],
     )
-    logging.info("Model %s: %d parameters; %s, peak LR %.3g, warmup %.2f epochs", config.model,
-                 model.count_params(), recipe.optimizer, recipe.peak_learning_rate,
-                 min(recipe.warmup_epochs, 0.4 * config.epochs))
+    logging.info(
+        "Model %s: %d parameters; %s, peak LR %.3g, warmup %.2f epochs",
+        config.model,
+        model.count_params(),
+        recipe.optimizer,
+        recipe.peak_learning_rate,
+        min(recipe.warmup_epochs, 0.4 * config.epochs),
+    )
     return model, recipe
 
 
 def progress_callback(global_batch_size, num_replicas, epochs):
     """A Keras callback that logs one line per epoch and keeps the training rate.
 
-    The line: epoch, images/s (total and per replica), training loss and top-1, validation top-1. Each
-    epoch is timed from the end of its first step to the end of its last, so tracing and the input
-    pipeline's warm-up do not count.
+    The line: epoch, images/s (total and per replica), training loss and top-1, validation top-1.
+    Each epoch is timed from the end of its first step to the end of its last, so tracing and the
+    input pipeline's warm-up do not count.
     """
     import keras
 
@@ -401,9 +494,16 @@ def progress_callback(global_batch_size, num_replicas, epochs):
                 self.seconds += seconds
                 rate = images / seconds
             logging.info(
-                "epoch %d/%d: %.0f images/s (%.1f per replica), loss %.4f, top-1 %.4f, val top-1 %.4f",
-                epoch + 1, epochs, rate, rate / num_replicas, logs.get("loss", float("nan")),
-                logs.get("top_1", float("nan")), logs.get("val_top_1", float("nan")))
+                "epoch %d/%d: %.0f images/s (%.1f per replica), loss %.4f, top-1 %.4f, val top-1 "
+                "%.4f",
+                epoch + 1,
+                epochs,
+                rate,
+                rate / num_replicas,
+                logs.get("loss", float("nan")),
+                logs.get("top_1", float("nan")),
+                logs.get("val_top_1", float("nan")),
+            )
 
         @property
         def images_per_second(self):
@@ -413,7 +513,7 @@ def progress_callback(global_batch_size, num_replicas, epochs):
 
 
 def keep_newest_callback(folder, keep):
-    """A Keras callback that deletes all but the `keep` newest files of `folder` after every epoch."""
+    """A Keras callback that deletes all but the `keep` newest files of `folder` each epoch."""
     import keras
     import tensorflow as tf
 
@@ -445,11 +545,13 @@ def _callbacks(config, strategy, progress, temporary):
         # Atomic saves; kept at the end, so that a larger --epochs continues a finished run. On
         # SIGTERM (a preemption notice) every worker saves at the same step and exits with
         # checkpointing.PREEMPTED_EXIT_CODE; the same command then resumes there.
-        checkpointing.BackupAndRestore(os.path.join(config.model_dir, "backup"),
-                                       delete_checkpoint=False),
+        checkpointing.BackupAndRestore(
+            os.path.join(config.model_dir, "backup"), delete_checkpoint=False
+        ),
         progress,
-        keras.callbacks.ModelCheckpoint(os.path.join(checkpoints, "epoch_{epoch:03d}.weights.h5"),
-                                        save_weights_only=True),
+        keras.callbacks.ModelCheckpoint(
+            os.path.join(checkpoints, "epoch_{epoch:03d}.weights.h5"), save_weights_only=True
+        ),
         keep_newest_callback(checkpoints, config.keep_checkpoints),
         keras.callbacks.TensorBoard(os.path.join(out_dir, "logs"), update_freq="epoch"),
     ]
@@ -459,8 +561,11 @@ def _is_chief(strategy):
     resolver = getattr(strategy, "cluster_resolver", None)
     if resolver is None or not resolver.cluster_spec().as_dict():
         return True
-    return resolver.task_type == "chief" or (resolver.task_type == "worker" and resolver.task_id == 0
-                                             and "chief" not in resolver.cluster_spec().as_dict())
+    return resolver.task_type == "chief" or (
+        resolver.task_type == "worker"
+        and resolver.task_id == 0
+        and "chief" not in resolver.cluster_spec().as_dict()
+    )
 
 
 # --------------------------------------------------------------------------- the run
@@ -482,30 +587,41 @@ def _finished_run(model_dir, epochs):
 
 
 def train(config, extra_callbacks=()):
-    """Runs training and evaluation; returns a dict with `top_1`, `images_per_second`, `wall_seconds`.
+    """Runs training and evaluation; returns a dict with `top_1`, `images_per_second`,
+    `wall_seconds`.
 
     Also `model_dir` (None when it was a temporary folder, removed at the end), `outputs` (what was
-    written where) and `model`. On a `model_dir` that holds a finished run of at least `config.epochs`
-    epochs nothing is trained: the summary is that run's, with `finished_before=True`.
+    written where) and `model`. On a `model_dir` that holds a finished run of at least
+    `config.epochs` epochs nothing is trained: the summary is that run's, with
+    `finished_before=True`.
     """
     start = time.perf_counter()
     _check_config(config)
     import tpu_scale
 
     strategy = tpu_scale.create_strategy(
-        config.tpu, num_cpu_replicas=config.num_cpu_replicas,
-        mesh_shape=None if (config.tpu or os.environ.get("TF_CONFIG")) else _parse_mesh_shape(config.mesh_shape),
-        gradient_reduction=config.gradient_reduction)
+        config.tpu,
+        num_cpu_replicas=config.num_cpu_replicas,
+        mesh_shape=None
+        if (config.tpu or os.environ.get("TF_CONFIG"))
+        else _parse_mesh_shape(config.mesh_shape),
+        gradient_reduction=config.gradient_reduction,
+    )
     _check_config(config, strategy)
     if config.model_dir:
         finished = _finished_run(config.model_dir, config.epochs)
         if finished is not None:
             logging.info(
-                "%s already holds a finished run of %d epochs (top-1 %.4f); nothing to train. Pass a "
+                "%s already holds a finished run of %d epochs (top-1 %.4f); nothing to train. "
+                "Pass a "
                 "larger --epochs to continue it, or another --model_dir for a new run.",
-                config.model_dir, finished["epochs"], finished["top_1"])
-            return dict(finished, finished_before=True, model=None,
-                        wall_seconds=time.perf_counter() - start)
+                config.model_dir,
+                finished["epochs"],
+                finished["top_1"],
+            )
+            return dict(
+                finished, finished_before=True, model=None, wall_seconds=time.perf_counter() - start
+            )
 
     import keras
 
@@ -542,52 +658,81 @@ def _run(config, strategy, start, extra_callbacks, temporary):
         config.model_dir = tempfile.mkdtemp(prefix="tpu_scale_run_")
         temporary.append(config.model_dir)
     # TPUs need static shapes: the last evaluation batch is padded there, and weighted out of the
-    # compiled (weighted) metrics. Elsewhere it stays partial, so every metric a user compiles is right.
+    # compiled (weighted) metrics. Elsewhere it stays partial, so every metric a user compiles is
+    # right.
     pad_eval = bool(config.tpu)
     train_input, eval_input, (train_examples, eval_examples) = _inputs(config, data_dir, pad_eval)
     config.steps_per_epoch = max(1, train_examples // config.global_batch_size)
     # One input pipeline unless several hosts (TF_CONFIG) each run their own.
     pipelines = 2 if os.environ.get("TF_CONFIG") else 1
-    validation_steps = None if pad_eval else eval_steps(
-        eval_examples, config.global_batch_size, strategy.num_replicas_in_sync, pipelines)
+    validation_steps = (
+        None
+        if pad_eval
+        else eval_steps(
+            eval_examples, config.global_batch_size, strategy.num_replicas_in_sync, pipelines
+        )
+    )
 
     backup = checkpointing.latest_backup(os.path.join(config.model_dir, "backup"))
     initial_epoch = backup.epoch if backup else 0
     if backup:
-        logging.info("Resuming from the backup after epoch %d of %d%s (%s)", backup.epoch,
-                     config.epochs, f" and {backup.step} steps" if backup.step else "", backup.path)
+        logging.info(
+            "Resuming from the backup after epoch %d of %d%s (%s)",
+            backup.epoch,
+            config.epochs,
+            f" and {backup.step} steps" if backup.step else "",
+            backup.path,
+        )
     # Whole epochs are skipped here; the backup callback drops the steps of a part-done one.
     steps_done = initial_epoch * config.steps_per_epoch if config.deterministic else 0
 
     def train_dataset(context):
-        # A resumed deterministic run continues the same stream of batches where the interrupted run stopped;
-        # each step took one batch from this pipeline for every replica it feeds.
+        # A resumed deterministic run continues the same stream of batches where the interrupted run
+        # stopped; each step took one batch from this pipeline for every replica it feeds.
         replicas_fed = context.num_replicas_in_sync // context.num_input_pipelines
         return train_input.dataset(context).skip(steps_done * replicas_fed)
 
     train_data = strategy.distribute_datasets_from_function(train_dataset)
     # Each evaluation is one pass over every example.
     eval_data = strategy.distribute_datasets_from_function(
-        eval_dataset_fn(eval_input, validation_steps))
+        eval_dataset_fn(eval_input, validation_steps)
+    )
 
     with strategy.scope():
         model, recipe = _build_model(config)
-    progress = progress_callback(config.global_batch_size, strategy.num_replicas_in_sync, config.epochs)
+    progress = progress_callback(
+        config.global_batch_size, strategy.num_replicas_in_sync, config.epochs
+    )
     # Stops a diverging run (NaN, or the loss far above its start) at the last good weights and
     # names the flags that fix it.
-    guard = LossGuard(learning_rate_flag="--peak_learning_rate", optimizer_flag="--optimizer",
-                      suggested_learning_rate=recipe.peak_learning_rate / 4)
+    guard = LossGuard(
+        learning_rate_flag="--peak_learning_rate",
+        optimizer_flag="--optimizer",
+        suggested_learning_rate=recipe.peak_learning_rate / 4,
+    )
     callbacks = [guard] + _callbacks(config, strategy, progress, temporary) + list(extra_callbacks)
-    logging.info("Training %d epochs x %d steps of %d images on %d replicas (mesh %s); model_dir %s",
-                 config.epochs, config.steps_per_epoch, config.global_batch_size, strategy.num_replicas_in_sync,
-                 "x".join(map(str, strategy.mesh.shape)),
-                 config.model_dir if keep_outputs else "a temporary folder (pass --model_dir to keep it)")
+    logging.info(
+        "Training %d epochs x %d steps of %d images on %d replicas (mesh %s); model_dir %s",
+        config.epochs,
+        config.steps_per_epoch,
+        config.global_batch_size,
+        strategy.num_replicas_in_sync,
+        "x".join(map(str, strategy.mesh.shape)),
+        config.model_dir if keep_outputs else "a temporary folder (pass --model_dir to keep it)",
+    )
     show_bar = sys.stdout.isatty() if config.progress is None else config.progress
     # A dead or frozen peer is reported by name, not as an aborted collective.
     with checkpointing.peer_failures_explained(strategy):
-        model.fit(train_data, epochs=config.epochs, steps_per_epoch=config.steps_per_epoch,
-                  validation_data=eval_data, validation_steps=validation_steps, callbacks=callbacks,
-                  verbose=1 if show_bar else 0, shuffle=False)  # the input pipeline shuffles
+        model.fit(
+            train_data,
+            epochs=config.epochs,
+            steps_per_epoch=config.steps_per_epoch,
+            validation_data=eval_data,
+            validation_steps=validation_steps,
+            callbacks=callbacks,
+            verbose=1 if show_bar else 0,
+            shuffle=False,
+        )  # the input pipeline shuffles
     if guard.stopped:
         raise TrainingDiverged(guard.message)
     results = model.evaluate(eval_data, steps=validation_steps, return_dict=True, verbose=0)
@@ -620,8 +765,17 @@ def _save_outputs(config, model, summary):
         "run record": os.path.join(config.model_dir, RUN_FILE),
     }
     model.save(outputs["final model"])
-    record = {key: summary[key] for key in ("top_1", "images_per_second", "images_per_second_per_replica",
-                                            "num_classes", "epochs", "eval_examples")}
+    record = {
+        key: summary[key]
+        for key in (
+            "top_1",
+            "images_per_second",
+            "images_per_second_per_replica",
+            "num_classes",
+            "epochs",
+            "eval_examples",
+        )
+    }
     record.update(model_dir=config.model_dir, outputs=outputs, config=dataclasses.asdict(config))
     with tf.io.gfile.GFile(outputs["run record"], "w") as f:
         json.dump(record, f, indent=2, default=str)
@@ -629,21 +783,28 @@ def _save_outputs(config, model, summary):
 
 
 def summary_line(summary):
-    return (f"top-1 {summary['top_1']:.4f} (chance {1 / summary['num_classes']:.4f}) | "
-            f"{summary['images_per_second']:.0f} images/s ({summary['images_per_second_per_replica']:.1f} per "
-            f"replica) | wall {summary['wall_seconds']:.0f} s")
+    return (
+        f"top-1 {summary['top_1']:.4f} (chance {1 / summary['num_classes']:.4f}) | "
+        f"{summary['images_per_second']:.0f} images/s "
+        f"({summary['images_per_second_per_replica']:.1f} per "
+        f"replica) | wall {summary['wall_seconds']:.0f} s"
+    )
 
 
 def outputs_lines(summary):
     """Where the run's outputs are, one line each (or why there are none)."""
     if not summary.get("model_dir"):
-        return ["outputs: none kept (no --model_dir: the run wrote to a temporary folder, now removed)"]
+        return [
+            "outputs: none kept (no --model_dir: the run wrote to a temporary folder, now removed)"
+        ]
     return [f"{name}: {path}" for name, path in summary["outputs"].items()]
 
 
 def main(argv):
     del argv
-    config = TrainConfig(**{f.name: flags.FLAGS[f.name].value for f in dataclasses.fields(TrainConfig)})
+    config = TrainConfig(
+        **{f.name: flags.FLAGS[f.name].value for f in dataclasses.fields(TrainConfig)}
+    )
     try:
         summary = train(config)
     except (ValueError, TrainingDiverged) as e:
@@ -661,5 +822,6 @@ if __name__ == "__main__":
     logging.set_verbosity(logging.INFO)
     # TensorFlow's own INFO lines (one per reduction it traces) would drown the progress lines.
     import logging as python_logging
+
     python_logging.getLogger("tensorflow").setLevel(python_logging.WARNING)
     app.run(main)

@@ -1,8 +1,8 @@
 """The README's quickstart, run as a user would on a small real dataset (scikit-learn's digits).
 
 The block is taken from README.md as written; only what names the user's data and hardware budget
-changes: the record paths, the image size, the example count, the epochs, and ResNet-50 for the small
-ResNet (ResNet-50 at 1000 classes does not train in a test's time on two cores).
+changes: the record paths, the image size, the example count, the epochs, and ResNet-50 for the
+small ResNet (ResNet-50 at 1000 classes does not train in a test's time on two cores).
 """
 
 import os
@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def quickstart_code():
     text = open(os.path.join(ROOT, "README.md")).read()
-    section = text[text.index("## Quickstart"):]
+    section = text[text.index("## Quickstart") :]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
@@ -47,8 +47,10 @@ def test_quickstart_as_written_trains_and_evaluates_every_example(digits_records
         ("image_size=224", "image_size=32"),
         ("batch, epochs = 1024, 90", "batch, epochs = 128, 3"),
         ("1_281_167", str(label_map.counts["train"])),
-        ("models.resnet50(num_classes=1000, bn_group_size=None)",
-         "models.small_resnet(10, image_size=32, bn_group_size=None)"),
+        (
+            "models.resnet50(num_classes=1000, bn_group_size=None)",
+            "models.small_resnet(10, image_size=32, bn_group_size=None)",
+        ),
     ]
     for old, new in replacements:
         assert old in code, f"the README quickstart no longer contains {old!r}"
@@ -59,7 +61,9 @@ def test_quickstart_as_written_trains_and_evaluates_every_example(digits_records
         def on_epoch_end(self, epoch, logs=None):
             epoch_ends.append(time.monotonic())
 
-    code = code.replace("model.fit(", "history = model.fit(callbacks=[EpochTimes()], verbose=0, x=", 1)
+    code = code.replace(
+        "model.fit(", "history = model.fit(callbacks=[EpochTimes()], verbose=0, x=", 1
+    )
     namespace = {"EpochTimes": EpochTimes}
     started = time.monotonic()
     exec(compile(code, "README.md quickstart", "exec"), namespace)
