@@ -21,9 +21,8 @@ the peak learning rate is a variable, and each run restarts from that seed's ini
 zeroed optimizer state.
 
 Usage:
-    nice -n 10 python benchmarks/recipe.py            # full run (3 seeds)
-    nice -n 10 python benchmarks/recipe.py --quick    # 2 seeds, batches 64 and 1024, fewer sweep points
-    python benchmarks/recipe.py --plot-only           # redraw the plot from the results file
+    nice -n 10 python benchmarks/recipe.py            # full run: 4 batches, 2 seeds
+    nice -n 10 python benchmarks/recipe.py --quick    # 1 seed, batches 64 and 1024, one sweep point
 
 Writes `benchmarks/results/recipe.json` and `benchmarks/results/recipe.png`.
 """
