@@ -1,8 +1,8 @@
 """Tests for `tpu_scale.callbacks.LossGuard`."""
 
+import keras
 import numpy as np
 import pytest
-import keras
 
 from tpu_scale import optimizers, schedules
 from tpu_scale.callbacks import LossGuard
@@ -128,7 +128,7 @@ def test_one_noisy_step_does_not_stop():
     assert not guard.stopped
 
 
-@pytest.mark.parametrize("kwargs", [dict(factor=1.0), dict(reference_steps=0), dict(window=2.5)])
+@pytest.mark.parametrize("kwargs", [{"factor": 1.0}, {"reference_steps": 0}, {"window": 2.5}])
 def test_bad_arguments(kwargs):
     with pytest.raises(ValueError):
         LossGuard(**kwargs)
