@@ -1,8 +1,8 @@
 """The default training recipe against learning-rate sweeps and plain Keras, on real digits.
 
-Data: scikit-learn's `load_digits()` (1797 greyscale 8x8 handwritten digits, 10 classes, shipped inside
-the scikit-learn wheel), a fixed stratified split of 1400 training and 397 test images, upsampled to
-16x16 and tiled to 3 channels, fed from in-memory numpy arrays through `tf.data`.
+Data: scikit-learn's `load_digits()` (1797 greyscale 8x8 handwritten digits, 10 classes, shipped
+inside the scikit-learn wheel), a fixed stratified split of 1400 training and 397 test images,
+upsampled to 16x16 and tiled to 3 channels, fed from in-memory numpy arrays through `tf.data`.
 
 Model: `tpu_scale.models.small_resnet(10, image_size=16)`, trained with `model.fit` on 8 virtual CPU
 replicas (`tpu_scale.create_strategy(num_cpu_replicas=8)`) for a fixed budget of epochs at global
@@ -10,11 +10,11 @@ batches 32, 64, 256 and 1024; top-1 on the test split at the end. Variants, each
 
     default    `tpu_scale.schedules.recipe_for_batch(batch, total_epochs=...)`, as it comes: grouped
                batch norm, the 2-D torus gradient sum, label smoothing 0.1.
-    sgd@LR     the same with momentum SGD and peak LR `LR` (a small sweep; the best point is reported).
+    sgd@LR     the same with momentum SGD and peak LR `LR` (a small sweep; the best point reported).
     lars@LR    the same with LARS and peak LR `LR` (a small sweep; the best point is reported).
     keras      plain Keras: `keras.layers.BatchNormalization` (per-replica statistics), momentum SGD
-               at 0.1 per 256 examples (Goyal et al., 2017) under the same warmup and decay, no label
-               smoothing, TensorFlow's native gradient all-reduce.
+               at 0.1 per 256 examples (Goyal et al., 2017) under the same warmup and decay, no
+               label smoothing, TensorFlow's native gradient all-reduce.
 
 Every variant of one batch size runs in one process on one traced model per (model, optimizer) pair:
 the peak learning rate is a variable, and each run restarts from that seed's initial weights with
@@ -49,11 +49,20 @@ REPLICAS = 8
 
 # Sweep points around each batch's default (the default's own family also runs the default).
 SETTINGS = {
-    True: {"batches": [64, 1024], "seeds": [0], "epochs": 15,
-           "sgd_lrs": {64: [], 1024: [0.4]}, "lars_lrs": {64: [4.0], 1024: []}},
-    False: {"batches": [32, 64, 256, 1024], "seeds": [0, 1], "epochs": 15,
-            "sgd_lrs": {32: [0.56], 64: [0.8], 256: [1.6], 1024: [0.4]},
-            "lars_lrs": {32: [4.0], 64: [4.0], 256: [8.0], 1024: [8.0]}},
+    True: {
+        "batches": [64, 1024],
+        "seeds": [0],
+        "epochs": 15,
+        "sgd_lrs": {64: [], 1024: [0.4]},
+        "lars_lrs": {64: [4.0], 1024: []},
+    },
+    False: {
+        "batches": [32, 64, 256, 1024],
+        "seeds": [0, 1],
+        "epochs": 15,
+        "sgd_lrs": {32: [0.56], 64: [0.8], 256: [1.6], 1024: [0.4]},
+        "lars_lrs": {32: [4.0], 64: [4.0], 256: [8.0], 1024: [8.0]},
+    },
 }
 
 
@@ -70,13 +79,18 @@ def load_digits_split():
     images = np.repeat(np.repeat(images, scale, axis=1), scale, axis=2)
     images = np.repeat(images[..., None], 3, axis=-1)
     x_train, x_test, y_train, y_test = train_test_split(
-        images, digits.target.astype(np.int32), test_size=TEST_EXAMPLES, random_state=0,
-        stratify=digits.target)
+        images,
+        digits.target.astype(np.int32),
+        test_size=TEST_EXAMPLES,
+        random_state=0,
+        stratify=digits.target,
+    )
     return (x_train, y_train), (x_test, y_test)
 
 
 def _keras_bn_model(model):
-    """`model` with every batch norm replaced by Keras's own (same settings, per-replica statistics)."""
+    """`model` with every batch norm replaced by Keras's own (same settings, per-replica
+    statistics)."""
     import keras
 
     from tpu_scale.layers import DistributedBatchNormalization
@@ -92,7 +106,7 @@ def _keras_bn_model(model):
 
 
 def run_batch(batch, cfg, out):
-    """Trains every variant at global batch `batch` for every seed; appends runs to `out["runs"]`."""
+    """Trains every variant at global batch `batch` for every seed; appends to `out["runs"]`."""
     import keras
     import numpy as np
     import tensorflow as tf
@@ -104,9 +118,10 @@ def run_batch(batch, cfg, out):
     epochs = cfg["epochs"]
     steps_per_epoch = max(1, len(x) // batch)
     recipe = schedules.recipe_for_batch(batch, total_epochs=epochs)
-    strategies = {"torus": tpu_scale.create_strategy(num_cpu_replicas=REPLICAS),
-                  "native": tpu_scale.create_strategy(num_cpu_replicas=REPLICAS,
-                                                      gradient_reduction="native")}
+    strategies = {
+        "torus": tpu_scale.create_strategy(num_cpu_replicas=REPLICAS),
+        "native": tpu_scale.create_strategy(num_cpu_replicas=REPLICAS, gradient_reduction="native"),
+    }
 
     def build(seed, keras_bn):
         keras.utils.set_random_seed(seed)
@@ -114,14 +129,18 @@ def run_batch(batch, cfg, out):
         return _keras_bn_model(model) if keras_bn else model
 
     # (name, optimizer, peak LRs, keras BN + native + no smoothing?)
-    families = [("sgd", "sgd", cfg["sgd_lrs"][batch], False),
-                ("lars", "lars", cfg["lars_lrs"][batch], False),
-                ("keras", "sgd", [0.1 * batch / 256], True)]
+    families = [
+        ("sgd", "sgd", cfg["sgd_lrs"][batch], False),
+        ("lars", "lars", cfg["lars_lrs"][batch], False),
+        ("keras", "sgd", [0.1 * batch / 256], True),
+    ]
     default_family = recipe.optimizer
     for family, optimizer_name, lrs, plain in families:
         lrs = list(lrs)
         if family == default_family:
-            lrs = [("default", recipe.peak_learning_rate)] + [(f"{family}@{lr:g}", lr) for lr in lrs]
+            lrs = [("default", recipe.peak_learning_rate)] + [
+                (f"{family}@{lr:g}", lr) for lr in lrs
+            ]
         elif family != "keras" and not lrs:
             continue
         elif family == "keras":
@@ -136,14 +155,23 @@ def run_batch(batch, cfg, out):
             model = build(0, plain)
             peak = keras.Variable(1.0, trainable=False, name="peak_learning_rate")
             shape = schedules.WarmupPolynomialDecay.from_epochs(
-                1.0, variant.warmup_epochs, epochs, steps_per_epoch, power=variant.decay_power)
+                1.0, variant.warmup_epochs, epochs, steps_per_epoch, power=variant.decay_power
+            )
             holder = []
-            optimizer = variant.build_optimizer(steps_per_epoch, epochs, learning_rate=(
-                lambda peak=peak, shape=shape, holder=holder: peak * shape(holder[0].iterations)))
+            optimizer = variant.build_optimizer(
+                steps_per_epoch,
+                epochs,
+                learning_rate=(
+                    lambda peak=peak, shape=shape, holder=holder: peak * shape(holder[0].iterations)
+                ),
+            )
             holder.append(optimizer)
-            model.compile(optimizer=optimizer,
-                          loss=losses.SmoothedSparseCategoricalCrossentropy(
-                              variant.label_smoothing, from_logits=True))
+            model.compile(
+                optimizer=optimizer,
+                loss=losses.SmoothedSparseCategoricalCrossentropy(
+                    variant.label_smoothing, from_logits=True
+                ),
+            )
         evaluator = build(0, plain)
         for name, lr in lrs:
             for seed in cfg["seeds"]:
@@ -153,20 +181,38 @@ def run_batch(batch, cfg, out):
                     v.assign(tf.zeros_like(v))
                 peak.assign(lr)
                 keras.utils.set_random_seed(seed)
-                data = (tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=seed)
-                        .repeat().batch(batch, drop_remainder=True).prefetch(2))
-                history = model.fit(data, epochs=1, steps_per_epoch=epochs * steps_per_epoch,
-                                    verbose=0)
+                data = (
+                    tf.data.Dataset.from_tensor_slices((x, y))
+                    .shuffle(len(x), seed=seed)
+                    .repeat()
+                    .batch(batch, drop_remainder=True)
+                    .prefetch(2)
+                )
+                history = model.fit(
+                    data, epochs=1, steps_per_epoch=epochs * steps_per_epoch, verbose=0
+                )
                 evaluator.set_weights(model.get_weights())
                 logits = evaluator.predict(x_test, batch_size=TEST_EXAMPLES, verbose=0)
                 top_1 = float(np.mean(np.argmax(logits, -1) == y_test))
                 loss = float(history.history["loss"][-1])
-                out["runs"].append({"batch": batch, "variant": name, "family": family,
-                                    "optimizer": optimizer_name, "peak_learning_rate": lr,
-                                    "seed": seed, "top_1": top_1, "final_loss": loss,
-                                    "seconds": round(time.perf_counter() - start, 1)})
-                print(f"  batch {batch} {name} (lr {lr:g}) seed {seed}: top-1 {top_1:.3f}, "
-                      f"loss {loss:.3f}, {time.perf_counter() - start:.0f} s", flush=True)
+                out["runs"].append(
+                    {
+                        "batch": batch,
+                        "variant": name,
+                        "family": family,
+                        "optimizer": optimizer_name,
+                        "peak_learning_rate": lr,
+                        "seed": seed,
+                        "top_1": top_1,
+                        "final_loss": loss,
+                        "seconds": round(time.perf_counter() - start, 1),
+                    }
+                )
+                print(
+                    f"  batch {batch} {name} (lr {lr:g}) seed {seed}: top-1 {top_1:.3f}, "
+                    f"loss {loss:.3f}, {time.perf_counter() - start:.0f} s",
+                    flush=True,
+                )
 
 
 def summarize(runs):
@@ -180,13 +226,17 @@ def summarize(runs):
         variants = {}
         for name, rs in rows.items():
             accs = [r["top_1"] for r in rs]
-            variants[name] = {"family": rs[0]["family"], "peak_learning_rate": rs[0]["peak_learning_rate"],
-                              "mean": statistics.mean(accs), "min": min(accs), "max": max(accs),
-                              "seeds": len(accs)}
+            variants[name] = {
+                "family": rs[0]["family"],
+                "peak_learning_rate": rs[0]["peak_learning_rate"],
+                "mean": statistics.mean(accs),
+                "min": min(accs),
+                "max": max(accs),
+                "seeds": len(accs),
+            }
         best = {}
         for family in ("sgd", "lars"):
-            points = {n: v for n, v in variants.items()
-                      if v["family"] == family}
+            points = {n: v for n, v in variants.items() if v["family"] == family}
             if points:
                 name = max(points, key=lambda n: points[n]["mean"])
                 best[family] = name
@@ -201,16 +251,21 @@ def plot(summary, path):
     import matplotlib.pyplot as plt
 
     batches = sorted(int(b) for b in summary)
-    series = {"default recipe": lambda t: t["variants"]["default"],
-              "best swept momentum SGD": lambda t: t["variants"][t["best"]["sgd"]],
-              "best swept LARS": lambda t: t["variants"][t["best"]["lars"]],
-              "plain Keras (0.1 per 256)": lambda t: t["variants"]["keras"]}
+    series = {
+        "default recipe": lambda t: t["variants"]["default"],
+        "best swept momentum SGD": lambda t: t["variants"][t["best"]["sgd"]],
+        "best swept LARS": lambda t: t["variants"][t["best"]["lars"]],
+        "plain Keras (0.1 per 256)": lambda t: t["variants"]["keras"],
+    }
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for i, (label, pick) in enumerate(series.items()):
         xs = [b * (1 + 0.04 * (i - 1.5)) for b in batches]
         vals = [pick(summary[str(b)]) for b in batches]
         means = [v["mean"] for v in vals]
-        err = [[m - v["min"] for m, v in zip(means, vals)], [v["max"] - m for m, v in zip(means, vals)]]
+        err = [
+            [m - v["min"] for m, v in zip(means, vals)],
+            [v["max"] - m for m, v in zip(means, vals)],
+        ]
         ax.errorbar(xs, means, yerr=err, marker="o", capsize=3, label=label)
     ax.set_xscale("log", base=2)
     ax.set_xticks(batches, [str(b) for b in batches])
@@ -232,8 +287,10 @@ def print_table(summary):
             r = v[name]
             return f"{r['mean']:.3f} [{r['min']:.3f}, {r['max']:.3f}] ({name})"
 
-        print(f"{batch} | {cell('default')} | {cell(t['best']['sgd'])} | {cell(t['best']['lars'])} | "
-              f"{cell('keras')}")
+        print(
+            f"{batch} | {cell('default')} | {cell(t['best']['sgd'])} | {cell(t['best']['lars'])} | "
+            f"{cell('keras')}"
+        )
 
 
 def main():
@@ -260,8 +317,10 @@ def main():
     out = {"settings": cfg, "runs": []}
     from tpu_scale import schedules
 
-    out["recipe"] = {str(b): dataclasses.asdict(schedules.recipe_for_batch(b, total_epochs=cfg["epochs"]))
-                     for b in cfg["batches"]}
+    out["recipe"] = {
+        str(b): dataclasses.asdict(schedules.recipe_for_batch(b, total_epochs=cfg["epochs"]))
+        for b in cfg["batches"]
+    }
     out["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count()}
     for batch in cfg["batches"]:
         run_batch(batch, cfg, out)

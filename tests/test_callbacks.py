@@ -17,8 +17,9 @@ def _data(n=256, seed=0):
 
 def _model(optimizer, seed=0):
     keras.utils.set_random_seed(seed)
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                              keras.layers.Dense(2)])
+    model = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(2)]
+    )
     model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
 
@@ -102,7 +103,7 @@ def _feed(guard, epoch_losses):
         guard.on_epoch_begin(epoch)
         for step, loss in enumerate(losses):
             # Keras hands callbacks the running mean of the epoch.
-            guard.on_train_batch_end(step, {"loss": float(np.mean(losses[:step + 1]))})
+            guard.on_train_batch_end(step, {"loss": float(np.mean(losses[: step + 1]))})
             seen += 1
             if model.stop_training:
                 return seen

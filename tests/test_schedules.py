@@ -2,9 +2,9 @@
 
 import dataclasses
 
+import keras
 import numpy as np
 import pytest
-import keras
 
 from tpu_scale.optimizers import LARS
 from tpu_scale.schedules import (
@@ -20,8 +20,9 @@ def _lr(schedule, step):
 
 
 def test_values_at_key_steps():
-    s = WarmupPolynomialDecay(peak_learning_rate=10.0, warmup_steps=100, total_steps=300,
-                              end_learning_rate=1.0)
+    s = WarmupPolynomialDecay(
+        peak_learning_rate=10.0, warmup_steps=100, total_steps=300, end_learning_rate=1.0
+    )
     assert _lr(s, 0) == 0.0
     assert _lr(s, 50) == pytest.approx(5.0)
     assert _lr(s, 100) == pytest.approx(10.0)
@@ -42,8 +43,9 @@ def test_power_and_no_warmup():
 
 
 def test_from_epochs():
-    s = WarmupPolynomialDecay.from_epochs(25.0, warmup_epochs=2.5, total_epochs=10,
-                                          steps_per_epoch=40)
+    s = WarmupPolynomialDecay.from_epochs(
+        25.0, warmup_epochs=2.5, total_epochs=10, steps_per_epoch=40
+    )
     assert (s.warmup_steps, s.total_steps) == (100, 400)
     assert _lr(s, 100) == pytest.approx(25.0)
 
@@ -72,8 +74,9 @@ def test_reference_hparams():
     assert 25.0 < mid["peak_learning_rate"] < 34.0 and 5.0 < mid["warmup_epochs"] < 12.0
     t = np.log2(24576 / 16384)
     assert mid["peak_learning_rate"] == pytest.approx(25.0 + 9.0 * t)
-    s = WarmupPolynomialDecay.from_epochs(**reference_lars_hparams(32768), total_epochs=72,
-                                          steps_per_epoch=39)
+    s = WarmupPolynomialDecay.from_epochs(
+        **reference_lars_hparams(32768), total_epochs=72, steps_per_epoch=39
+    )
     assert s.warmup_steps == 12 * 39 and _lr(s, s.warmup_steps) == pytest.approx(34.0)
 
 
@@ -84,8 +87,10 @@ def test_reference_hparams():
         (dict(peak_learning_rate=1.0, warmup_steps=-1, total_steps=2), "warmup_steps"),
         (dict(peak_learning_rate=1.0, warmup_steps=2.5, total_steps=5), "warmup_steps"),
         (dict(peak_learning_rate=1.0, warmup_steps=5, total_steps=5), "total_steps"),
-        (dict(peak_learning_rate=1.0, warmup_steps=1, total_steps=5, end_learning_rate=2.0),
-         "end_learning_rate"),
+        (
+            dict(peak_learning_rate=1.0, warmup_steps=1, total_steps=5, end_learning_rate=2.0),
+            "end_learning_rate",
+        ),
         (dict(peak_learning_rate=1.0, warmup_steps=1, total_steps=5, power=0.0), "power"),
     ],
 )
@@ -107,15 +112,19 @@ def test_bad_epoch_and_batch_arguments():
 
 # --------------------------------------------------------------------------- recipe_for_batch
 
-BATCHES = [32, 48, 64, 128, 256, 384, 511, 512, 1024, 4096, 8192, 16384, 24576, 32768, 49152,
-           65536]
+BATCHES = [32, 48, 64, 128, 256, 384, 511, 512, 1024, 4096, 8192, 16384, 24576, 32768, 49152, 65536]
 
 
-@pytest.mark.parametrize("batch, lr, warmup", [(16384, 25.0, 5.0), (32768, 34.0, 12.0),
-                                               (65536, 35.0, 34.0)])
+@pytest.mark.parametrize(
+    "batch, lr, warmup", [(16384, 25.0, 5.0), (32768, 34.0, 12.0), (65536, 35.0, 34.0)]
+)
 def test_recipe_keeps_the_papers_settings_at_16k_to_64k(batch, lr, warmup):
     recipe = recipe_for_batch(batch)
-    assert (recipe.optimizer, recipe.peak_learning_rate, recipe.warmup_epochs) == ("lars", lr, warmup)
+    assert (recipe.optimizer, recipe.peak_learning_rate, recipe.warmup_epochs) == (
+        "lars",
+        lr,
+        warmup,
+    )
     assert (recipe.momentum, recipe.eta, recipe.weight_decay) == (0.9, 0.001, 1e-4)
     # A 90-epoch run keeps them; only a run too short for the warmup cuts it.
     assert recipe_for_batch(batch, total_epochs=90).warmup_epochs == warmup
@@ -139,7 +148,10 @@ def test_recipe_table_values():
     assert table[256].peak_learning_rate == pytest.approx(0.4)
     for b in (512, 1024, 8192):
         assert (table[b].optimizer, table[b].peak_learning_rate, table[b].warmup_epochs) == (
-            "lars", 25.0, 5.0)
+            "lars",
+            25.0,
+            5.0,
+        )
 
 
 def test_recipe_is_monotonic_in_batch_size():
@@ -176,13 +188,17 @@ def test_recipe_builds_its_optimizers():
     sgd = recipe_for_batch(64).build_optimizer(steps_per_epoch=20, total_epochs=10)
     assert isinstance(sgd, keras.optimizers.SGD) and sgd.nesterov and sgd.momentum == 0.9
     assert sgd._learning_rate.peak_learning_rate == pytest.approx(0.2)
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
-                              keras.layers.BatchNormalization()])
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(3), keras.layers.BatchNormalization()]
+    )
     sgd.build(model.trainable_variables)
     decayed = {v.path: sgd._use_weight_decay(v) for v in model.trainable_variables}
-    assert decayed == {"sequential/dense/kernel": True, "sequential/dense/bias": False,
-                       "sequential/batch_normalization/gamma": False,
-                       "sequential/batch_normalization/beta": False}
+    assert decayed == {
+        "sequential/dense/kernel": True,
+        "sequential/dense/bias": False,
+        "sequential/batch_normalization/gamma": False,
+        "sequential/batch_normalization/beta": False,
+    }
 
 
 def test_recipe_checks_its_arguments():
@@ -216,10 +232,16 @@ def test_recipe_trains_digits_well_above_chance():
     assert recipe.optimizer == "sgd"
     keras.utils.set_random_seed(0)
     model = models.small_resnet(10, image_size=8)
-    model.compile(recipe.build_optimizer(steps_per_epoch, epochs),
-                  losses.SmoothedSparseCategoricalCrossentropy(recipe.label_smoothing))
-    data = (tf.data.Dataset.from_tensor_slices((images[train], labels[train]))
-            .shuffle(len(train), seed=0).repeat().batch(batch, drop_remainder=True))
+    model.compile(
+        recipe.build_optimizer(steps_per_epoch, epochs),
+        losses.SmoothedSparseCategoricalCrossentropy(recipe.label_smoothing),
+    )
+    data = (
+        tf.data.Dataset.from_tensor_slices((images[train], labels[train]))
+        .shuffle(len(train), seed=0)
+        .repeat()
+        .batch(batch, drop_remainder=True)
+    )
     model.fit(data, epochs=1, steps_per_epoch=epochs * steps_per_epoch, verbose=0)
     logits = model.predict(images[test], batch_size=len(test), verbose=0)
     top_1 = float(np.mean(np.argmax(logits, -1) == labels[test]))

@@ -1,4 +1,5 @@
-"""Keras callbacks of the recipe: `LossGuard` stops a diverging run and says which setting to change."""
+"""Keras callbacks of the recipe: `LossGuard` stops a diverging run and says which setting to
+change."""
 
 import logging
 import math
@@ -137,11 +138,15 @@ class LossGuard(keras.callbacks.Callback):
             if len(self._first_losses) == self.reference_steps:
                 self.reference_loss = float(np.mean(self._first_losses))
             return
-        self._recent = (self._recent + [loss])[-self.window:]
+        self._recent = (self._recent + [loss])[-self.window :]
         recent = float(np.mean(self._recent))
         if len(self._recent) == self.window and recent > self.factor * self.reference_loss:
-            self._stop(batch, recent, f"averaged over the last {self.window} steps is more than "
-                       f"{self.factor:g}x the first steps' {self.reference_loss:.4g}")
+            self._stop(
+                batch,
+                recent,
+                f"averaged over the last {self.window} steps is more than "
+                f"{self.factor:g}x the first steps' {self.reference_loss:.4g}",
+            )
 
     def on_epoch_end(self, epoch, logs=None):
         if not self.stopped and self._epoch_ok:
@@ -197,8 +202,11 @@ class LossGuard(keras.callbacks.Callback):
             advice += f" to {target:.4g}"
         optimizer = getattr(self.model, "optimizer", None)
         if type(optimizer).__name__ == "LARS":
-            advice += (f", or use {self.optimizer_flag} sgd" if self.optimizer_flag
-                       else ", or use momentum SGD") + " below batch 16384"
+            advice += (
+                f", or use {self.optimizer_flag} sgd"
+                if self.optimizer_flag
+                else ", or use momentum SGD"
+            ) + " below batch 16384"
         else:
             advice += ", or warm up for longer"
         return advice

@@ -1,4 +1,5 @@
-"""The large-batch recipe: its settings by batch size, and its linear-warmup + polynomial-decay schedule."""
+"""The large-batch recipe: its settings by batch size, and its linear-warmup + polynomial-decay
+schedule."""
 
 import dataclasses
 import math
@@ -270,8 +271,13 @@ class Recipe:
         """
         warmup = min(self.warmup_epochs, MAX_WARMUP_FRACTION * total_epochs)
         return WarmupPolynomialDecay.from_epochs(
-            self.peak_learning_rate, warmup, total_epochs, steps_per_epoch,
-            end_learning_rate=self.end_learning_rate, power=self.decay_power)
+            self.peak_learning_rate,
+            warmup,
+            total_epochs,
+            steps_per_epoch,
+            end_learning_rate=self.end_learning_rate,
+            power=self.decay_power,
+        )
 
     def build_optimizer(self, steps_per_epoch, total_epochs, learning_rate=None):
         """The optimizer of the recipe, on its schedule.
@@ -293,14 +299,17 @@ class Recipe:
         if learning_rate is None:
             learning_rate = self.schedule(steps_per_epoch, total_epochs)
         if self.optimizer == "lars":
-            return optimizers.LARS(learning_rate, momentum=self.momentum,
-                                   weight_decay=self.weight_decay, eta=self.eta)
-        optimizer = keras.optimizers.SGD(learning_rate, momentum=self.momentum,
-                                         nesterov=self.nesterov,
-                                         weight_decay=self.weight_decay or None)
+            return optimizers.LARS(
+                learning_rate, momentum=self.momentum, weight_decay=self.weight_decay, eta=self.eta
+            )
+        optimizer = keras.optimizers.SGD(
+            learning_rate,
+            momentum=self.momentum,
+            nesterov=self.nesterov,
+            weight_decay=self.weight_decay or None,
+        )
         if self.weight_decay:
-            optimizer.exclude_from_weight_decay(
-                var_names=list(optimizers.DEFAULT_EXCLUDE_PATTERNS))
+            optimizer.exclude_from_weight_decay(var_names=list(optimizers.DEFAULT_EXCLUDE_PATTERNS))
         return optimizer
 
 
