@@ -83,6 +83,7 @@ def test_quickstart_as_written_trains_and_evaluates_every_example(digits_records
     assert total == label_map.counts["validation"]
     assert evaluated["accuracy"] == pytest.approx(correct / total, abs=1e-6)
     assert history["val_accuracy"][-1] == pytest.approx(correct / total, abs=1e-6)
-    # No stalled epoch: iterator deletion at the end of each evaluation once took up to 60 s.
-    durations = np.diff([started] + epoch_ends)
-    assert durations.max() < 45, durations
+    # No stalled epoch: iterator deletion at the end of each evaluation once took up to 60 s. (The
+    # first epoch also traces the step and builds the pipelines, so it is left out.)
+    durations = np.diff(epoch_ends)
+    assert len(durations) == 2 and durations.max() < 30, (epoch_ends[0] - started, durations)
