@@ -4,8 +4,17 @@ import argparse
 import json
 import sys
 
-from tpu_scale.plan.catalog import DTYPE_BYTES, GPU_TYPES, MODELS, WRAPAROUND, gpu_cluster, slice_names, tpu_slice
+from tpu_scale.plan.catalog import (
+    DTYPE_BYTES,
+    GPU_TYPES,
+    MODELS,
+    WRAPAROUND,
+    gpu_cluster,
+    slice_names,
+    tpu_slice,
+)
 from tpu_scale.plan.report import format_plan, plan
+
 
 def _parser():
     p = argparse.ArgumentParser(
@@ -55,7 +64,7 @@ def main(argv=None):
         if args.calibrate:
             from tpu_scale.plan.calibrate import calibrate  # starts TensorFlow
 
-            sizes = (2 ** 12, 2 ** 20, 2 ** 23) if args.quick else (2 ** 12, 2 ** 18, 2 ** 21, 2 ** 23)
+            sizes = (2 ** 12, 2 ** 20, 2 ** 25) if args.quick else (2 ** 12, 2 ** 18, 2 ** 21, 2 ** 23, 2 ** 25)
             result = calibrate(sizes, repeats=3 if args.quick else args.repeats, model=args.model or "resnet50",
                                log=(lambda *a: None) if args.json else print)
             if args.json:
