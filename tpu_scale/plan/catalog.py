@@ -423,12 +423,12 @@ def uniform_cluster(mesh, alpha, bandwidth, shared=False, name="uniform", kind="
 # `python -m tpu_scale.plan --calibrate`; see benchmarks/README.md (planner calibration). The loopback
 # figures between two worker processes are fitted from `benchmarks/all_reduce.py`'s two-process part.
 CPU_FIGURES = {
-    "call_seconds": 1.0e-3,
-    "collective_launch_seconds": 1.3e-3,
+    "call_seconds": 0.00717,
+    "collective_launch_seconds": 0.00316,
     "collective_alpha": 0.0,
-    "collective_bandwidth": 0.3e9,
-    "op_seconds": 0.2e-3,
-    "memory_bandwidth": 3.0e9,
+    "collective_bandwidth": 360000000.0,
+    "op_seconds": 3.06e-05,
+    "memory_bandwidth": 10600000000.0,
     "network_alpha": 1.0e-3,
     "network_bandwidth": 0.35e9,
     "sources": (

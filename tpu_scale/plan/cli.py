@@ -64,7 +64,7 @@ def main(argv=None):
         if args.calibrate:
             from tpu_scale.plan.calibrate import calibrate  # starts TensorFlow
 
-            sizes = (2 ** 12, 2 ** 20, 2 ** 25) if args.quick else (2 ** 12, 2 ** 18, 2 ** 21, 2 ** 23, 2 ** 25)
+            sizes = (2 ** 12, 2 ** 20, 2 ** 23) if args.quick else (2 ** 12, 2 ** 18, 2 ** 21, 2 ** 23)
             result = calibrate(sizes, repeats=3 if args.quick else args.repeats, model=args.model or "resnet50",
                                log=(lambda *a: None) if args.json else print)
             if args.json:
