@@ -63,14 +63,29 @@ def _native(grads):
     return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, grads)
 
 
-def _torus(algorithm, pack_bytes=None):
+def _torus(algorithm, pack_bytes=None, transport_dtype=None):
     from tpu_scale import torus
 
     def reduce_fn(grads):
         kwargs = {} if pack_bytes is None else {"pack_bytes": pack_bytes}
-        return torus.all_reduce_sum(grads, algorithm=algorithm, **kwargs)
+        return torus.all_reduce_sum(grads, algorithm=algorithm, transport_dtype=transport_dtype,
+                                    **kwargs)
 
     return reduce_fn
+
+
+def _auto_choice(strategy, shapes, transport_dtype=None):
+    """What "auto" picks for these gradients on `strategy`, and the planner's predictions."""
+    import numpy as np
+
+    from tpu_scale.plan import choose_algorithm
+
+    tensors = [(int(np.prod(s)) * 4, "float32") for s in shapes]
+    choice = choose_algorithm(strategy.gradient_planner.cluster, tensors,
+                              transport_dtype=transport_dtype)
+    return {"algorithm": choice.algorithm, "cluster": choice.cluster,
+            "predicted_s": {a: (None if v is None else round(v, 4))
+                            for a, v in choice.predicted.items()}}
 
 
 def _timed_rounds(methods, rounds, warmup):
@@ -99,6 +114,15 @@ def _summary(times, baseline):
         }
         for name, t in times.items()
     }
+
+
+def _with_ratio(summary, name, baseline, times):
+    """Adds the median of per-round ratios `name / baseline` (same round, same load)."""
+    per_round = [a / b for a, b in zip(times[name], times[baseline])]
+    summary[name][f"per_round_ratio_to_{baseline}"] = {
+        "median": round(statistics.median(per_round), 3), "min": round(min(per_round), 3),
+        "max": round(max(per_round), 3)}
+    return summary
 
 
 def _check_equal(step_a, step_b, grads, strategy, rtol=1e-5):
@@ -133,10 +157,10 @@ def single_host(rounds, warmup):
     for name, strategy, fn in [
         ("tf_default_collective", default, _native),
         ("tf_reduction_to_one_device", to_one, _native),
+        ("torus_auto", ours, _torus("auto")),  # the planner's choice for this machine
         ("torus_ring", ours, _torus("ring")),
-        ("torus_2d", ours, _torus("torus_2d")),  # what "auto" picks off TPU
+        ("torus_2d", ours, _torus("torus_2d")),
         ("torus_2d_bidirectional", ours, _torus("torus_2d_bidirectional")),
-        ("torus_2d_one_pack", ours, _torus("torus_2d", pack_bytes=0)),
     ]:
         methods[name] = (_summer(strategy, fn), (_per_replica_gradients(strategy, shapes),))
     for name in methods:
@@ -152,7 +176,9 @@ def single_host(rounds, warmup):
         "values": num_values,
         "bytes_per_replica": 4 * num_values,
         "tf_default_cross_device_ops": default_kind,
-        "methods": _summary(times, "tf_default_collective"),
+        "auto": _auto_choice(ours, shapes),
+        "methods": _with_ratio(_summary(times, "tf_default_collective"), "torus_auto",
+                               "tf_reduction_to_one_device", times),
         "shapes": shapes,
     }
 
@@ -170,12 +196,20 @@ def worker(rounds, warmup, shapes):
     grads = _per_replica_gradients(strategy, [tuple(s) for s in shapes])
     methods = {
         "tf_default_multi_worker": (_summer(strategy, _native), (grads,)),
+        "torus_auto": (_summer(strategy, _torus("auto")), (grads,)),
         "torus_2d_hierarchical": (_summer(strategy, _torus("torus_2d")), (grads,)),
-        "torus_2d_bidirectional": (_summer(strategy, _torus("torus_2d_bidirectional")), (grads,)),
+        "torus_2d_bfloat16_between_hosts": (
+            _summer(strategy, _torus("torus_2d", transport_dtype="bfloat16")), (grads,)),
+        "torus_flat": (_summer(strategy, _torus("flat")), (grads,)),
     }
-    _check_equal(methods["torus_2d_hierarchical"][0], methods["tf_default_multi_worker"][0], grads, strategy)
+    for name in ("torus_auto", "torus_2d_hierarchical", "torus_flat"):
+        _check_equal(methods[name][0], methods["tf_default_multi_worker"][0], grads, strategy)
+    _check_equal(methods["torus_2d_bfloat16_between_hosts"][0],
+                 methods["tf_default_multi_worker"][0], grads, strategy, rtol=2e-2)
     times = _timed_rounds(methods, rounds, warmup)
     return {"mesh": list(strategy.mesh.shape), "times": times,
+            "auto": _auto_choice(strategy, shapes),
+            "auto_bfloat16": _auto_choice(strategy, shapes, "bfloat16"),
             "cross_device_ops": type(strategy.extended._cross_device_ops).__name__, "tf": tf.__version__}
 
 
@@ -197,17 +231,28 @@ def two_processes(rounds, warmup, shapes):
     num_bytes = 4 * sum(int(np.prod(s)) for s in shapes)
     mesh = ReplicaMesh.for_workers(2, 4)
     host = lambda replica: replica // 4  # noqa: E731
+    def crossing_of(algorithm, itemsize=4):
+        schedule = torus.build_schedule(mesh, num_bytes, algorithm)
+        schedule = torus.transport_schedule(schedule, host, 4, itemsize)
+        return torus.bytes_sent_between(schedule, host)
+
+    auto = results[0]["auto"]["algorithm"]
     crossing = {
         "tf_default_multi_worker": torus.ring_bytes_sent_between(8, num_bytes, host),
-        "torus_2d_hierarchical": torus.bytes_sent_between(torus.build_schedule(mesh, num_bytes, "torus_2d"), host),
-        "torus_2d_bidirectional": torus.bytes_sent_between(
-            torus.build_schedule(mesh, num_bytes, "torus_2d_bidirectional"), host),
+        "torus_auto": crossing_of(auto) if auto != "native" else
+        torus.ring_bytes_sent_between(8, num_bytes, host),
+        "torus_2d_hierarchical": crossing_of("torus_2d"),
+        "torus_2d_bfloat16_between_hosts": crossing_of("torus_2d", 2),
+        "torus_flat": crossing_of("flat"),
     }
     for name in summary:
         summary[name]["bytes_between_processes"] = crossing[name]
         summary[name]["bytes_between_processes_per_gradient_byte"] = round(crossing[name] / num_bytes, 3)
+    for name in ("torus_auto", "torus_2d_hierarchical", "torus_2d_bfloat16_between_hosts"):
+        _with_ratio(summary, name, "tf_default_multi_worker", times)
     return {"workers": 2, "replicas_per_worker": 4, "mesh": results[0]["mesh"],
-            "tf_cross_device_ops": results[0]["cross_device_ops"], "methods": summary}
+            "tf_cross_device_ops": results[0]["cross_device_ops"], "auto": results[0]["auto"],
+            "auto_bfloat16": results[0]["auto_bfloat16"], "methods": summary}
 
 
 # --------------------------------------------------------------------------- main

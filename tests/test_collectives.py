@@ -42,15 +42,18 @@ def group_of(groups, replica):
     return groups[np.argwhere(groups == replica)[0, 0]]
 
 
-@pytest.mark.parametrize("latency_bound", [False, True], ids=["collective", "latency_bound"])
+PATHS = {"collective": {}, "latency_bound": {"latency_bound": True}, "in_graph": {"in_graph": True}}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("eager", [False, True], ids=["graph", "eager"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
 @pytest.mark.parametrize("grouping", list(GROUPINGS))
-def test_group_sum(strategy, grouping, dtype, eager, latency_bound):
+def test_group_sum(strategy, grouping, dtype, eager, path):
     groups = GROUPINGS[grouping]
     values, tensor = replica_inputs((3, 5), dtype)
     results = run_per_replica(
-        strategy, lambda x: collectives.group_sum(x, groups, latency_bound=latency_bound), tensor, eager)
+        strategy, lambda x: collectives.group_sum(x, groups, **PATHS[path]), tensor, eager)
     for replica, result in enumerate(results):
         np.testing.assert_array_equal(result, values[group_of(groups, replica)].sum(axis=0))
 
@@ -77,16 +80,44 @@ def test_latency_bound_sum_on_one_host_is_plain_ops(strategy):
     assert types.count("CollectiveReduceV2") == 8
 
 
+def test_in_graph_primitives_on_one_host_are_plain_ops(strategy):
+    """reduce-scatter: an AddN per member; all-gather: a concat per member; sum: an AddN per group."""
+    groups = GROUPINGS["rows"]
+
+    def fn(x):
+        x = tf.tile(x, [4])
+        shard = collectives.reduce_scatter(x, groups, in_graph=True)
+        return collectives.all_gather(shard, groups, in_graph=True), \
+            collectives.group_sum(x, groups, in_graph=True)
+
+    types = _graph_op_types(strategy, fn)
+    assert not [t for t in types if t.startswith("Collective")]
+    assert types.count("AddN") == 8 + len(groups)
+    assert types.count("ConcatV2") == 8
+    types = _graph_op_types(strategy, lambda x: collectives.reduce_scatter(tf.tile(x, [4]), groups))
+    assert types.count("CollectiveAllToAllV2") == 8
+
+
+def test_in_graph_groups_on_one_host(strategy):
+    seen = run_per_replica(strategy, lambda x: tf.constant(
+        [collectives.in_graph_groups(GROUPINGS["rows"]),
+         collectives.groups_between_processes(GROUPINGS["columns"])], tf.float32) + 0 * x[0],
+        tf.zeros([8, 1]))
+    # Every group lies in this process; none holds one member per process.
+    assert all(list(s) == [1.0, 0.0] for s in seen)
+
+
+@pytest.mark.parametrize("in_graph", [False, True], ids=["collective", "in_graph"])
 @pytest.mark.parametrize("eager", [False, True], ids=["graph", "eager"])
-@pytest.mark.parametrize("grouping", ["pairs", "rows", "columns", "all"])
-def test_reduce_scatter_then_all_gather_is_the_sum(strategy, grouping, eager):
+@pytest.mark.parametrize("grouping", ["pairs", "rows", "columns", "all", "strided"])
+def test_reduce_scatter_then_all_gather_is_the_sum(strategy, grouping, eager, in_graph):
     groups = GROUPINGS[grouping]
     size = groups.shape[1]
     values, tensor = replica_inputs((size * 3, 2), tf.float32)
 
     def fn(x):
-        shard = collectives.reduce_scatter(x, groups)
-        return tf.concat([collectives.all_gather(shard, groups), shard], axis=0)
+        shard = collectives.reduce_scatter(x, groups, in_graph=in_graph)
+        return tf.concat([collectives.all_gather(shard, groups, in_graph=in_graph), shard], axis=0)
 
     results = run_per_replica(strategy, fn, tensor, eager)
     shards = {}
@@ -112,16 +143,16 @@ def test_all_to_all_is_its_own_inverse(strategy, eager):
         np.testing.assert_array_equal(result, values[replica])
 
 
-@pytest.mark.parametrize("latency_bound", [False, True], ids=["collective", "latency_bound"])
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("grouping", ["pairs", "strided"])
-def test_gradients_of_a_group_sum(strategy, grouping, latency_bound):
+def test_gradients_of_a_group_sum(strategy, grouping, path):
     groups = GROUPINGS[grouping]
     values, tensor = replica_inputs((4,), tf.float32)
 
     def fn(x):
         with tf.GradientTape() as tape:
             tape.watch(x)
-            loss = tf.reduce_sum(collectives.group_sum(x * x, groups, latency_bound=latency_bound))
+            loss = tf.reduce_sum(collectives.group_sum(x * x, groups, **PATHS[path]))
         return tape.gradient(loss, x)
 
     # d/dx_i of sum over the group's members' losses: every member's loss holds x_i^2.
@@ -129,7 +160,8 @@ def test_gradients_of_a_group_sum(strategy, grouping, latency_bound):
         np.testing.assert_allclose(grad, 2 * values[replica] * groups.shape[1], rtol=1e-6)
 
 
-def test_gradients_of_all_gather(strategy):
+@pytest.mark.parametrize("in_graph", [False, True], ids=["collective", "in_graph"])
+def test_gradients_of_all_gather(strategy, in_graph):
     groups = GROUPINGS["rows"]
     values, tensor = replica_inputs((2,), tf.float32)
     weights = tf.range(8, dtype=tf.float32)
@@ -137,7 +169,7 @@ def test_gradients_of_all_gather(strategy):
     def fn(x):
         with tf.GradientTape() as tape:
             tape.watch(x)
-            gathered = collectives.all_gather(x, groups)  # [4 * 2]
+            gathered = collectives.all_gather(x, groups, in_graph=in_graph)  # [4 * 2]
             loss = tf.reduce_sum(gathered * weights)
         return tape.gradient(loss, x)
 
@@ -147,6 +179,23 @@ def test_gradients_of_all_gather(strategy):
         assert grad.shape == (2,)
     total = sum(results)
     np.testing.assert_allclose(total, 4 * 2 * weights.numpy().reshape(4, 2).sum(axis=0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("in_graph", [False, True], ids=["collective", "in_graph"])
+def test_gradients_of_reduce_scatter(strategy, in_graph):
+    groups = GROUPINGS["rows"]
+    values, tensor = replica_inputs((8,), tf.float32)
+    weights = tf.range(2, dtype=tf.float32) + 1
+
+    def fn(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(collectives.reduce_scatter(x, groups, in_graph=in_graph) * weights)
+        return tape.gradient(loss, x)
+
+    # Member of rank r weighs chunk r of every member's x: each x's gradient is the weights, tiled.
+    for grad in run_per_replica(strategy, fn, tensor):
+        np.testing.assert_allclose(grad, np.tile(weights.numpy(), 4), rtol=1e-6)
 
 
 def test_bad_assignment_fails_before_launching(strategy):

@@ -276,3 +276,69 @@ def test_pack_sizes_follow_the_executor_rule():
     assert plan.pack_sizes([40, 5], pack_bytes=25) == [40, 5]
     assert plan.pack_sizes([10, 10], pack_bytes=None) == [20]
     assert np.sum(plan.pack_sizes([4] * 100, 64)) == 400
+
+
+# --------------------------------------------------------------------------- the "auto" decision
+
+RESNET50 = [(4 * 25_583_592 // 214, "float32")] * 214
+
+
+@pytest.mark.parametrize("hardware,expected", [
+    (dict(kind="cpu", replicas_per_host=8), "flat"),
+    (dict(kind="cpu", replicas_per_host=8, mesh_shape=(2, 4)), "flat"),
+    (dict(kind="cpu", hosts=2, replicas_per_host=4), "torus_2d"),
+    (dict(kind="gpu", hosts=32, replicas_per_host=8, gpu="a100"), "native"),
+    (dict(kind="tpu", tpu_slice_name="v3-2048"), "torus_2d_bidirectional"),
+    (dict(kind="tpu", tpu_slice_name="v4-512"), "torus_2d_bidirectional"),
+])
+def test_auto_decision_on_described_hardware(hardware, expected):
+    choice = plan.choose_algorithm(plan.hardware_cluster(**hardware), RESNET50)
+    assert choice.algorithm == expected, choice.summary()
+    priced = {a: s for a, s in choice.predicted.items() if s is not None}
+    assert set(choice.predicted) == set(plan.OPTIONS)
+    assert priced[expected] == min(priced.values())
+
+
+def test_auto_decision_follows_the_wraparound_assumption():
+    # A sub-pod v3 slice: lines, so a 1-D form; every dimension wrapped: the 2-D forms.
+    lines = plan.choose_algorithm(plan.tpu_slice("v3-32"), RESNET50)
+    assert lines.algorithm in ("ring", "flat"), lines.summary()
+    wrapped = plan.choose_algorithm(plan.tpu_slice("v3-32", wraparound="all"), RESNET50)
+    assert wrapped.algorithm.startswith("torus_2d"), wrapped.summary()
+    assert lines.predicted["native"] is None  # XLA's own reduction is not priced
+
+
+def test_auto_decision_small_gradients_across_gpu_hosts_take_the_torus():
+    small = [(4000, "float32")] * 20
+    assert plan.choose_algorithm(plan.gpu_cluster(32, 8), small).algorithm == "torus_2d"
+
+
+def test_bfloat16_transport_halves_only_phases_between_hosts():
+    cluster = plan.hardware_cluster("cpu", hosts=2, replicas_per_host=4)
+    f32 = plan.price_option(cluster, RESNET50, "torus_2d")
+    bf16 = plan.price_option(cluster, RESNET50, "torus_2d", transport_dtype="bfloat16")
+    assert bf16 < f32
+    # One host: no phase between hosts, nothing changes.
+    one = plan.hardware_cluster("cpu", replicas_per_host=8)
+    assert plan.price_option(one, RESNET50, "flat", transport_dtype="bfloat16") == \
+        plan.price_option(one, RESNET50, "flat")
+    mesh = ReplicaMesh.for_workers(2, 4)
+    schedule = torus.build_schedule(mesh, 8 * 1000, "torus_2d")
+    moved = torus.transport_schedule(schedule, lambda r: r // 4, 4, 2)
+    assert [p.bytes_in for p in moved.streams[0]] == [8000, 1000, 2000]
+    assert [p.bytes_in for p in schedule.streams[0]] == [8000, 2000, 2000]
+
+
+def test_flat_schedule_is_one_all_reduce_and_pads_nothing():
+    mesh = ReplicaMesh.from_shape(2, 4)
+    schedule = torus.build_schedule(mesh, 100, "flat")
+    [[phase]] = schedule.streams
+    assert (phase.kind, phase.group_size, phase.bytes_in) == (torus.ALL_REDUCE, 8, 100)
+    assert torus.padded_length(7, mesh, "flat") == 7
+    assert torus.phase_within_hosts(phase, lambda r: 0)
+    assert not torus.phase_within_hosts(phase, lambda r: r // 4)
+
+
+def test_choose_algorithm_needs_tensors():
+    with pytest.raises(ValueError, match="at least one gradient tensor"):
+        plan.choose_algorithm(plan.hardware_cluster("cpu", replicas_per_host=8), [])

@@ -14,6 +14,11 @@ One backend per platform, chosen here so that layers and the gradient aggregator
   on each other forever; without private keys, our groups would collide with the strategy's own.
 * Latency-bound sums on one host (`group_sum(..., latency_bound=True)`, e.g. batch-norm statistics): plain
   ops in the step's graph, summed on the group's first device; no ring of hand-offs for a few kilobytes.
+* In-graph groups (`in_graph=True` on `group_sum`, `reduce_scatter`, `all_gather`): where every member of a
+  group is a CPU device of this process, inside `tf.function`, the primitive is built from plain ops in the
+  step's graph (`AddN`, `Split`, `ConcatV2` placed on the members' devices); the replicas share the host's
+  memory, so a tensor handed from one CPU device to another is not copied. A group that crosses processes
+  still runs as a collective op, so one schedule mixes both (`in_graph_groups` says which applies).
 * Eager replica context (`run_eagerly=True`, eager `strategy.run`): replicas run one after another there, so a
   raw collective would wait for peers that never come. We place each replica's value in its group's slot and
   use the strategy's own all-reduce, which cannot deadlock.
@@ -260,6 +265,159 @@ def _all_replicas_local(ctx):
         return False
 
 
+def _local_replica_ids(ctx):
+    """`(first, count)`: this process's replica ids, `first + i` (one worker's: `task * count + i`)."""
+    local = len(ctx.strategy.extended.worker_devices)
+    first = _static_replica_id(ctx) // local * local
+    return first, local
+
+
+def groups_in_process(group_assignment):
+    """True when every group holding one of this process's replicas lies wholly in it (False on TPU)."""
+    if context.forced_mesh() is not None or context.backend() not in ("collective", "eager"):
+        return context.backend() == "single"
+    first, local = _local_replica_ids(tf.distribute.get_replica_context())
+    for members in np.asarray(group_assignment).tolist():
+        inside = [first <= m < first + local for m in members]
+        if any(inside) and not all(inside):
+            return False
+    return True
+
+
+def groups_between_processes(group_assignment):
+    """True when the group holding this replica has no other member in this process (and size > 1).
+
+    The phases a 16-bit transport may carry: they only add values from different processes.
+    """
+    groups = np.asarray(group_assignment)
+    if groups.shape[1] < 2 or context.forced_mesh() is not None or \
+            context.backend() not in ("collective", "eager"):
+        return False
+    ctx = tf.distribute.get_replica_context()
+    first, local = _local_replica_ids(ctx)
+    _, members = _my_group(groups, _static_replica_id(ctx))
+    return sum(first <= m < first + local for m in members.tolist()) == 1
+
+
+def in_graph_groups(group_assignment):
+    """True when `in_graph=True` primitives over these groups are plain ops in this step's graph.
+
+    That is: inside `tf.function` (the collective-op backend), this replica on a CPU device, and
+    `groups_in_process(group_assignment)`. Every process of a symmetric mesh (a row per host) answers the
+    same, so all of them build the same kind of op. GPUs keep collective ops (NCCL rings over NVLink).
+
+    """
+    if context.forced_mesh() is not None or context.backend() != "collective":
+        return False
+    if "CPU" not in device_util.canonicalize(device_util.current()).upper():
+        return False
+    return groups_in_process(group_assignment)
+
+
+def _merged(xs, groups, ctx, build):
+    """Runs `build(parts, devices) -> outputs` over every local group, for each tensor of `xs`.
+
+    `parts` are the group members' values in the group's order and `devices` their devices; `build`
+    returns one output per member. One merge call serves the whole list: it sees every local replica's
+    values at trace time (each merge call stops every replica's thread once), and at run time only the
+    step graph's dataflow remains.
+    """
+    first, _ = _local_replica_ids(ctx)
+
+    def merge(strategy, values):
+        devices = strategy.extended.worker_devices
+        out = []
+        for value in values:
+            parts = _replica_values(strategy, value)
+            results = [None] * len(parts)
+            for members in groups.tolist():
+                local = [m - first for m in members]
+                if not 0 <= local[0] < len(parts):
+                    continue  # another process's group
+                outputs = build([parts[i] for i in local], [devices[i] for i in local])
+                for i, result in zip(local, outputs):
+                    results[i] = result
+            out.append(values_lib.PerReplica(tuple(results)))
+        return out
+
+    # `groups` and `build` go in the closure: merge-call arguments that differ by identity become
+    # PerReplica.
+    return list(ctx.merge_call(merge, args=(list(xs),)))
+
+
+def _on_each(devices, fn):
+    return [_on(device, fn, rank) for rank, device in enumerate(devices)]
+
+
+def _on(device, fn, rank):
+    with ops.device(device):
+        return fn(rank)
+
+
+def _build_sum_on_first(parts, devices):
+    with ops.device(devices[0]):
+        total = tf.add_n(parts)
+    return _on_each(devices, lambda rank: tf.identity(total))
+
+
+def _build_reduce_scatter(parts, devices):
+    g = len(parts)  # rank r adds chunk r of every member, on its own device
+    chunks = _on_each(devices, lambda rank: tf.split(parts[rank], g, axis=0))
+    return _on_each(devices, lambda rank: tf.add_n([c[rank] for c in chunks]))
+
+
+def _build_all_gather(parts, devices):
+    return _on_each(devices, lambda rank: tf.concat(parts, axis=0))
+
+
+# The replica's gradient tape does not see the merge call's ops, hence custom gradients: each kind's is
+# its dual. The result is built outside the custom gradient and passed in: from inside it, the graph-mode
+# walk from outputs to inputs would cross into every other replica's graph at every call.
+_KINDS = {"sum": (_build_sum_on_first, "sum"),  # kind -> (builder, the kind of its gradient)
+          "reduce_scatter": (_build_reduce_scatter, "all_gather"),
+          "all_gather": (_build_all_gather, "reduce_scatter")}
+
+
+def _in_graph(xs, groups, ctx, kind):
+    """`kind` over the tensors `xs` in one merge call; each result's gradient is the dual kind."""
+    build, dual = _KINDS[kind]
+    results = _merged(xs, groups, ctx, build)
+
+    def one(x, result):
+        @tf.custom_gradient
+        def op(x, result):
+            return tf.identity(result), lambda dy: (_in_graph([dy], groups, ctx, dual)[0], None)
+
+        return op(x, result)
+
+    return [one(x, r) for x, r in zip(xs, results)]
+
+
+def _in_graph_list(x, group_assignment, kind):
+    """The in-graph form of a primitive for a tensor or a list of tensors (same structure back)."""
+    xs = [tf.convert_to_tensor(t) for t in (x if isinstance(x, (list, tuple)) else [x])]
+    groups = _checked_groups(group_assignment,
+                             tf.distribute.get_replica_context().num_replicas_in_sync)
+    if kind == "reduce_scatter":
+        for t in xs:
+            _check_divisible(t, groups.shape[1], "reduce_scatter")
+    if groups.shape[1] == 1:
+        out = [tf.identity(t) for t in xs]
+    else:
+        out = _in_graph(xs, groups, tf.distribute.get_replica_context(), kind)
+    return out if isinstance(x, (list, tuple)) else out[0]
+
+
+def _each(fn, x, *args):  # the non-in-graph forms, tensor by tensor
+    return [fn(t, *args) for t in x]
+
+
+def native_all_reduce(values):
+    """The strategy's own sum of the tensors `values` over all replicas (TensorFlow's reduction)."""
+    ctx = tf.distribute.get_replica_context()
+    return ctx.all_reduce(tf.distribute.ReduceOp.SUM, list(values))
+
+
 def _eager_slot_sum(value, groups, ctx):
     """Every member's `value`, `[group_size, ...]` in rank order, and this replica's rank in its group.
 
@@ -294,11 +452,11 @@ def _dispatch(x, group_assignment):
     return x, backend, _checked_groups(group_assignment, num_replicas)
 
 
-def group_sum(x, group_assignment, latency_bound=False):
+def group_sum(x, group_assignment, latency_bound=False, in_graph=False):
     """Sums `x` over the replicas of this replica's group.
 
     Args:
-      x: a tensor, the same shape on every replica.
+      x: a tensor, the same shape on every replica, or a list of them.
       group_assignment: int `[num_groups, group_size]` replica ids partitioning all replicas.
       latency_bound: True for a small tensor on the step's critical path, such as batch-norm statistics.
         When every replica lives in this process (one host, inside `tf.function`), such a sum is then built
@@ -306,10 +464,18 @@ def group_sum(x, group_assignment, latency_bound=False):
         sums it there and each member reads the result back, two hops in all. A collective op would pass
         the data around a ring in `2 * (group_size - 1)` hand-offs, which for a few kilobytes costs far
         more than the data. Elsewhere (TPU, several hosts, eager) it changes nothing.
+      in_graph: True to build the sum from plain ops (summed on the group's first device, read back by
+        every member) wherever `in_graph_groups(group_assignment)` holds, for any size: on CPU devices of
+        one process this is `ReductionToOneDevice`'s form. Elsewhere it changes nothing.
 
     Returns:
-      The sum of `x` over the group, on every member of the group.
+      The sum of `x` over the group, on every member of the group. A list of tensors gives the list
+      of their sums (on the in-graph path all built in one merge call).
     """
+    if in_graph and in_graph_groups(group_assignment):
+        return _in_graph_list(x, group_assignment, "sum")
+    if isinstance(x, (list, tuple)):
+        return _each(group_sum, x, group_assignment, latency_bound)
     x, backend, groups = _dispatch(x, group_assignment)
     if backend == "single" or groups.shape[1] == 1:
         return tf.identity(x)
@@ -321,39 +487,9 @@ def group_sum(x, group_assignment, latency_bound=False):
     if backend == "eager":
         return _eager_group_sum(x, groups, ctx)
     if latency_bound and _all_replicas_local(ctx):
-        return _in_graph_group_sum(x, groups, ctx)
+        return _in_graph([x], groups, ctx, "sum")[0]
     _, members = _my_group(groups, _static_replica_id(ctx))
     return _collective_sum(x, _Launch(members))
-
-
-def _in_graph_group_sum(x, groups, ctx):
-    # The merge call sees every replica's value at trace time and adds the cross-device edges; at run time
-    # only the dataflow of the one step graph remains. The sum is built outside the custom gradient and
-    # passed in: a graph-mode custom gradient walks back from its outputs to its inputs, and from inside it
-    # that walk would cross into the other replicas' graphs up to their inputs, at every call (tracing
-    # time grew with the group and the model). The replica's gradient tape does not see the merge call's
-    # ops, hence the custom gradient: the gradient of a group sum is the group sum.
-    # `groups` goes in the closure: merge-call arguments that differ by identity become PerReplica.
-    total = ctx.merge_call(lambda strategy, value: _sum_on_first_member(strategy, value, groups), args=(x,))
-
-    @tf.custom_gradient
-    def summed(x, total):
-        return tf.identity(total), lambda dy: (_in_graph_group_sum(dy, groups, ctx), None)
-
-    return summed(x, total)
-
-
-def _sum_on_first_member(strategy, value, groups):
-    parts = _replica_values(strategy, value)
-    devices = strategy.extended.worker_devices
-    results = [None] * len(parts)
-    for members in groups.tolist():
-        with ops.device(devices[members[0]]):
-            total = tf.add_n([parts[m] for m in members])
-        for m in members:
-            with ops.device(devices[m]):
-                results[m] = tf.identity(total)
-    return values_lib.PerReplica(tuple(results))
 
 
 def _eager_group_sum(x, groups, ctx):
@@ -398,33 +534,46 @@ def all_to_all(x, group_assignment):
     return _collective_all_to_all(x, _Launch(members))
 
 
-def reduce_scatter(x, group_assignment):
+def reduce_scatter(x, group_assignment, in_graph=False):
     """Sums `x` over the group and keeps this replica's chunk of axis 0 (its rank's `1/group_size`).
 
     Done as an all-to-all plus a local sum: the CPU runtime has no reduce-scatter kernel, and a failed
     collective would stop the process's collective runtime for good.
 
     Args:
-      x: a tensor whose axis 0 is a multiple of the group size.
+      x: a tensor whose axis 0 is a multiple of the group size, or a list of them.
       group_assignment: int `[num_groups, group_size]` replica ids partitioning all replicas.
+      in_graph: True to build it from plain ops wherever `in_graph_groups(group_assignment)` holds: the
+        member of rank `r` adds the `r`-th chunk of every member's `x` on its own device (ranks follow the
+        group's order). Elsewhere it changes nothing.
 
     Returns:
       `[x.shape[0] // group_size, ...]`: this rank's chunk of the group sum.
     """
+    if in_graph and in_graph_groups(group_assignment):
+        return _in_graph_list(x, group_assignment, "reduce_scatter")
+    if isinstance(x, (list, tuple)):
+        return _each(reduce_scatter, x, group_assignment)
     group_size = np.asarray(group_assignment).shape[-1]
     return _local_shard_sum(all_to_all(x, group_assignment), group_size)
 
 
-def all_gather(x, group_assignment):
+def all_gather(x, group_assignment, in_graph=False):
     """Concatenates `x` from every rank of the group along axis 0, in rank order.
 
     Args:
-      x: a tensor, the same shape on every replica.
+      x: a tensor, the same shape on every replica, or a list of them.
       group_assignment: int `[num_groups, group_size]` replica ids partitioning all replicas.
+      in_graph: True to build it from plain ops (one `ConcatV2` of the members' values on each member's
+        device) wherever `in_graph_groups(group_assignment)` holds. Elsewhere it changes nothing.
 
     Returns:
       `[group_size * x.shape[0], ...]`.
     """
+    if in_graph and in_graph_groups(group_assignment):
+        return _in_graph_list(x, group_assignment, "all_gather")
+    if isinstance(x, (list, tuple)):
+        return _each(all_gather, x, group_assignment)
     x, backend, groups = _dispatch(x, group_assignment)
     group_size = groups.shape[1]
     if backend == "single" or group_size == 1:

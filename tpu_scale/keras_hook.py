@@ -28,24 +28,37 @@ _lock = threading.Lock()
 _settings = weakref.WeakKeyDictionary()  # strategy -> Settings
 
 
+GRADIENT_DTYPES = (None, "float32", "bfloat16")
+
+
 class Settings:
-    """How one strategy's gradients are summed: the torus algorithm and the fused buffer size.
+    """How one strategy's gradients are summed: the algorithm, the fused buffer size, the wire dtype.
 
     Args:
-      algorithm: `"auto"` or one of `tpu_scale.torus.ALGORITHMS`.
+      algorithm: `"auto"` (the planner's choice, see `tpu_scale.plan.choose_algorithm`), `"native"`
+        or one of `tpu_scale.torus.ALGORITHMS`.
       pack_bytes: size of the fused gradient buffers (`None` or 0: one buffer per dtype).
+      gradient_dtype: `"bfloat16"` to carry the phases between hosts in bfloat16 (sums within a host
+        stay float32); None or `"float32"`: every phase in the gradients' own dtype.
     """
 
-    def __init__(self, algorithm=torus.DEFAULT_ALGORITHM, pack_bytes=torus.DEFAULT_PACK_BYTES):
-        if algorithm != "auto" and algorithm not in torus.ALGORITHMS:
-            raise ValueError(f"algorithm={algorithm!r}; choose 'auto' or one of {torus.ALGORITHMS}.")
+    def __init__(self, algorithm=torus.DEFAULT_ALGORITHM, pack_bytes=torus.DEFAULT_PACK_BYTES,
+                 gradient_dtype=None):
+        if algorithm != "auto" and algorithm not in torus.CHOICES:
+            raise ValueError(f"algorithm={algorithm!r}; choose 'auto' or one of {torus.CHOICES}.")
         if pack_bytes is not None and pack_bytes < 0:
             raise ValueError(f"pack_bytes must be positive, or None / 0 for one buffer; got {pack_bytes}.")
+        if gradient_dtype not in GRADIENT_DTYPES:
+            raise ValueError(
+                f"gradient_dtype={gradient_dtype!r}; choose one of {GRADIENT_DTYPES} (bfloat16 halves "
+                f"the bytes between hosts).")
         self.algorithm = algorithm
         self.pack_bytes = pack_bytes
+        self.gradient_dtype = None if gradient_dtype == "float32" else gradient_dtype
 
     def __repr__(self):
-        return f"Settings(algorithm={self.algorithm!r}, pack_bytes={self.pack_bytes})"
+        return (f"Settings(algorithm={self.algorithm!r}, pack_bytes={self.pack_bytes}, "
+                f"gradient_dtype={self.gradient_dtype!r})")
 
 
 def _keras_optimizer_module():
@@ -97,6 +110,7 @@ def _all_reduce_sum_gradients(self, grads_and_vars):
         strategy=ctx.strategy,
         algorithm=settings.algorithm,
         pack_bytes=settings.pack_bytes,
+        transport_dtype=settings.gradient_dtype,
     )
     return [(g, v) for g, (_, v) in zip(summed, grads_and_vars)]
 

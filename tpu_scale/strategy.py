@@ -23,6 +23,7 @@ from absl import logging
 from tpu_scale import _workarounds, keras_hook, torus
 from tpu_scale.context import mesh_of  # noqa: F401  (tpu_scale.mesh_of)
 from tpu_scale.mesh import ReplicaMesh
+from tpu_scale.plan import choice as plan_choice
 
 GRADIENT_REDUCTIONS = ("torus", "native")
 
@@ -41,6 +42,44 @@ class _MeshMixin:
             )
         self.mesh = mesh
         self.gradient_reduction = gradient_reduction
+        self.gradient_planner = None
+
+
+class GradientPlanner:
+    """What `"auto"` means on one strategy: the planner's cheapest option, decided at first use.
+
+    `torus.all_reduce_sum(..., algorithm="auto")` calls it with the gradient's tensors; the decision is
+    priced by `tpu_scale.plan.choose_algorithm` on the strategy's hardware (`cluster`), cached per
+    gradient signature and logged once (absl, INFO) with every option's predicted time.
+
+    Args:
+      cluster: the `tpu_scale.plan.Cluster` of the hardware, or None (then the fixed rule of
+        `torus_schedule.resolve_algorithm`).
+      pack_bytes: the fused buffer size the executor will use.
+      transport_dtype: dtype name of the phases between hosts, or None.
+    """
+
+    def __init__(self, cluster, pack_bytes, transport_dtype=None):
+        self.cluster = cluster
+        self.pack_bytes = pack_bytes
+        self.transport_dtype = transport_dtype
+        self.choices = {}
+
+    def __call__(self, mesh, tensors):
+        key = (mesh, tuple(tensors))
+        if key not in self.choices:
+            if self.cluster is None or self.cluster.mesh.shape != mesh.shape:
+                algorithm = torus.resolve_algorithm("auto", mesh)
+                logging.info("tpu_scale: gradient sum 'auto' -> %s (fixed rule: no cost figures for this "
+                             "hardware)", algorithm)
+                self.choices[key] = algorithm
+            else:
+                decision = plan_choice.choose_algorithm(
+                    self.cluster, list(tensors), self.pack_bytes or 0, self.transport_dtype)
+                logging.info("tpu_scale: gradient sum 'auto' -> %s, %d tensors, %.1f MB",
+                             decision.summary(), len(tensors), sum(b for b, _ in tensors) / 1e6)
+                self.choices[key] = decision.algorithm
+        return self.choices[key]
 
 
 class MirroredStrategy(_MeshMixin, tf.distribute.MirroredStrategy):
@@ -131,6 +170,28 @@ def _requested_tpu(tpu):
     return None
 
 
+def _gpu_type():
+    """The catalog name of the first GPU (`"a100"`, ...), or None."""
+    for gpu in tf.config.list_physical_devices("GPU")[:1]:
+        name = tf.config.experimental.get_device_details(gpu).get("device_name", "").lower()
+        for known in ("v100", "a100", "h100"):
+            if known in name:
+                return known
+    return None
+
+
+def _tpu_slice_name(topology):
+    """`"v3-32"`-style name of the slice, when the TPU generation can be read; else None."""
+    try:
+        kind = tf.config.list_logical_devices("TPU") and tf.config.experimental.get_device_details(
+            tf.config.list_physical_devices("TPU")[0]).get("device_kind", "")
+    except (IndexError, ValueError, RuntimeError):
+        kind = ""
+    generation = next((g for g in ("v2", "v3", "v4") if g in str(kind).lower()), None)
+    cores = topology.num_tasks * topology.num_tpus_per_task
+    return f"{generation}-{cores}" if generation else None
+
+
 def create_strategy(
     tpu=None,
     *,
@@ -139,6 +200,7 @@ def create_strategy(
     gradient_reduction="torus",
     gradient_algorithm=torus.DEFAULT_ALGORITHM,
     gradient_pack_bytes=torus.DEFAULT_PACK_BYTES,
+    gradient_dtype=None,
 ):
     """Finds the hardware and returns a `tf.distribute` strategy that knows its replica mesh.
 
@@ -153,10 +215,14 @@ def create_strategy(
         workers x local replicas and TPU meshes follow the torus.
       gradient_reduction: `"torus"` (the 2-D reduction of `tpu_scale.torus`, used by `model.fit`) or
         `"native"` (TensorFlow's own all-reduce).
-      gradient_algorithm: with `"torus"`: `"auto"` or one of `tpu_scale.torus.ALGORITHMS`
-        (see `tpu_scale.torus_schedule.resolve_algorithm`).
+      gradient_algorithm: with `"torus"`: `"auto"`, `"native"` or one of `tpu_scale.torus.ALGORITHMS`.
+        `"auto"` is decided at the first gradient sum by the cost model (`tpu_scale.plan.choice`, which
+        says what it picks on TPU, GPU and CPU and why), priced for this hardware and the real
+        gradient, and logged once with every option's predicted time.
       gradient_pack_bytes: with `"torus"`: gradients are fused into buffers of about this many bytes;
         `None` or 0 fuses each dtype into one buffer.
+      gradient_dtype: with `"torus"`: `"bfloat16"` carries the phases between hosts in bfloat16 (half
+        the bytes on the network; sums within a host stay float32); None keeps the gradients' dtype.
 
     Returns:
       A strategy with `.mesh` (`ReplicaMesh`) and `.gradient_reduction`.
@@ -165,7 +231,7 @@ def create_strategy(
         raise ValueError(
             f"gradient_reduction={gradient_reduction!r}; choose one of {GRADIENT_REDUCTIONS}."
         )
-    settings = keras_hook.Settings(gradient_algorithm, gradient_pack_bytes)
+    settings = keras_hook.Settings(gradient_algorithm, gradient_pack_bytes, gradient_dtype)
     if num_cpu_replicas is not None and (not isinstance(num_cpu_replicas, int) or num_cpu_replicas < 1):
         raise ValueError(f"num_cpu_replicas must be a positive int, got {num_cpu_replicas!r}.")
 
@@ -183,6 +249,7 @@ def create_strategy(
         strategy = TPUStrategy(resolver, experimental_device_assignment=device_assignment)
         mesh = ReplicaMesh.from_topology(topology, device_assignment)
         kind = f"TPU {tpu}"
+        hardware = dict(kind="tpu", tpu_slice_name=_tpu_slice_name(topology))
     elif num_workers > 1:
         if mesh_shape is not None:
             raise ValueError("mesh_shape cannot be set with TF_CONFIG: the mesh is workers x local replicas.")
@@ -192,11 +259,14 @@ def create_strategy(
         local = len(strategy.extended.worker_devices)
         mesh = ReplicaMesh.for_workers(strategy.num_replicas_in_sync // local, local)
         kind = f"{num_workers} workers x {local} {_workarounds.local_device_type(strategy)}"
+        hardware = dict(kind=_workarounds.local_device_type(strategy).lower(), hosts=mesh.shape[0],
+                        replicas_per_host=local, gpu=_gpu_type())
     elif tf.config.list_physical_devices("GPU"):
         gpus = [d.name for d in tf.config.list_logical_devices("GPU")]
         strategy = MirroredStrategy(gpus)
         mesh = ReplicaMesh.for_devices(len(gpus), mesh_shape)
         kind = f"{len(gpus)} GPU(s)"
+        hardware = dict(kind="gpu", replicas_per_host=len(gpus), gpu=_gpu_type())
     else:
         if num_cpu_replicas is None and mesh_shape is not None:
             num_cpu_replicas = int(mesh_shape[0]) * int(mesh_shape[1])
@@ -205,8 +275,13 @@ def create_strategy(
         mesh = ReplicaMesh.for_devices(len(devices), mesh_shape)
         strategy = MirroredStrategy(devices)
         kind = f"{len(devices)} CPU replica(s)"
+        hardware = dict(kind="cpu", replicas_per_host=len(devices), mesh_shape=mesh.shape)
 
     strategy._attach(mesh, gradient_reduction)
+    cluster = plan_choice.hardware_cluster(**hardware)
+    if cluster is not None and cluster.mesh.shape != mesh.shape:
+        cluster = None  # e.g. a one-host mesh_shape other than (1, n): priced by the fixed rule
+    strategy.gradient_planner = GradientPlanner(cluster, gradient_pack_bytes, settings.gradient_dtype)
     if gradient_reduction == "torus":
         keras_hook.install(strategy, settings)
     if tpu is None and strategy.num_replicas_in_sync > 1 and \

@@ -3,9 +3,15 @@
 `all_reduce_sum(grads)` sums gradients over all replicas in replica context (custom training loops; the
 Keras hook in `tpu_scale.keras_hook` calls it from `model.fit`). It fuses the gradients into a few flat
 buffers per dtype (`pack_bytes` each), pads every buffer so each stream's share splits evenly into shards,
-runs the streams' phases (reduce-scatter as all-to-all plus a local sum: the CPU runtime has no
-reduce-scatter kernel), and cuts the sums back into the gradients' shapes. One code path builds collective
-ops on CPU/GPU (one and several hosts) and TPU ops on TPU.
+runs the streams' phases, and cuts the sums back into the gradients' shapes. The executor picks the
+primitive per phase: a phase whose groups sit inside this process on CPU devices (every phase on one
+host, the row phases of a hosts x replicas mesh) is built from plain ops in the step graph
+(`collectives.in_graph_groups`: the replicas share the host's memory); every other phase is a collective
+op on CPU/GPU (reduce-scatter as all-to-all plus a local sum: the CPU runtime has no reduce-scatter
+kernel) and a TPU op on TPU. With `transport_dtype`, the phases between hosts carry bfloat16.
+
+`"auto"` is the planner's choice for the strategy's hardware (`tpu_scale.plan.choice`, attached by
+`create_strategy`): on one CPU host `"flat"`, the in-graph sum on one device.
 
 Each gradient keeps its dtype: float32, bfloat16 and float16 travel as themselves. `tf.IndexedSlices`
 (embedding gradients) are densified before packing: every replica then contributes a dense buffer of the
@@ -37,17 +43,21 @@ from tpu_scale.torus_schedule import (  # noqa: F401  (re-exported: the public t
     bytes_sent_between,
     pack_indices,
     padded_length,
+    phase_within_hosts,
     resolve_algorithm,
     ring_bytes_sent_between,
     stream_sizes,
+    transport_schedule,
 )
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
+CHOICES = ALGORITHMS + ("native",)
 
 
 # Plain Python over static shapes: AutoGraph would only rewrite it again inside every user tf.function.
 @tf.autograph.experimental.do_not_convert
-def all_reduce_sum(grads, strategy=None, mesh=None, algorithm=DEFAULT_ALGORITHM, pack_bytes=DEFAULT_PACK_BYTES):
+def all_reduce_sum(grads, strategy=None, mesh=None, algorithm=DEFAULT_ALGORITHM,
+                   pack_bytes=DEFAULT_PACK_BYTES, transport_dtype=None):
     """Sums gradients over all replicas with the 2-D torus schedule; call it in replica context.
 
     For custom training loops: inside `strategy.run(step)`, `grads = torus.all_reduce_sum(grads)` replaces
@@ -58,10 +68,18 @@ def all_reduce_sum(grads, strategy=None, mesh=None, algorithm=DEFAULT_ALGORITHM,
       grads: a tensor, `tf.IndexedSlices` or None, or a (nested) list of them. Shapes must be static.
       strategy: the strategy whose mesh to use; defaults to the current replica context's strategy.
       mesh: a `ReplicaMesh` to use instead of the strategy's.
-      algorithm: `"ring"`, `"torus_2d"` or `"torus_2d_bidirectional"` (see `build_schedule`), or `"auto"`:
-        bidirectional on TPU tori, `"torus_2d"` on CPU/GPU hosts (see `resolve_algorithm`).
+      algorithm: one of `ALGORITHMS` (see `build_schedule`), `"native"` (the strategy's own all-reduce)
+        or `"auto"`: the planner's choice for the strategy's hardware and these gradients when the
+        strategy carries one (`create_strategy` attaches it, see `tpu_scale.plan.choose_algorithm`),
+        else the fixed rule of `resolve_algorithm`.
       pack_bytes: gradients of one dtype are fused into flat buffers of about this many bytes (a larger
-        tensor gets its own buffer); `None` or 0 fuses each dtype into one buffer.
+        tensor gets its own buffer); `None` or 0 fuses each dtype into one buffer. When every phase runs
+        as plain ops in the step graph (one CPU host) nothing is fused: there is no launch to amortize,
+        and fusing would copy every gradient once more.
+      transport_dtype: e.g. `tf.bfloat16`: phases whose groups hold one replica per host (the column
+        all-reduce of `"torus_2d"` across hosts) carry wider gradients in this dtype (cast before the
+        phase, back after it); every other phase sums in the gradient's own dtype. None: every phase
+        in the gradient's dtype.
 
     Returns:
       The same structure: each gradient summed over all replicas, in its own dtype and shape; IndexedSlices
@@ -78,23 +96,41 @@ def all_reduce_sum(grads, strategy=None, mesh=None, algorithm=DEFAULT_ALGORITHM,
         )
     if mesh is None:
         mesh = context.mesh_of(strategy) if strategy is not None else ambient
-    algorithm = resolve_algorithm(algorithm, mesh)
     if pack_bytes is not None and pack_bytes < 0:
         raise ValueError(f"pack_bytes must be positive, or None / 0 for one buffer per dtype; got {pack_bytes}.")
+    transport = None if transport_dtype is None else tf.as_dtype(transport_dtype)
 
     flat = tf.nest.flatten(grads)
     dense = [None if g is None else _densify(g) for g in flat]
     if mesh is None or mesh.num_replicas == 1:
         return tf.nest.pack_sequence_as(grads, dense)
+    if algorithm == "auto":
+        if strategy is None and tf.distribute.get_replica_context() is not None:
+            strategy = tf.distribute.get_replica_context().strategy
+        planner = getattr(strategy, "gradient_planner", None)
+        sizes = [(g.shape.num_elements() * g.dtype.size, g.dtype.name) for g in dense if g is not None]
+        algorithm = planner(mesh, sizes) if planner is not None else resolve_algorithm("auto", mesh)
+    if algorithm == "native":
+        present = [i for i, g in enumerate(dense) if g is not None]
+        summed = list(dense)
+        for i, value in zip(present, collectives.native_all_reduce([dense[i] for i in present])):
+            summed[i] = value
+        return tf.nest.pack_sequence_as(grads, summed)
+    algorithm = resolve_algorithm(algorithm, mesh)
     if ambient is not None and ambient.num_replicas != mesh.num_replicas:
         raise ValueError(
             f"The mesh {mesh} holds {mesh.num_replicas} replicas but {ambient.num_replicas} are in sync here; "
             f"pass the strategy's own mesh (tpu_scale.mesh_of(strategy))."
         )
     _check_rank_order(mesh)
+    phases = [p for stream in build_schedule(mesh, 0, algorithm).streams for p in stream]
+    if phases and all(collectives.in_graph_groups(p.groups) for p in phases):
+        pack_bytes = 1  # every tensor on its own: plain ops have no launch cost to amortize
     summed = list(dense)
-    for pack in _packs([(i, g) for i, g in enumerate(dense) if g is not None], pack_bytes):
-        for i, value in zip(pack, _sum_pack([dense[i] for i in pack], mesh, algorithm)):
+    packs = _packs([(i, g) for i, g in enumerate(dense) if g is not None], pack_bytes)
+    for pack, values in zip(packs, _sum_packs([[dense[i] for i in p] for p in packs], mesh, algorithm,
+                                              transport)):
+        for i, value in zip(pack, values):
             summed[i] = value
     return tf.nest.pack_sequence_as(grads, summed)
 
@@ -151,40 +187,62 @@ def _check_rank_order(mesh):
         )
 
 
-def _sum_pack(tensors, mesh, algorithm):
-    """Fuses same-dtype tensors into one buffer, sums it over the mesh, and cuts it back."""
-    dtype = tensors[0].dtype
-    sizes = [t.shape.num_elements() for t in tensors]
-    flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0) if len(tensors) > 1 else \
-        tf.reshape(tensors[0], [-1])
-    summed = _run_schedule(flat, mesh, algorithm, dtype.size)
-    return [tf.reshape(part, t.shape) for part, t in zip(tf.split(summed, sizes), tensors)]
+def _sum_packs(packs, mesh, algorithm, transport):
+    """Fuses each pack (same-dtype tensors) into a buffer, sums them all over the mesh, cuts them back.
 
-
-def _run_schedule(flat, mesh, algorithm, itemsize):
-    """Sums a flat buffer over the mesh by running every stream's phases, streams interleaved."""
-    length = int(flat.shape[0])
-    padded = padded_length(length, mesh, algorithm)
-    if padded != length:
-        flat = tf.pad(flat, [[0, padded - length]])
-    schedule = build_schedule(mesh, padded * itemsize, algorithm)
-    shares = [b // itemsize for b in stream_sizes(schedule)]
-    values = tf.split(flat, shares) if len(shares) > 1 else [flat]
-    for step in range(max(len(s) for s in schedule.streams)):
-        for i, stream in enumerate(schedule.streams):
+    Every pack meets the phases in the same order, phase by phase: a phase's primitive gets the list of
+    all packs' buffers, so on the in-graph path one merge call builds the phase for every buffer.
+    """
+    buffers, lengths = [], []
+    for tensors in packs:
+        flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0) if len(tensors) > 1 else \
+            tf.reshape(tensors[0], [-1])
+        length = int(flat.shape[0])
+        padded = padded_length(length, mesh, algorithm)
+        if padded != length:
+            flat = tf.pad(flat, [[0, padded - length]])
+        itemsize = tensors[0].dtype.size
+        shares = [b // itemsize for b in stream_sizes(build_schedule(mesh, padded * itemsize, algorithm))]
+        buffers.append(tf.split(flat, shares) if len(shares) > 1 else [flat])
+        lengths.append((length, padded))
+    streams = build_schedule(mesh, 0, algorithm).streams
+    for step in range(max(len(s) for s in streams)):
+        for i, stream in enumerate(streams):
             if step < len(stream):
                 # One ordering channel per stream: the two halves can be in flight at the same time.
                 with collectives.ordering_channel(("tpu_scale.torus", i)):
-                    values[i] = _run_phase(stream[step], values[i])
-    out = tf.concat(values, axis=0) if len(values) > 1 else values[0]
-    return out[:length] if padded != length else out
+                    out = _run_phase(stream[step], [b[i] for b in buffers], transport)
+                for b, value in zip(buffers, out):
+                    b[i] = value
+    summed = []
+    for tensors, parts, (length, padded) in zip(packs, buffers, lengths):
+        flat = tf.concat(parts, axis=0) if len(parts) > 1 else parts[0]
+        flat = flat[:length] if padded != length else flat
+        if len(tensors) == 1:
+            summed.append([tf.reshape(flat, tensors[0].shape)])
+        else:
+            pieces = tf.split(flat, [t.shape.num_elements() for t in tensors])
+            summed.append([tf.reshape(p, t.shape) for p, t in zip(pieces, tensors)])
+    return summed
 
 
-def _run_phase(phase, x):
-    if phase.kind == REDUCE_SCATTER:
-        return collectives.reduce_scatter(x, phase.groups)
-    if phase.kind == ALL_REDUCE:
-        return collectives.group_sum(x, phase.groups)
-    if phase.kind == ALL_GATHER:
-        return collectives.all_gather(x, phase.groups)
-    raise ValueError(f"Unknown phase kind {phase.kind!r}.")
+_PRIMITIVES = {REDUCE_SCATTER: collectives.reduce_scatter, ALL_REDUCE: collectives.group_sum,
+               ALL_GATHER: collectives.all_gather}
+
+
+def _run_phase(phase, xs, transport=None):
+    """One phase over the buffers `xs`: plain ops where its groups sit in this CPU process, else a
+    collective op per buffer.
+
+    A phase whose groups hold one member per process carries wider float buffers in `transport` (cast
+    there and back); sums within a process stay in the buffer's dtype.
+    """
+    if phase.kind not in _PRIMITIVES:
+        raise ValueError(f"Unknown phase kind {phase.kind!r}.")
+    primitive = _PRIMITIVES[phase.kind]
+    if transport is not None and collectives.groups_between_processes(phase.groups):
+        wide = [x.dtype.size > transport.size for x in xs]
+        out = primitive([tf.cast(x, transport) if w else x for x, w in zip(xs, wide)], phase.groups,
+                        in_graph=True)
+        return [tf.cast(y, x.dtype) if w else y for x, y, w in zip(xs, out, wide)]
+    return primitive(list(xs), phase.groups, in_graph=True)

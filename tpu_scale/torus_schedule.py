@@ -21,7 +21,7 @@ import dataclasses
 
 import numpy as np
 
-ALGORITHMS = ("ring", "torus_2d", "torus_2d_bidirectional")
+ALGORITHMS = ("ring", "torus_2d", "torus_2d_bidirectional", "flat")
 
 REDUCE_SCATTER = "reduce_scatter"
 ALL_REDUCE = "all_reduce"
@@ -94,8 +94,11 @@ def build_schedule(mesh, num_bytes, algorithm="torus_2d_bidirectional"):
     Args:
       mesh: a `ReplicaMesh`.
       num_bytes: gradient bytes per replica; the executor pads buffers so each stream divides evenly.
-      algorithm: `"ring"` (one all-reduce over every replica), `"torus_2d"` (rows then columns) or
-        `"torus_2d_bidirectional"` (half rows-first, half columns-first, at the same time).
+      algorithm: `"ring"` (reduce-scatter then all-gather over every replica), `"torus_2d"` (rows then
+        columns), `"torus_2d_bidirectional"` (half rows-first, half columns-first, at the same time) or
+        `"flat"` (one all-reduce phase over every replica: on one CPU host the executor sums it on one
+        device in the step graph, TensorFlow's `ReductionToOneDevice` form; elsewhere it is one
+        collective all-reduce, TensorFlow's default form).
 
     Returns:
       A `Schedule`.
@@ -109,6 +112,9 @@ def build_schedule(mesh, num_bytes, algorithm="torus_2d_bidirectional"):
         everyone = np.arange(n).reshape(1, n)
         streams = ((Phase(REDUCE_SCATTER, "all", everyone, num_bytes),
                     Phase(ALL_GATHER, "all", everyone, num_bytes // n)),) if n > 1 else ((),)
+    elif algorithm == "flat":
+        everyone = np.arange(n).reshape(1, n)
+        streams = ((Phase(ALL_REDUCE, "all", everyone, num_bytes),),) if n > 1 else ((),)
     elif algorithm == "torus_2d":
         streams = (_phases(mesh, ("rows", "columns"), num_bytes),)
     else:
@@ -117,6 +123,40 @@ def build_schedule(mesh, num_bytes, algorithm="torus_2d_bidirectional"):
                    _phases(mesh, ("columns", "rows"), num_bytes - half))
     return Schedule(algorithm, mesh, int(num_bytes), tuple(streams))
 
+
+def phase_within_hosts(phase, host_of):
+    """True when every group of `phase` sits on one host (`host_of`: replica id -> host id).
+
+    Such a phase needs no network: the executor builds it from plain ops in the step graph on CPU hosts
+    (`collectives.in_graph_groups`) and the planner prices it on the host's memory.
+    """
+    return all(len({host_of(int(m)) for m in members}) == 1 for members in phase.groups)
+
+
+def phase_between_hosts(phase, host_of):
+    """True when every member of every group of `phase` sits on a host of its own (e.g. a mesh column).
+
+    Such a phase only adds values from different hosts: the one a 16-bit transport dtype may carry while
+    every sum within a host stays in the gradient's dtype.
+    """
+    return all(len({host_of(int(m)) for m in members}) == len(members) for members in phase.groups) \
+        and phase.group_size > 1
+
+
+def transport_schedule(schedule, host_of, itemsize, transport_itemsize):
+    """`schedule` with its phases between hosts carrying `transport_itemsize`-byte values.
+
+    The executor casts a buffer to the transport dtype (e.g. bfloat16) before a phase whose groups hold
+    one member per host (`phase_between_hosts`) and back after it; every other phase keeps the
+    gradient's own dtype, so sums within a host stay exact to it. The planner prices the result.
+    """
+    if transport_itemsize >= itemsize:
+        return schedule
+    streams = tuple(
+        tuple(dataclasses.replace(p, bytes_in=p.bytes_in * transport_itemsize // itemsize)
+              if phase_between_hosts(p, host_of) else p for p in stream)
+        for stream in schedule.streams)
+    return dataclasses.replace(schedule, streams=streams)
 
 
 def stream_sizes(schedule):
@@ -174,14 +214,14 @@ DEFAULT_PACK_BYTES = 32 * 1024 * 1024
 
 
 def resolve_algorithm(algorithm, mesh=None):
-    """The concrete algorithm for `"auto"`: bidirectional on a physical torus (TPU), `"torus_2d"` elsewhere.
+    """The concrete algorithm for `"auto"` when no planner decision is at hand (a fixed rule).
 
-    The bidirectional refinement exists to keep the links of both torus dimensions busy in both phases, so it
-    is on wherever the mesh is a physical torus (`mesh.is_torus`, every TPU slice). CPU/GPU meshes are hosts x
-    local devices with no such links: there rows-first (`"torus_2d"`) is the hierarchical all-reduce (only a
-    `1/cols` shard leaves a host, where the columns-first half would send a whole half across the network),
-    and on one host it is the faster form too (ResNet-50 on 8 CPU replicas: bidirectional ~1.3x slower, twice
-    the collectives of half the size; see benchmarks/README.md).
+    Strategies from `tpu_scale.create_strategy` carry the planner's decision
+    (`tpu_scale.plan.choose_algorithm`, priced for the strategy's hardware and the real gradient), and
+    `torus.all_reduce_sum` uses it; this rule serves any other strategy. Bidirectional on a physical torus
+    (`mesh.is_torus`, every TPU slice: it keeps the links of both dimensions busy in both phases);
+    `"torus_2d"` on CPU/GPU meshes of hosts x local devices, where rows-first is the hierarchical
+    all-reduce (only a `1/cols` shard leaves a host).
 
     Args:
       algorithm: `"auto"` or one of `ALGORITHMS`.
@@ -223,5 +263,7 @@ def padded_length(length, mesh, algorithm):
     Every stream's share must split into shards for every group it meets: a multiple of all replicas per
     stream does. The executor pads with this rule and the planner prices the padded buffers.
     """
+    if algorithm == "flat":
+        return length  # an all-reduce splits nothing
     quantum = mesh.num_replicas * len(build_schedule(mesh, 0, algorithm).streams)
     return -(-length // quantum) * quantum

@@ -3,7 +3,8 @@
 An alpha-beta cost model prices the gradient-summation schedules of `tpu_scale.torus` (the same `Schedule`
 objects the executor runs): the 1-D ring, the 2-D torus (reduce-scatter along rows, all-reduce of the shard
 along columns, all-gather along rows) and the paper's bidirectional 2-D form, for TPU slices by name and for
-GPU clusters. It also says how many images per second each host must feed and which BN group size gives a
+GPU clusters, and `choose_algorithm` decides what `"auto"` runs (see `tpu_scale.plan.choice`).
+It also says how many images per second each host must feed and which BN group size gives a
 span of 64-128 examples.
 
     python -m tpu_scale.plan --slice v3-2048 --model resnet50 --per_core_batch 16
@@ -40,6 +41,7 @@ Reference:
 """
 
 from tpu_scale.plan.catalog import (
+    CPU_FIGURES,
     DTYPE_BYTES,
     GPU_TYPES,
     MODELS,
@@ -47,12 +49,14 @@ from tpu_scale.plan.catalog import (
     WRAPAROUND,
     Cluster,
     Link,
+    cpu_cluster,
     gpu_cluster,
     gradient_bytes,
     slice_names,
     tpu_slice,
     uniform_cluster,
 )
+from tpu_scale.plan.choice import OPTIONS, Choice, choose_algorithm, hardware_cluster, price_option
 from tpu_scale.plan.cli import main
 from tpu_scale.plan.cost import pack_sizes, price_algorithms, price_schedule
 from tpu_scale.plan.report import format_plan, plan
@@ -73,6 +77,8 @@ def __getattr__(name):
 
 
 __all__ = [
+    "CPU_FIGURES", "OPTIONS", "Choice", "choose_algorithm", "cpu_cluster", "hardware_cluster",
+    "price_option",
     "DTYPE_BYTES", "GPU_TYPES", "MODELS", "TPU_GENERATIONS", "WRAPAROUND", "Cluster", "Link",
     "calibrate", "format_plan", "gpu_cluster", "gradient_bytes", "input_rate", "main", "pack_sizes",
     "plan", "plot_scaling", "price_algorithms", "price_schedule", "scaling_series", "slice_names",

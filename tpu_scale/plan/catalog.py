@@ -92,6 +92,11 @@ class Cluster:
         on GPUs); False when a node's replicas combine first and the nodes form the ring (TPU chips).
       phase_overhead: seconds to launch one collective (one phase), on top of its steps; fitted on CPU
         replicas, where it dominates; 0 for the TPU and GPU figures, whose alpha covers it.
+      host_memory: for CPU hosts, the `Link` of a host's shared memory (`alpha`: seconds per in-graph
+        op on a phase's critical path; `bandwidth`: bytes/s of memory traffic): a phase whose groups sit
+        on one host is then priced as the plain ops the executor builds. None: every phase is a
+        collective (TPU, GPU).
+      replicas_per_host: replicas on one host, for `host_memory` (the mesh's rows are hosts).
     """
 
     name: str
@@ -107,6 +112,8 @@ class Cluster:
     sources: tuple = ()
     flat_rings: bool = False
     phase_overhead: float = 0.0
+    host_memory: Link = None
+    replicas_per_host: int = 0
 
     @property
     def num_replicas(self):
@@ -128,6 +135,11 @@ class Cluster:
         for (r, c), rid in np.ndenumerate(self.mesh.grid):
             ids[rid] = r * per_row + c // self.replicas_per_node
         return ids
+
+    def host_ids(self):
+        """int `[num_replicas]`: the host each replica sits on."""
+        per_host = self.replicas_per_host or self.replicas_per_node * self.nodes_per_host
+        return np.arange(self.num_replicas) // per_host
 
     def describe(self):
         """A JSON-ready summary."""
@@ -405,6 +417,66 @@ def uniform_cluster(mesh, alpha, bandwidth, shared=False, name="uniform", kind="
     return Cluster(name, kind, mesh, 1, "replica", links, Link("local", 0.0, math.inf), 1,
                    mesh.shape, 0.0, ("Uniform links: alpha and bandwidth given by the caller.",),
                    phase_overhead=float(phase_overhead))
+
+
+# CPU hosts: fitted on this machine (2-core x86_64 VM, 8 virtual CPU replicas, TensorFlow 2.21) by
+# `python -m tpu_scale.plan --calibrate`; see benchmarks/README.md (planner calibration). The loopback
+# figures between two worker processes are fitted from `benchmarks/all_reduce.py`'s two-process part.
+CPU_FIGURES = {
+    "call_seconds": 0.00717,
+    "collective_launch_seconds": 0.00316,
+    "collective_alpha": 0.0,
+    "collective_bandwidth": 360000000.0,
+    "op_seconds": 3.06e-05,
+    "memory_bandwidth": 10600000000.0,
+    "network_alpha": 1.0e-3,
+    "network_bandwidth": 0.35e9,
+    "sources": (
+        "CPU collective ops (per launch, per step, bandwidth) and in-graph sums (per op, memory "
+        "bandwidth): fitted on the development machine by tpu_scale.plan.calibrate (2-core VM, 8 "
+        "virtual CPU replicas); another machine needs its own calibration.",
+        "CPU between worker processes: gRPC over loopback, fitted from benchmarks/all_reduce.py's two-"
+        "process run on the same machine: assumption for real networks.",
+    ),
+}
+
+
+def cpu_cluster(hosts, replicas_per_host, figures=None, mesh_shape=None):
+    """The `Cluster` of `hosts` CPU hosts (or worker processes) with `replicas_per_host` replicas each.
+
+    Phases inside a host are priced as the plain in-graph ops the executor builds there (memory traffic
+    plus a per-op cost), collectives inside a host with the fitted collective figures, and phases between
+    hosts on the network figures.
+
+    Args:
+      hosts: number of hosts (mesh rows).
+      replicas_per_host: replicas per host (mesh columns).
+      figures: a dict like `CPU_FIGURES` (the default) with this machine's own calibration.
+      mesh_shape: one host's `(rows, cols)` (default `(1, replicas_per_host)`); several hosts are one
+        row each.
+
+    Returns:
+      A `Cluster`.
+    """
+    f = dict(CPU_FIGURES, **(figures or {}))
+    if hosts == 1:
+        rows, cols = mesh_shape or (1, replicas_per_host)
+        mesh = ReplicaMesh.from_shape(int(rows), int(cols))
+    else:
+        mesh = ReplicaMesh.for_workers(int(hosts), int(replicas_per_host))
+    per_node = 1 if hosts == 1 else int(replicas_per_host)
+    shared = Link("cpu_collective", f["collective_alpha"], f["collective_bandwidth"])
+    if hosts > 1:
+        network = Link("network", f["network_alpha"], f["network_bandwidth"])
+        links = {"rows": shared, "columns": network, "all": network}
+    else:
+        links = {"rows": shared, "columns": shared, "all": shared}
+    memory = Link("memory", f["op_seconds"], f["memory_bandwidth"])
+    name = f"{hosts}x{replicas_per_host} cpu" if hosts > 1 else f"1 host, {mesh.shape} cpu mesh"
+    return Cluster(name, "cpu", mesh, per_node, "host" if hosts > 1 else "replica", links,
+                   shared, 1, (int(hosts),), 0.0, tuple(f["sources"]),
+                   phase_overhead=f["collective_launch_seconds"], host_memory=memory,
+                   replicas_per_host=int(replicas_per_host))
 
 
 def _checked_alpha(alpha_us):

@@ -4,8 +4,17 @@ import argparse
 import json
 import sys
 
-from tpu_scale.plan.catalog import DTYPE_BYTES, GPU_TYPES, MODELS, WRAPAROUND, gpu_cluster, slice_names, tpu_slice
+from tpu_scale.plan.catalog import (
+    DTYPE_BYTES,
+    GPU_TYPES,
+    MODELS,
+    WRAPAROUND,
+    gpu_cluster,
+    slice_names,
+    tpu_slice,
+)
 from tpu_scale.plan.report import format_plan, plan
+
 
 def _parser():
     p = argparse.ArgumentParser(

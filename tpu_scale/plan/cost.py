@@ -10,6 +10,7 @@ import numpy as np
 from tpu_scale import torus_schedule
 from tpu_scale.plan.catalog import Cluster, Link  # noqa: F401  (Cluster: named in docstrings)
 
+
 @dataclasses.dataclass(frozen=True)
 class _Part:
     """A piece of a phase: its latency, then `nbytes` over `link` (the link that bounds the transfer).
@@ -42,6 +43,25 @@ def _local_part(cluster, m, full):
     """A ring of the `m` replicas of one node: `m - 1` steps, `(m - 1) / m` of the data per replica."""
     nbytes = (m - 1) / m * full
     return _Part((m - 1) * cluster.local.alpha, cluster.local, nbytes, 0, m - 1, 0.0, nbytes)
+
+
+def _in_graph_part(phase, cluster, host_ids):
+    """A phase the executor builds from plain ops on one CPU host: memory traffic plus per-op cost.
+
+    Per group of `g`, with `B` the phase's input per replica: a sum on the first member and a
+    reduce-scatter read every member's `B` and write `B` (`(g + 1) B`; handing a tensor to another CPU
+    device copies nothing); an all-gather writes and reads the gathered `g B` on each member (`2 g^2 B`).
+    The groups of one host share its memory; the critical path is one op (two for a sum's read-back).
+    """
+    g = phase.group_size
+    per_host = np.bincount(host_ids[phase.groups[:, 0]]).max()
+    if phase.kind == torus_schedule.ALL_GATHER:
+        traffic = 2 * g * g * phase.bytes_in
+    else:
+        traffic = (g + 1) * phase.bytes_in
+    memory = cluster.host_memory
+    ops = 2 if phase.kind == torus_schedule.ALL_REDUCE else 1
+    return _Part(ops * memory.alpha, memory, float(per_host * traffic), 0, 0, 0.0, 0.0)
 
 
 def _phase_parts(phase, cluster, node_ids):
@@ -126,12 +146,14 @@ def _simulate(streams):
                 load(i)
 
 
-def price_schedule(schedule, cluster):
+def price_schedule(schedule, cluster, in_graph=True):
     """Predicted cost of one `torus_schedule.Schedule` on `cluster`.
 
     Args:
       schedule: a `Schedule` from `torus_schedule.build_schedule` on `cluster.mesh`.
       cluster: a `Cluster`.
+      in_graph: with `cluster.host_memory` (CPU hosts), price the phases whose groups sit on one host as
+        the executor's plain in-graph ops; False prices every phase as a collective.
 
     Returns:
       dict with `steps` (sequential steps between nodes on the critical path: 2(N-1) for a ring over N
@@ -145,6 +167,8 @@ def price_schedule(schedule, cluster):
             f"has {cluster.num_replicas}; build the schedule on cluster.mesh."
         )
     node_ids = cluster.node_ids()
+    host_ids = cluster.host_ids()
+    in_graph = in_graph and cluster.host_memory is not None
     steps, local_steps, latency = 0, 0, 0.0
     remote_bytes, local_bytes = 0.0, 0.0
     segments = []
@@ -153,10 +177,13 @@ def price_schedule(schedule, cluster):
         s_latency = 0.0
         segs = []
         for phase in stream:
-            if cluster.phase_overhead:
+            local = in_graph and torus_schedule.phase_within_hosts(phase, lambda r: host_ids[r])
+            if cluster.phase_overhead and not local:
                 segs.append(("delay", cluster.phase_overhead))
                 s_latency += cluster.phase_overhead
-            for part in _phase_parts(phase, cluster, node_ids):
+            parts = [_in_graph_part(phase, cluster, host_ids)] if local else \
+                _phase_parts(phase, cluster, node_ids)
+            for part in parts:
                 segs.append(("delay", part.latency))
                 segs.append(("send", part.link, part.nbytes))
                 s_latency += part.latency

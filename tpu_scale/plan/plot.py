@@ -4,6 +4,7 @@ from tpu_scale import torus_schedule
 from tpu_scale.plan.catalog import TPU_GENERATIONS, gradient_bytes, slice_names, tpu_slice
 from tpu_scale.plan.cost import price_algorithms
 
+
 def scaling_series(generation="v3", num_bytes=None, alpha_us=None, wraparound="pod"):
     """Predicted seconds per algorithm for every slice of a TPU generation.
 
@@ -40,7 +41,8 @@ def plot_scaling(path, generation="v3", num_bytes=None, label="ResNet-50 float32
     pod = scaling_series(generation, num_bytes, alpha_us, "pod")
     full = scaling_series(generation, num_bytes, alpha_us, "all")
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
-    styles = {"ring": ("tab:red", "o"), "torus_2d": ("tab:blue", "s"), "torus_2d_bidirectional": ("tab:green", "^")}
+    styles = {"ring": ("tab:red", "o"), "torus_2d": ("tab:blue", "s"),
+              "torus_2d_bidirectional": ("tab:green", "^"), "flat": ("tab:gray", "x")}
     for alg in torus_schedule.ALGORITHMS:
         color, marker = styles[alg]
         ax.plot(pod["chips"], [s * 1e3 for s in pod["seconds"][alg]], marker=marker, color=color, label=alg)
