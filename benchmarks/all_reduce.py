@@ -1,19 +1,24 @@
-"""Gradient summation: the torus schedule against TensorFlow's all-reduces, on ResNet-50's gradients.
+"""Gradient summation: the torus schedule against TensorFlow's all-reduces, on ResNet-50's
+gradients.
 
-(a) One host, 8 virtual CPU replicas, one process: the time to sum ResNet-50's trainable gradients (the shapes
-    of `keras.applications.ResNet50(weights=None)`: 161 float32 tensors, 25.6 M values, 102 MB per replica)
-    with `tpu_scale.torus.all_reduce_sum` on a 2x4 mesh (each algorithm) against TensorFlow's default
-    (`ReplicaContext.all_reduce` under a plain `MirroredStrategy`, which uses `CollectiveAllReduce`, a ring)
-    and `ReductionToOneDevice`.
-(b) Two localhost worker processes x 4 replicas over gRPC (`MultiWorkerMirroredStrategy`, mesh 2x4 with one
+(a) One host, 8 virtual CPU replicas, one process: the time to sum ResNet-50's trainable gradients
+(the shapes
+    of `keras.applications.ResNet50(weights=None)`: 161 float32 tensors, 25.6 M values, 102 MB per
+    replica) with `tpu_scale.torus.all_reduce_sum` on a 2x4 mesh (each algorithm) against
+    TensorFlow's default (`ReplicaContext.all_reduce` under a plain `MirroredStrategy`, which uses
+    `CollectiveAllReduce`, a ring) and `ReductionToOneDevice`.
+(b) Two localhost worker processes x 4 replicas over gRPC (`MultiWorkerMirroredStrategy`, mesh 2x4
+with one
     row per worker): the hierarchical torus (`torus_2d`, what `"auto"` picks across hosts) and the
-    bidirectional one against the default multi-worker all-reduce of the same strategy; with the bytes each
-    one sends across the process boundary, computed from the schedule (`torus.bytes_sent_between`) and, for
-    TensorFlow's single ring over 8 replicas in task order, from the ring algorithm
-    (`torus.ring_bytes_sent_between`: 2 of the 8 ring edges cross, each carrying 2 (n-1)/n of the buffer).
+    bidirectional one against the default multi-worker all-reduce of the same strategy; with the
+    bytes each one sends across the process boundary, computed from the schedule
+    (`torus.bytes_sent_between`) and, for TensorFlow's single ring over 8 replicas in task order,
+    from the ring algorithm (`torus.ring_bytes_sent_between`: 2 of the 8 ring edges cross, each
+    carrying 2 (n-1)/n of the buffer).
 
-Every method runs the same `tf.function`-wrapped `strategy.run`, in interleaved rounds after a warm-up so that
-load from other users of the machine hits every method alike; figures are medians of the rounds, with min-max.
+Every method runs the same `tf.function`-wrapped `strategy.run`, in interleaved rounds after a
+warm-up so that load from other users of the machine hits every method alike; figures are medians of
+the rounds, with min-max.
 
 Usage:
     python benchmarks/all_reduce.py [--quick]
@@ -31,6 +36,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from common import HERE, RESULTS, machine_info, run_child, timed_rounds, write_child_output  # noqa: E402
+
 NUM_REPLICAS = 8
 
 
@@ -68,8 +74,9 @@ def _torus(algorithm, pack_bytes=None, transport_dtype=None):
 
     def reduce_fn(grads):
         kwargs = {} if pack_bytes is None else {"pack_bytes": pack_bytes}
-        return torus.all_reduce_sum(grads, algorithm=algorithm, transport_dtype=transport_dtype,
-                                    **kwargs)
+        return torus.all_reduce_sum(
+            grads, algorithm=algorithm, transport_dtype=transport_dtype, **kwargs
+        )
 
     return reduce_fn
 
@@ -81,11 +88,16 @@ def _auto_choice(strategy, shapes, transport_dtype=None):
     from tpu_scale.plan import choose_algorithm
 
     tensors = [(int(np.prod(s)) * 4, "float32") for s in shapes]
-    choice = choose_algorithm(strategy.gradient_planner.cluster, tensors,
-                              transport_dtype=transport_dtype)
-    return {"algorithm": choice.algorithm, "cluster": choice.cluster,
-            "predicted_s": {a: (None if v is None else round(v, 4))
-                            for a, v in choice.predicted.items()}}
+    choice = choose_algorithm(
+        strategy.gradient_planner.cluster, tensors, transport_dtype=transport_dtype
+    )
+    return {
+        "algorithm": choice.algorithm,
+        "cluster": choice.cluster,
+        "predicted_s": {
+            a: (None if v is None else round(v, 4)) for a, v in choice.predicted.items()
+        },
+    }
 
 
 def _timed_rounds(methods, rounds, warmup):
@@ -97,6 +109,7 @@ def _timed_rounds(methods, rounds, warmup):
             # Wait for every replica's result: the last op of every device.
             for value in tf.nest.flatten(step(*args), expand_composites=True)[-NUM_REPLICAS:]:
                 value.numpy()
+
         return call
 
     return timed_rounds({name: blocking(*m) for name, m in methods.items()}, rounds, warmup)
@@ -120,8 +133,10 @@ def _with_ratio(summary, name, baseline, times):
     """Adds the median of per-round ratios `name / baseline` (same round, same load)."""
     per_round = [a / b for a, b in zip(times[name], times[baseline])]
     summary[name][f"per_round_ratio_to_{baseline}"] = {
-        "median": round(statistics.median(per_round), 3), "min": round(min(per_round), 3),
-        "max": round(max(per_round), 3)}
+        "median": round(statistics.median(per_round), 3),
+        "min": round(min(per_round), 3),
+        "max": round(max(per_round), 3),
+    }
     return summary
 
 
@@ -141,16 +156,19 @@ def single_host(rounds, warmup):
     import tensorflow as tf
 
     cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * NUM_REPLICAS)
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * NUM_REPLICAS
+    )
     import tpu_scale
-
     from tpu_scale.plan.calibrate import model_gradient_shapes
 
     shapes = [tuple(s) for s in model_gradient_shapes("resnet50")]
     devices = [d.name for d in tf.config.list_logical_devices("CPU")][:NUM_REPLICAS]
     ours = tpu_scale.create_strategy(num_cpu_replicas=NUM_REPLICAS, mesh_shape=(2, 4))
     default = tf.distribute.MirroredStrategy(devices)
-    to_one = tf.distribute.MirroredStrategy(devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
+    to_one = tf.distribute.MirroredStrategy(
+        devices, cross_device_ops=tf.distribute.ReductionToOneDevice()
+    )
     default_kind = type(default.extended._cross_device_ops).__name__
 
     methods = {}
@@ -177,8 +195,12 @@ def single_host(rounds, warmup):
         "bytes_per_replica": 4 * num_values,
         "tf_default_cross_device_ops": default_kind,
         "auto": _auto_choice(ours, shapes),
-        "methods": _with_ratio(_summary(times, "tf_default_collective"), "torus_auto",
-                               "tf_reduction_to_one_device", times),
+        "methods": _with_ratio(
+            _summary(times, "tf_default_collective"),
+            "torus_auto",
+            "tf_reduction_to_one_device",
+            times,
+        ),
         "shapes": shapes,
     }
 
@@ -192,25 +214,38 @@ def worker(rounds, warmup, shapes):
 
     import tpu_scale
 
-    strategy = tpu_scale.create_strategy(num_cpu_replicas=int(os.environ["TPU_SCALE_CPUS_PER_WORKER"]))
+    strategy = tpu_scale.create_strategy(
+        num_cpu_replicas=int(os.environ["TPU_SCALE_CPUS_PER_WORKER"])
+    )
     grads = _per_replica_gradients(strategy, [tuple(s) for s in shapes])
     methods = {
         "tf_default_multi_worker": (_summer(strategy, _native), (grads,)),
         "torus_auto": (_summer(strategy, _torus("auto")), (grads,)),
         "torus_2d_hierarchical": (_summer(strategy, _torus("torus_2d")), (grads,)),
         "torus_2d_bfloat16_between_hosts": (
-            _summer(strategy, _torus("torus_2d", transport_dtype="bfloat16")), (grads,)),
+            _summer(strategy, _torus("torus_2d", transport_dtype="bfloat16")),
+            (grads,),
+        ),
         "torus_flat": (_summer(strategy, _torus("flat")), (grads,)),
     }
     for name in ("torus_auto", "torus_2d_hierarchical", "torus_flat"):
         _check_equal(methods[name][0], methods["tf_default_multi_worker"][0], grads, strategy)
-    _check_equal(methods["torus_2d_bfloat16_between_hosts"][0],
-                 methods["tf_default_multi_worker"][0], grads, strategy, rtol=2e-2)
+    _check_equal(
+        methods["torus_2d_bfloat16_between_hosts"][0],
+        methods["tf_default_multi_worker"][0],
+        grads,
+        strategy,
+        rtol=2e-2,
+    )
     times = _timed_rounds(methods, rounds, warmup)
-    return {"mesh": list(strategy.mesh.shape), "times": times,
-            "auto": _auto_choice(strategy, shapes),
-            "auto_bfloat16": _auto_choice(strategy, shapes, "bfloat16"),
-            "cross_device_ops": type(strategy.extended._cross_device_ops).__name__, "tf": tf.__version__}
+    return {
+        "mesh": list(strategy.mesh.shape),
+        "times": times,
+        "auto": _auto_choice(strategy, shapes),
+        "auto_bfloat16": _auto_choice(strategy, shapes, "bfloat16"),
+        "cross_device_ops": type(strategy.extended._cross_device_ops).__name__,
+        "tf": tf.__version__,
+    }
 
 
 def two_processes(rounds, warmup, shapes):
@@ -221,8 +256,11 @@ def two_processes(rounds, warmup, shapes):
     from tpu_scale.testing import run_workers
 
     results = run_workers(
-        "all_reduce:worker", num_workers=2, cpus_per_worker=4,
-        kwargs={"rounds": rounds, "warmup": warmup, "shapes": [list(s) for s in shapes]}, timeout=1800,
+        "all_reduce:worker",
+        num_workers=2,
+        cpus_per_worker=4,
+        kwargs={"rounds": rounds, "warmup": warmup, "shapes": [list(s) for s in shapes]},
+        timeout=1800,
     )
     # A round ends when the slower worker ends: take the max over workers.
     names = results[0]["times"].keys()
@@ -231,6 +269,7 @@ def two_processes(rounds, warmup, shapes):
     num_bytes = 4 * sum(int(np.prod(s)) for s in shapes)
     mesh = ReplicaMesh.for_workers(2, 4)
     host = lambda replica: replica // 4  # noqa: E731
+
     def crossing_of(algorithm, itemsize=4):
         schedule = torus.build_schedule(mesh, num_bytes, algorithm)
         schedule = torus.transport_schedule(schedule, host, 4, itemsize)
@@ -239,20 +278,29 @@ def two_processes(rounds, warmup, shapes):
     auto = results[0]["auto"]["algorithm"]
     crossing = {
         "tf_default_multi_worker": torus.ring_bytes_sent_between(8, num_bytes, host),
-        "torus_auto": crossing_of(auto) if auto != "native" else
-        torus.ring_bytes_sent_between(8, num_bytes, host),
+        "torus_auto": crossing_of(auto)
+        if auto != "native"
+        else torus.ring_bytes_sent_between(8, num_bytes, host),
         "torus_2d_hierarchical": crossing_of("torus_2d"),
         "torus_2d_bfloat16_between_hosts": crossing_of("torus_2d", 2),
         "torus_flat": crossing_of("flat"),
     }
     for name in summary:
         summary[name]["bytes_between_processes"] = crossing[name]
-        summary[name]["bytes_between_processes_per_gradient_byte"] = round(crossing[name] / num_bytes, 3)
+        summary[name]["bytes_between_processes_per_gradient_byte"] = round(
+            crossing[name] / num_bytes, 3
+        )
     for name in ("torus_auto", "torus_2d_hierarchical", "torus_2d_bfloat16_between_hosts"):
         _with_ratio(summary, name, "tf_default_multi_worker", times)
-    return {"workers": 2, "replicas_per_worker": 4, "mesh": results[0]["mesh"],
-            "tf_cross_device_ops": results[0]["cross_device_ops"], "auto": results[0]["auto"],
-            "auto_bfloat16": results[0]["auto_bfloat16"], "methods": summary}
+    return {
+        "workers": 2,
+        "replicas_per_worker": 4,
+        "mesh": results[0]["mesh"],
+        "tf_cross_device_ops": results[0]["cross_device_ops"],
+        "auto": results[0]["auto"],
+        "auto_bfloat16": results[0]["auto_bfloat16"],
+        "methods": summary,
+    }
 
 
 # --------------------------------------------------------------------------- main
@@ -268,8 +316,8 @@ def main():
     warmup = 1 if args.quick else 2
 
     started = time.time()
-    # The single-host part runs in a child process: the workers' parent must not hold 8 logical CPUs'
-    # worth of buffers while they run, and each part then starts TensorFlow fresh.
+    # The single-host part runs in a child process: the workers' parent must not hold 8 logical
+    # CPUs' worth of buffers while they run, and each part then starts TensorFlow fresh.
     single = _run_child("single", rounds, warmup)
     result = {
         "command": "python benchmarks/all_reduce.py" + (" --quick" if args.quick else ""),
@@ -294,7 +342,9 @@ def _shapes_from(single):
 
 
 def _run_child(part, rounds, warmup):
-    return run_child(os.path.abspath(__file__), ["--_part", part, str(rounds), str(warmup)], timeout=1800)
+    return run_child(
+        os.path.abspath(__file__), ["--_part", part, str(rounds), str(warmup)], timeout=1800
+    )
 
 
 if __name__ == "__main__":

@@ -19,12 +19,16 @@ def replica_inputs(shape, dtype, seed=0):
 
 def run_per_replica(strategy, fn, values, eager=False):
     """Runs `fn(x_replica)` on every replica; returns the 8 results as numpy arrays."""
+
     def step(all_values):
         ctx = tf.distribute.get_replica_context()
         return fn(tf.gather(all_values, ctx.replica_id_in_sync_group))
 
-    run = (lambda v: strategy.run(step, args=(v,))) if eager else \
-        tf.function(lambda v: strategy.run(step, args=(v,)))
+    run = (
+        (lambda v: strategy.run(step, args=(v,)))
+        if eager
+        else tf.function(lambda v: strategy.run(step, args=(v,)))
+    )
     out = run(values)
     return [np.asarray(tf.cast(t, tf.float32)) for t in strategy.experimental_local_results(out)]
 
@@ -53,7 +57,8 @@ def test_group_sum(strategy, grouping, dtype, eager, path):
     groups = GROUPINGS[grouping]
     values, tensor = replica_inputs((3, 5), dtype)
     results = run_per_replica(
-        strategy, lambda x: collectives.group_sum(x, groups, **PATHS[path]), tensor, eager)
+        strategy, lambda x: collectives.group_sum(x, groups, **PATHS[path]), tensor, eager
+    )
     for replica, result in enumerate(results):
         np.testing.assert_array_equal(result, values[group_of(groups, replica)].sum(axis=0))
 
@@ -71,9 +76,12 @@ def _graph_op_types(strategy, fn):
 
 
 def test_latency_bound_sum_on_one_host_is_plain_ops(strategy):
-    """One AddN per group on the group's first device, no collective op; the default stays a collective."""
+    """One AddN per group on the group's first device, no collective op; the default stays a
+    collective."""
     groups = GROUPINGS["rows"]
-    types = _graph_op_types(strategy, lambda x: collectives.group_sum(x, groups, latency_bound=True))
+    types = _graph_op_types(
+        strategy, lambda x: collectives.group_sum(x, groups, latency_bound=True)
+    )
     assert types.count("AddN") == len(groups)
     assert not [t for t in types if t.startswith("Collective")]
     types = _graph_op_types(strategy, lambda x: collectives.group_sum(x, groups))
@@ -81,14 +89,15 @@ def test_latency_bound_sum_on_one_host_is_plain_ops(strategy):
 
 
 def test_in_graph_primitives_on_one_host_are_plain_ops(strategy):
-    """reduce-scatter: an AddN per member; all-gather: a concat per member; sum: an AddN per group."""
+    """reduce-scatter: an AddN per member; all-gather: a concat per member; sum: an AddN a group."""
     groups = GROUPINGS["rows"]
 
     def fn(x):
         x = tf.tile(x, [4])
         shard = collectives.reduce_scatter(x, groups, in_graph=True)
-        return collectives.all_gather(shard, groups, in_graph=True), \
-            collectives.group_sum(x, groups, in_graph=True)
+        return collectives.all_gather(shard, groups, in_graph=True), collectives.group_sum(
+            x, groups, in_graph=True
+        )
 
     types = _graph_op_types(strategy, fn)
     assert not [t for t in types if t.startswith("Collective")]
@@ -99,10 +108,20 @@ def test_in_graph_primitives_on_one_host_are_plain_ops(strategy):
 
 
 def test_in_graph_groups_on_one_host(strategy):
-    seen = run_per_replica(strategy, lambda x: tf.constant(
-        [collectives.in_graph_groups(GROUPINGS["rows"]),
-         collectives.groups_between_processes(GROUPINGS["columns"])], tf.float32) + 0 * x[0],
-        tf.zeros([8, 1]))
+    seen = run_per_replica(
+        strategy,
+        lambda x: (
+            tf.constant(
+                [
+                    collectives.in_graph_groups(GROUPINGS["rows"]),
+                    collectives.groups_between_processes(GROUPINGS["columns"]),
+                ],
+                tf.float32,
+            )
+            + 0 * x[0]
+        ),
+        tf.zeros([8, 1]),
+    )
     # Every group lies in this process; none holds one member per process.
     assert all(list(s) == [1.0, 0.0] for s in seen)
 
@@ -123,14 +142,16 @@ def test_reduce_scatter_then_all_gather_is_the_sum(strategy, grouping, eager, in
     shards = {}
     for replica, result in enumerate(results):
         expected = values[group_of(groups, replica)].sum(axis=0)
-        np.testing.assert_allclose(result[:size * 3], expected, rtol=1e-6)
-        shards[replica] = result[size * 3:]
+        np.testing.assert_allclose(result[: size * 3], expected, rtol=1e-6)
+        shards[replica] = result[size * 3 :]
     # Each member holds a different third of the group sum, and together they hold all of it.
     for group in groups:
         pieces = np.concatenate(sorted((shards[r] for r in group), key=lambda s: s.tobytes()))
         total = values[group].sum(axis=0)
         chunks = np.split(total, size)
-        assert sorted(p.tobytes() for p in np.split(pieces, size)) == sorted(c.tobytes() for c in chunks)
+        assert sorted(p.tobytes() for p in np.split(pieces, size)) == sorted(
+            c.tobytes() for c in chunks
+        )
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["graph", "eager"])
@@ -138,7 +159,11 @@ def test_all_to_all_is_its_own_inverse(strategy, eager):
     groups = GROUPINGS["rows"]
     values, tensor = replica_inputs((8, 3), tf.float32)
     twice = run_per_replica(
-        strategy, lambda x: collectives.all_to_all(collectives.all_to_all(x, groups), groups), tensor, eager)
+        strategy,
+        lambda x: collectives.all_to_all(collectives.all_to_all(x, groups), groups),
+        tensor,
+        eager,
+    )
     for replica, result in enumerate(twice):
         np.testing.assert_array_equal(result, values[replica])
 
@@ -206,7 +231,9 @@ def test_bad_assignment_fails_before_launching(strategy):
 
 def test_uneven_split_fails_before_launching(strategy):
     with pytest.raises(ValueError, match=r"length 6; pad it to a multiple of 4"):
-        run_per_replica(strategy, lambda x: collectives.all_to_all(x, GROUPINGS["rows"]), tf.zeros([8, 6]))
+        run_per_replica(
+            strategy, lambda x: collectives.all_to_all(x, GROUPINGS["rows"]), tf.zeros([8, 6])
+        )
 
 
 def test_cross_replica_context_is_an_error(strategy):
@@ -250,6 +277,7 @@ def test_repeated_steps_do_not_grow_threads(strategy):
     def step(x):
         def replica_fn():
             return tf.add_n([collectives.group_sum(x + i, groups) for i in range(20)])
+
         return strategy.run(replica_fn)
 
     def threads():

@@ -1,4 +1,5 @@
-"""Tests of the pod-scale planner: closed forms, orderings, the paper's figures, the CLI and bad input.
+"""Tests of the pod-scale planner: closed forms, orderings, the paper's figures, the CLI and bad
+input.
 
 Pure arithmetic on schedules: no collective runs here, so the whole file takes a few seconds.
 """
@@ -29,8 +30,9 @@ def _uniform(rows, cols, shared=False):
 def test_ring_steps_bytes_and_seconds_match_closed_form(rows, cols):
     n = rows * cols
     m = 2 * n * 1000  # divisible by every group size and by 2 streams
-    price = plan.price_schedule(torus.build_schedule(ReplicaMesh.from_shape(rows, cols), m, "ring"),
-                                _uniform(rows, cols))
+    price = plan.price_schedule(
+        torus.build_schedule(ReplicaMesh.from_shape(rows, cols), m, "ring"), _uniform(rows, cols)
+    )
     assert price["steps"] == 2 * (n - 1)
     assert price["bytes_per_node"] == pytest.approx(2 * (n - 1) / n * m)
     assert price["seconds"] == pytest.approx(2 * (n - 1) * ALPHA + 2 * (n - 1) / n * m / BANDWIDTH)
@@ -41,8 +43,9 @@ def test_ring_steps_bytes_and_seconds_match_closed_form(rows, cols):
 def test_2d_steps_and_bytes_match_closed_form(algorithm, rows, cols):
     n = rows * cols
     m = 2 * n * 1000
-    price = plan.price_schedule(torus.build_schedule(ReplicaMesh.from_shape(rows, cols), m, algorithm),
-                                _uniform(rows, cols))
+    price = plan.price_schedule(
+        torus.build_schedule(ReplicaMesh.from_shape(rows, cols), m, algorithm), _uniform(rows, cols)
+    )
     assert price["steps"] == 2 * (rows - 1) + 2 * (cols - 1)
     assert price["bytes_per_node"] == pytest.approx(2 * (n - 1) / n * m)
     assert price["local_steps"] == 0
@@ -50,10 +53,14 @@ def test_2d_steps_and_bytes_match_closed_form(algorithm, rows, cols):
 
 def test_torus_2d_seconds_match_closed_form():
     rows, cols, m = 4, 8, 64 * 1000
-    price = plan.price_schedule(torus.build_schedule(ReplicaMesh.from_shape(rows, cols), m, "torus_2d"),
-                                _uniform(rows, cols))
+    price = plan.price_schedule(
+        torus.build_schedule(ReplicaMesh.from_shape(rows, cols), m, "torus_2d"),
+        _uniform(rows, cols),
+    )
     steps = 2 * (rows - 1) + 2 * (cols - 1)
-    assert price["seconds"] == pytest.approx(steps * ALPHA + 2 * (rows * cols - 1) / (rows * cols) * m / BANDWIDTH)
+    assert price["seconds"] == pytest.approx(
+        steps * ALPHA + 2 * (rows * cols - 1) / (rows * cols) * m / BANDWIDTH
+    )
 
 
 def test_paper_32x32_figure_124_vs_2046_steps():
@@ -68,8 +75,15 @@ def test_paper_32x32_figure_124_vs_2046_steps():
 
 
 def test_tpu_slice_shapes_follow_the_notes():
-    expected = {"v3-2048": (32, 32), "v3-1024": (32, 16), "v3-512": (16, 16), "v3-256": (16, 8),
-                "v3-128": (8, 8), "v3-32": (4, 4), "v3-8": (2, 2)}
+    expected = {
+        "v3-2048": (32, 32),
+        "v3-1024": (32, 16),
+        "v3-512": (16, 16),
+        "v3-256": (16, 8),
+        "v3-128": (8, 8),
+        "v3-32": (4, 4),
+        "v3-8": (2, 2),
+    }
     for name, (x, y) in expected.items():
         cluster = plan.tpu_slice(name)
         assert cluster.node_shape == (x, y)
@@ -95,7 +109,7 @@ def test_gpu_ring_is_flat_and_2d_keeps_network_steps_low():
 @pytest.mark.parametrize("name", ["v3-8", "v3-512", "v3-2048", "v2-512", "v4-8192"])
 def test_seconds_grow_with_bytes(name):
     cluster = plan.tpu_slice(name)
-    sizes = [10 ** 3, 10 ** 5, 10 ** 7, 10 ** 8]
+    sizes = [10**3, 10**5, 10**7, 10**8]
     for alg in torus.ALGORITHMS:
         secs = [plan.price_algorithms(cluster, b)[alg]["seconds"] for b in sizes]
         assert secs == sorted(secs) and secs[0] < secs[-1], (alg, secs)
@@ -113,19 +127,32 @@ def test_cost_grows_with_chips(generation):
 
 @pytest.mark.parametrize("algorithm", torus.ALGORITHMS)
 def test_2d_cost_grows_with_square_pods(algorithm):
-    # Square shapes only: on an X x Y slice, growing X shrinks the shard the Y links carry, so a wider but not
-    # taller slice can be slightly cheaper for the 2-D forms (v2-256, 16x8 chips, vs v2-128, 8x8).
+    # Square shapes only: on an X x Y slice, growing X shrinks the shard the Y links carry, so a
+    # wider but not taller slice can be slightly cheaper for the 2-D forms (v2-256, 16x8 chips, vs
+    # v2-128, 8x8).
     num_bytes = plan.gradient_bytes("resnet50")[1]
-    uniform = [plan.price_algorithms(_uniform(s, s), num_bytes)[algorithm]["seconds"] for s in (2, 4, 8, 16, 32)]
+    uniform = [
+        plan.price_algorithms(_uniform(s, s), num_bytes)[algorithm]["seconds"]
+        for s in (2, 4, 8, 16, 32)
+    ]
     assert uniform == sorted(uniform)
-    v3 = [plan.price_algorithms(plan.tpu_slice(n, wraparound="all"), num_bytes)[algorithm]["seconds"]
-          for n in ("v3-8", "v3-32", "v3-128", "v3-512", "v3-2048")]
+    v3 = [
+        plan.price_algorithms(plan.tpu_slice(n, wraparound="all"), num_bytes)[algorithm]["seconds"]
+        for n in ("v3-8", "v3-32", "v3-128", "v3-512", "v3-2048")
+    ]
     assert v3 == sorted(v3)
 
 
-@pytest.mark.parametrize("cluster", [plan.tpu_slice("v3-2048"), plan.tpu_slice("v4-8192"),
-                                     plan.tpu_slice("v3-2048", wraparound="all"), _uniform(32, 32)],
-                         ids=["v3-2048", "v4-8192", "v3-2048-torus", "uniform-32x32"])
+@pytest.mark.parametrize(
+    "cluster",
+    [
+        plan.tpu_slice("v3-2048"),
+        plan.tpu_slice("v4-8192"),
+        plan.tpu_slice("v3-2048", wraparound="all"),
+        _uniform(32, 32),
+    ],
+    ids=["v3-2048", "v4-8192", "v3-2048-torus", "uniform-32x32"],
+)
 def test_bidirectional_beats_2d_beats_ring_on_large_pods(cluster):
     prices = plan.price_algorithms(cluster, plan.gradient_bytes("resnet50")[1])
     seconds = {a: p["seconds"] for a, p in prices.items()}
@@ -138,9 +165,13 @@ def test_concurrent_streams_share_links():
     shared = plan.price_algorithms(_uniform(8, 8, shared=True), m)
     # Separate row and column links: the two halves run at once, so the transfer takes half as long.
     assert own["torus_2d_bidirectional"]["transfer_seconds"] == pytest.approx(
-        own["torus_2d"]["transfer_seconds"] / 2, rel=0.01)
-    # One shared resource (CPU replicas on one memory): nothing to gain from running both halves at once.
-    assert shared["torus_2d_bidirectional"]["seconds"] == pytest.approx(shared["torus_2d"]["seconds"], rel=0.02)
+        own["torus_2d"]["transfer_seconds"] / 2, rel=0.01
+    )
+    # One shared resource (CPU replicas on one memory): nothing to gain from running both halves at
+    # once.
+    assert shared["torus_2d_bidirectional"]["seconds"] == pytest.approx(
+        shared["torus_2d"]["seconds"], rel=0.02
+    )
 
 
 def test_multi_core_chips_combine_on_chip_in_row_phases():
@@ -149,11 +180,13 @@ def test_multi_core_chips_combine_on_chip_in_row_phases():
     m = 2048 * 2 * 100
     assert prices["torus_2d"]["local_steps"] == 2
     assert prices["torus_2d"]["bytes_per_node"] == pytest.approx(2 * 1023 / 1024 * m)
-    # The columns-first half of the bidirectional form sends both cores' copies over the column links.
+    # The columns-first half of the bidirectional form sends both cores' copies over the column
+    # links.
     assert prices["torus_2d_bidirectional"]["bytes_per_node"] > prices["torus_2d"]["bytes_per_node"]
 
 
-# --------------------------------------------------------------------------- input rate and BN groups
+# --------------------------------------------------------------------------- input rate and BN
+# groups
 
 
 def test_input_rate_per_host_matches_paper():
@@ -164,9 +197,16 @@ def test_input_rate_per_host_matches_paper():
     assert target["per_host"] == pytest.approx(1_050_000 / 256)
 
 
-@pytest.mark.parametrize("per_core,group,span,chips", [(16, 4, 64, [1, 2]), (8, 8, 64, [2, 2]),
-                                                       (4, 16, 64, [2, 4]), (2, 32, 64, [4, 4]),
-                                                       (64, 1, 64, [1, 1])])
+@pytest.mark.parametrize(
+    "per_core,group,span,chips",
+    [
+        (16, 4, 64, [1, 2]),
+        (8, 8, 64, [2, 2]),
+        (4, 16, 64, [2, 4]),
+        (2, 32, 64, [4, 4]),
+        (64, 1, 64, [1, 1]),
+    ],
+)
 def test_bn_group_suggestion_uses_topology_tiles(per_core, group, span, chips):
     bn = plan.suggest_bn_group(plan.tpu_slice("v3-2048").mesh, per_core)
     assert (bn["group_size"], bn["span"], bn["tile_chips"]) == (group, span, chips)
@@ -186,8 +226,9 @@ def test_bn_group_edge_cases():
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "tpu_scale.plan", *args], capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "tpu_scale.plan", *args], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_cli_json_shape():
@@ -204,7 +245,12 @@ def test_cli_json_shape():
 
 
 def test_cli_table_and_gpu(capsys):
-    assert plan.main(["--hosts", "4", "--gpus_per_host", "8", "--params", "1000000", "--dtype", "bfloat16"]) == 0
+    assert (
+        plan.main(
+            ["--hosts", "4", "--gpus_per_host", "8", "--params", "1000000", "--dtype", "bfloat16"]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     for name in torus.ALGORITHMS:
         assert name in text
@@ -221,25 +267,31 @@ def test_plot_file_written(tmp_path):
 # --------------------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("name,message", [
-    ("v3-3", "valid: ['v3-8'"),
-    ("v9-8", "known generations"),
-    ("v3", "expected '<generation>-<cores>'"),
-    ("v3-abc", "valid"),
-    ("", "expected"),
-])
+@pytest.mark.parametrize(
+    "name,message",
+    [
+        ("v3-3", "valid: ['v3-8'"),
+        ("v9-8", "known generations"),
+        ("v3", "expected '<generation>-<cores>'"),
+        ("v3-abc", "valid"),
+        ("", "expected"),
+    ],
+)
 def test_bad_slice_names(name, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(")):
         plan.tpu_slice(name)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"params": -3}, "positive integer"),
-    ({"params": 0}, "positive integer"),
-    ({"model": "resnet49"}, "known models"),
-    ({"model": "resnet50", "params": 10}, "exactly one"),
-    ({"model": "resnet50", "dtype": "int8"}, "float32"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"params": -3}, "positive integer"),
+        ({"params": 0}, "positive integer"),
+        ({"model": "resnet49"}, "known models"),
+        ({"model": "resnet50", "params": 10}, "exactly one"),
+        ({"model": "resnet50", "dtype": "int8"}, "float32"),
+    ],
+)
 def test_bad_gradient_sizes(kwargs, message):
     with pytest.raises(ValueError, match=message):
         plan.gradient_bytes(**kwargs)
@@ -259,7 +311,9 @@ def test_bad_cluster_and_sizes():
     with pytest.raises(ValueError, match="wraparound"):
         plan.tpu_slice("v3-8", wraparound="sometimes")
     with pytest.raises(ValueError, match="build the schedule on cluster.mesh"):
-        plan.price_schedule(torus.build_schedule(ReplicaMesh.from_shape(2, 2), 64, "ring"), plan.tpu_slice("v3-8"))
+        plan.price_schedule(
+            torus.build_schedule(ReplicaMesh.from_shape(2, 2), 64, "ring"), plan.tpu_slice("v3-8")
+        )
     with pytest.raises(ValueError, match="target_images_per_sec"):
         plan.input_rate(plan.tpu_slice("v3-8"), -5.0)
 
@@ -283,14 +337,17 @@ def test_pack_sizes_follow_the_executor_rule():
 RESNET50 = [(4 * 25_583_592 // 214, "float32")] * 214
 
 
-@pytest.mark.parametrize("hardware,expected", [
-    (dict(kind="cpu", replicas_per_host=8), "flat"),
-    (dict(kind="cpu", replicas_per_host=8, mesh_shape=(2, 4)), "flat"),
-    (dict(kind="cpu", hosts=2, replicas_per_host=4), "torus_2d"),
-    (dict(kind="gpu", hosts=32, replicas_per_host=8, gpu="a100"), "native"),
-    (dict(kind="tpu", tpu_slice_name="v3-2048"), "torus_2d_bidirectional"),
-    (dict(kind="tpu", tpu_slice_name="v4-512"), "torus_2d_bidirectional"),
-])
+@pytest.mark.parametrize(
+    "hardware,expected",
+    [
+        (dict(kind="cpu", replicas_per_host=8), "flat"),
+        (dict(kind="cpu", replicas_per_host=8, mesh_shape=(2, 4)), "flat"),
+        (dict(kind="cpu", hosts=2, replicas_per_host=4), "torus_2d"),
+        (dict(kind="gpu", hosts=32, replicas_per_host=8, gpu="a100"), "native"),
+        (dict(kind="tpu", tpu_slice_name="v3-2048"), "torus_2d_bidirectional"),
+        (dict(kind="tpu", tpu_slice_name="v4-512"), "torus_2d_bidirectional"),
+    ],
+)
 def test_auto_decision_on_described_hardware(hardware, expected):
     choice = plan.choose_algorithm(plan.hardware_cluster(**hardware), RESNET50)
     assert choice.algorithm == expected, choice.summary()
@@ -320,8 +377,9 @@ def test_bfloat16_transport_halves_only_phases_between_hosts():
     assert bf16 < f32
     # One host: no phase between hosts, nothing changes.
     one = plan.hardware_cluster("cpu", replicas_per_host=8)
-    assert plan.price_option(one, RESNET50, "flat", transport_dtype="bfloat16") == \
-        plan.price_option(one, RESNET50, "flat")
+    assert plan.price_option(
+        one, RESNET50, "flat", transport_dtype="bfloat16"
+    ) == plan.price_option(one, RESNET50, "flat")
     mesh = ReplicaMesh.for_workers(2, 4)
     schedule = torus.build_schedule(mesh, 8 * 1000, "torus_2d")
     moved = torus.transport_schedule(schedule, lambda r: r // 4, 4, 2)

@@ -15,25 +15,31 @@ from tpu_scale.testing import group_size as _group_size
 from tpu_scale.testing import train_graphs as _train_graphs
 
 MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
-# Relative error allowed per dtype: float32 as the issue asks; 16-bit types a few roundings of their epsilon
-# (the sum of 8 values is rounded after every ring step).
+# Relative error allowed per dtype: float32 as the issue asks; 16-bit types a few roundings of their
+# epsilon (the sum of 8 values is rounded after every ring step).
 RTOL = {tf.float32: 1e-6, tf.bfloat16: 2e-2, tf.float16: 4e-3}
 
 
 @functools.lru_cache(maxsize=None)
 def _strategy(shape, reduction="torus"):
-    return tpu_scale.create_strategy(num_cpu_replicas=8, mesh_shape=shape, gradient_reduction=reduction)
+    return tpu_scale.create_strategy(
+        num_cpu_replicas=8, mesh_shape=shape, gradient_reduction=reduction
+    )
 
 
 # --------------------------------------------------------------------------- graph inspection
 
 
-OP_OF_PHASE = {torus.REDUCE_SCATTER: "CollectiveAllToAllV2", torus.ALL_REDUCE: "CollectiveReduceV2",
-               torus.ALL_GATHER: "CollectiveGatherV2"}
+OP_OF_PHASE = {
+    torus.REDUCE_SCATTER: "CollectiveAllToAllV2",
+    torus.ALL_REDUCE: "CollectiveReduceV2",
+    torus.ALL_GATHER: "CollectiveGatherV2",
+}
 
 
 def _is_private(op):
-    """True for collectives on tpu_scale's own group keys (TensorFlow's strategies number theirs from 1)."""
+    """True for collectives on tpu_scale's own group keys (TensorFlow's strategies number theirs
+    from 1)."""
     return int(tf.get_static_value(op.inputs[2])) >= collectives._PRIVATE_KEY_BASE
 
 
@@ -41,9 +47,15 @@ def _is_private(op):
 
 
 def _specs():
-    """(shape, dtype) of the summed tensors: sizes 1, 7, 1000003, 16-bit types, 120 mixed small tensors."""
-    specs = [((1,), tf.float32), ((7,), tf.float32), ((1000003,), tf.float32),
-             ((3, 5), tf.bfloat16), ((2, 3, 4), tf.float16)]
+    """(shape, dtype) of the summed tensors: sizes 1, 7, 1000003, 16-bit types, 120 mixed small
+    tensors."""
+    specs = [
+        ((1,), tf.float32),
+        ((7,), tf.float32),
+        ((1000003,), tf.float32),
+        ((3, 5), tf.bfloat16),
+        ((2, 3, 4), tf.float16),
+    ]
     rng = np.random.default_rng(7)
     dtypes = [tf.float32, tf.bfloat16, tf.float16]
     for i in range(120):
@@ -54,7 +66,8 @@ def _specs():
 
 @functools.lru_cache(maxsize=None)
 def _inputs():
-    """Per-replica values `[8, *shape]` (float32, quantized to each dtype) and their exact float64 sums."""
+    """Per-replica values `[8, *shape]` (float32, quantized to each dtype) and their exact float64
+    sums."""
     rng = np.random.default_rng(0)
     values, sums = [], []
     for shape, dtype in _specs():
@@ -76,7 +89,8 @@ def _run_sum(strategy, algorithm, pack_bytes):
     @tf.function
     def summed(grads):
         return strategy.run(
-            lambda g: torus.all_reduce_sum(g, algorithm=algorithm, pack_bytes=pack_bytes), args=(grads,)
+            lambda g: torus.all_reduce_sum(g, algorithm=algorithm, pack_bytes=pack_bytes),
+            args=(grads,),
         )
 
     return summed(per_replica), summed.get_concrete_function(per_replica).graph
@@ -88,7 +102,10 @@ def _check_sums(strategy, out, shape, algorithm):
         for replica_value in strategy.experimental_local_results(result):
             assert replica_value.dtype == dtype and tuple(replica_value.shape) == spec_shape
             np.testing.assert_allclose(
-                replica_value.numpy().astype(np.float64), expected, rtol=RTOL[dtype], atol=0,
+                replica_value.numpy().astype(np.float64),
+                expected,
+                rtol=RTOL[dtype],
+                atol=0,
                 err_msg=f"{dtype.name} {spec_shape} on {shape} with {algorithm}",
             )
 
@@ -111,8 +128,12 @@ def test_sum_in_graph_equals_plain_sum(shape, algorithm):
     # One AddN per tensor and group member (reduce-scatter) or group (sum on the first member):
     # nothing is fused, since plain ops have no launch cost to amortize.
     schedule = torus.build_schedule(strategy.mesh, 8, algorithm)
-    per_tensor = sum(len(p.groups) * (p.group_size if p.kind == torus.REDUCE_SCATTER else 1)
-                     for stream in schedule.streams for p in stream if p.kind != torus.ALL_GATHER)
+    per_tensor = sum(
+        len(p.groups) * (p.group_size if p.kind == torus.REDUCE_SCATTER else 1)
+        for stream in schedule.streams
+        for p in stream
+        if p.kind != torus.ALL_GATHER
+    )
     assert _graph_op_types(graph).count("AddN") == per_tensor * len(_specs())
 
 
@@ -142,7 +163,9 @@ def test_indexed_slices_are_densified_and_summed():
         def step():
             r = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.float32)
             # Repeated index 2: the dense sum adds both rows.
-            slices = tf.IndexedSlices(tf.ones([3, 2]) * (r + 1), tf.constant([0, 2, 2]), tf.constant([5, 2]))
+            slices = tf.IndexedSlices(
+                tf.ones([3, 2]) * (r + 1), tf.constant([0, 2, 2]), tf.constant([5, 2])
+            )
             return torus.all_reduce_sum([slices, None, tf.ones([2])])
 
         return strategy.run(step)
@@ -176,34 +199,57 @@ def test_errors_are_clear():
 def _tpu_ops(mesh, algorithm, num_elements=10, dtype=tf.float32):
     """The TPU ops of one sum of a float32 and a bfloat16 gradient; those of `dtype` (None: all)."""
     with tf.Graph().as_default() as graph, context.tpu_graph(mesh):
-        torus.all_reduce_sum([tf.zeros([num_elements]), tf.zeros([3, 3], tf.bfloat16)], algorithm=algorithm)
-    ops = [op for op in graph.get_operations() if op.type in ("AllToAll", "CrossReplicaSum")
-           and (dtype is None or op.outputs[0].dtype == dtype)]
-    return [(op.type, op.outputs[0].dtype, tf.get_static_value(op.inputs[-1]).tolist(),
-             op.outputs[0].shape.num_elements()) for op in ops]
+        torus.all_reduce_sum(
+            [tf.zeros([num_elements]), tf.zeros([3, 3], tf.bfloat16)], algorithm=algorithm
+        )
+    ops = [
+        op
+        for op in graph.get_operations()
+        if op.type in ("AllToAll", "CrossReplicaSum")
+        and (dtype is None or op.outputs[0].dtype == dtype)
+    ]
+    return [
+        (
+            op.type,
+            op.outputs[0].dtype,
+            tf.get_static_value(op.inputs[-1]).tolist(),
+            op.outputs[0].shape.num_elements(),
+        )
+        for op in ops
+    ]
 
 
 def test_tpu_graph_ops_and_group_assignments():
     mesh = ReplicaMesh.from_shape(2, 4)
     rows, cols = [[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 4], [1, 5], [2, 6], [3, 7]]
     everyone = [list(range(8))]
-    # 10 float32 elements pad to 16: rows-first reduce-scatter 16 -> 4, column sum of 4, all-gather 4 -> 16
-    # (sent as 4 tiled copies through an all-to-all).
+    # 10 float32 elements pad to 16: rows-first reduce-scatter 16 -> 4, column sum of 4, all-gather
+    # 4 -> 16 (sent as 4 tiled copies through an all-to-all).
     assert _tpu_ops(mesh, "torus_2d")[:3] == [
-        ("AllToAll", tf.float32, rows, 16), ("CrossReplicaSum", tf.float32, cols, 4),
-        ("AllToAll", tf.float32, rows, 16)]
-    # Bidirectional: two halves of 8 (10 pads to 16), issued interleaved, in opposite dimension orders.
+        ("AllToAll", tf.float32, rows, 16),
+        ("CrossReplicaSum", tf.float32, cols, 4),
+        ("AllToAll", tf.float32, rows, 16),
+    ]
+    # Bidirectional: two halves of 8 (10 pads to 16), issued interleaved, in opposite dimension
+    # orders.
     assert _tpu_ops(mesh, "torus_2d_bidirectional")[:6] == [
-        ("AllToAll", tf.float32, rows, 8), ("AllToAll", tf.float32, cols, 8),
-        ("CrossReplicaSum", tf.float32, cols, 2), ("CrossReplicaSum", tf.float32, rows, 4),
-        ("AllToAll", tf.float32, rows, 8), ("AllToAll", tf.float32, cols, 8)]
+        ("AllToAll", tf.float32, rows, 8),
+        ("AllToAll", tf.float32, cols, 8),
+        ("CrossReplicaSum", tf.float32, cols, 2),
+        ("CrossReplicaSum", tf.float32, rows, 4),
+        ("AllToAll", tf.float32, rows, 8),
+        ("AllToAll", tf.float32, cols, 8),
+    ]
     ring = _tpu_ops(mesh, "ring", dtype=None)
-    assert [(t, g) for t, _, g, _ in ring] == [("AllToAll", everyone)] * 4  # two dtypes x (scatter, gather)
+    assert [(t, g) for t, _, g, _ in ring] == [
+        ("AllToAll", everyone)
+    ] * 4  # two dtypes x (scatter, gather)
     # Phase by phase: both buffers' reduce-scatters, then both all-gathers.
     assert [d for _, d, _, _ in ring] == [tf.float32, tf.bfloat16, tf.float32, tf.bfloat16]
     # The flat sum is one all-reduce over everyone per buffer.
-    assert [(t, g) for t, _, g, _ in _tpu_ops(mesh, "flat", dtype=None)] == \
-        [("CrossReplicaSum", everyone)] * 2
+    assert [(t, g) for t, _, g, _ in _tpu_ops(mesh, "flat", dtype=None)] == [
+        ("CrossReplicaSum", everyone)
+    ] * 2
 
 
 def test_tpu_graph_on_a_torus_topology_mesh():
@@ -226,11 +272,16 @@ def _fit(strategy, run_eagerly=False):
     with strategy.scope():
         keras.utils.set_random_seed(1)
         id_in, x_in = keras.Input((3,), dtype="int32"), keras.Input((5,))
-        # The embedding's gradient is an IndexedSlices: densified by the torus, gathered by TensorFlow.
+        # The embedding's gradient is an IndexedSlices: densified by the torus, gathered by
+        # TensorFlow.
         embedded = keras.layers.Flatten()(keras.layers.Embedding(10, 4)(id_in))
-        hidden = keras.layers.Dense(7, activation="tanh")(keras.layers.Concatenate()([embedded, x_in]))
+        hidden = keras.layers.Dense(7, activation="tanh")(
+            keras.layers.Concatenate()([embedded, x_in])
+        )
         model = keras.Model([id_in, x_in], keras.layers.Dense(3)(hidden))
-        model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse", run_eagerly=run_eagerly)
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse", run_eagerly=run_eagerly
+        )
     initial = [w.copy() for w in model.get_weights()]
     model.fit([ids, x], y, batch_size=32, epochs=2, verbose=0, shuffle=False)
     return model, initial
@@ -239,8 +290,9 @@ def _fit(strategy, run_eagerly=False):
 @functools.lru_cache(maxsize=None)
 def _native_weights(shape):
     model, _ = _fit(_strategy(shape, "native"))
-    assert not [op for g in _train_graphs(model) for op in _collective_ops(g)
-                if _is_private(op)], "native reduction must not run the torus"
+    assert not [op for g in _train_graphs(model) for op in _collective_ops(g) if _is_private(op)], (
+        "native reduction must not run the torus"
+    )
     return model.get_weights()
 
 
@@ -263,7 +315,9 @@ def test_fit_matches_native_and_sums_in_the_step_graph(shape):
 def test_fit_eagerly_matches_native(monkeypatch):
     calls = []
     original = torus.all_reduce_sum
-    monkeypatch.setattr(torus, "all_reduce_sum", lambda *a, **k: calls.append(1) or original(*a, **k))
+    monkeypatch.setattr(
+        torus, "all_reduce_sum", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
     model, _ = _fit(_strategy((2, 4)), run_eagerly=True)
     assert len(calls) == 8 * 4  # 8 replicas x 4 steps, every one through the torus
     for w, native in zip(model.get_weights(), _native_weights((2, 4))):
@@ -277,13 +331,17 @@ def test_install_is_idempotent_and_other_strategies_keep_native():
     assert keras_hook.settings_for(registered).algorithm == "auto"
     keras_hook.install(registered)
     keras_hook.install(registered)
-    assert keras_hook.is_installed() and TFOptimizer._all_reduce_sum_gradients.original is not \
-        TFOptimizer._all_reduce_sum_gradients
+    assert (
+        keras_hook.is_installed()
+        and TFOptimizer._all_reduce_sum_gradients.original
+        is not TFOptimizer._all_reduce_sum_gradients
+    )
     native = _strategy((2, 4), "native")
     assert keras_hook.settings_for(native) is None
 
-    # A strategy not made by create_strategy: Keras's own all-reduce, no torus ops. All 8 devices: every
-    # strategy numbers its group keys from 1, and key 1 already means a group of 8 in this process.
+    # A strategy not made by create_strategy: Keras's own all-reduce, no torus ops. All 8 devices:
+    # every strategy numbers its group keys from 1, and key 1 already means a group of 8 in this
+    # process.
     plain = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(8)])
     with plain.scope():
         variable = tf.Variable(tf.zeros([6]))
@@ -292,7 +350,9 @@ def test_install_is_idempotent_and_other_strategies_keep_native():
 
     @tf.function
     def step():
-        return plain.run(lambda: optimizer._all_reduce_sum_gradients([(tf.ones([6]), variable)])[0][0])
+        return plain.run(
+            lambda: optimizer._all_reduce_sum_gradients([(tf.ones([6]), variable)])[0][0]
+        )
 
     # Traced, not run: executing it could reuse collective keys of other strategies in this process.
     ops = _collective_ops(step.get_concrete_function().graph)

@@ -1,4 +1,5 @@
-"""The torus sum across two localhost worker processes x 4 logical CPUs (mesh 2x4, one row per worker)."""
+"""The torus sum across two localhost worker processes x 4 logical CPUs (mesh 2x4, one row per
+worker)."""
 
 import functools
 import os
@@ -18,13 +19,15 @@ SUMS = [(a, a, None) for a in ALGORITHMS] + [("torus_2d_bfloat16", "torus_2d", "
 
 
 def _replica_values(replica):
-    """Replica `replica`'s inputs as float32 (quantized to each tensor's dtype later, the same everywhere)."""
+    """Replica `replica`'s inputs as float32 (quantized to each tensor's dtype later, the same
+    everywhere)."""
     rng = np.random.default_rng(100 + replica)
     return [rng.uniform(0.5, 1.5, size=s).astype(np.float32) for s in SHAPES]
 
 
 def cluster_main():
-    """Runs in each worker: the sum under every algorithm, then `model.fit` with the torus and natively."""
+    """Runs in each worker: the sum under every algorithm, then `model.fit` with the torus and
+    natively."""
     import keras
     import tensorflow as tf
 
@@ -32,28 +35,40 @@ def cluster_main():
     from tpu_scale import collectives, keras_hook, torus
     from tpu_scale.testing import collective_ops, group_size, train_graphs
 
-    strategy = tpu_scale.create_strategy(num_cpu_replicas=int(os.environ["TPU_SCALE_CPUS_PER_WORKER"]))
+    strategy = tpu_scale.create_strategy(
+        num_cpu_replicas=int(os.environ["TPU_SCALE_CPUS_PER_WORKER"])
+    )
     local = len(strategy.extended.worker_devices)
     task = strategy.cluster_resolver.task_id
     inputs = strategy.experimental_distribute_values_from_function(
-        lambda ctx: [tf.cast(v, d) for v, d in zip(_replica_values(ctx.replica_id_in_sync_group), DTYPES)]
+        lambda ctx: [
+            tf.cast(v, d) for v, d in zip(_replica_values(ctx.replica_id_in_sync_group), DTYPES)
+        ]
     )
     out = {"mesh": strategy.mesh.shape, "task": task, "local": local, "sums": {}, "ops": {}}
     for name, algorithm, transport in SUMS:
+
         @tf.function
         def summed(grads, algorithm=algorithm, transport=transport):
-            return strategy.run(lambda g: torus.all_reduce_sum(
-                g, algorithm=algorithm, pack_bytes=2048, transport_dtype=transport), args=(grads,))
+            return strategy.run(
+                lambda g: torus.all_reduce_sum(
+                    g, algorithm=algorithm, pack_bytes=2048, transport_dtype=transport
+                ),
+                args=(grads,),
+            )
 
         result = summed(inputs)
         out["sums"][name] = [
-            [tf.cast(v, tf.float32).numpy() for v in strategy.experimental_local_results(r)] for r in result
+            [tf.cast(v, tf.float32).numpy() for v in strategy.experimental_local_results(r)]
+            for r in result
         ]
         graph = summed.get_concrete_function(inputs).graph
         out["ops"][name] = sorted(
-            {(op.type, int(tf.get_static_value(op.inputs[1])), op.inputs[0].dtype.name)
-             for op in graph.get_operations()
-             if op.type.startswith("Collective") and op.type.endswith("V2")}
+            {
+                (op.type, int(tf.get_static_value(op.inputs[1])), op.inputs[0].dtype.name)
+                for op in graph.get_operations()
+                if op.type.startswith("Collective") and op.type.endswith("V2")
+            }
         )
 
     rng = np.random.default_rng(0)
@@ -70,24 +85,31 @@ def cluster_main():
             keras_hook.uninstall(strategy)
         with strategy.scope():
             keras.utils.set_random_seed(1)
-            model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(7, activation="tanh"),
-                                      keras.layers.Dense(3)])
+            model = keras.Sequential(
+                [keras.Input((5,)), keras.layers.Dense(7, activation="tanh"), keras.layers.Dense(3)]
+            )
             model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
         initial = [w.copy() for w in model.get_weights()]
         model.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False)
         out["weights"][reduction] = (initial, model.get_weights())
         # The torus's own ops, on private group keys: Keras sums its metrics over all 8 itself.
         out["fit_ops"][reduction] = sorted(
-            {(op.type, group_size(op), op.inputs[0].dtype.name)
-             for g in train_graphs(model) for op in collective_ops(g)
-             if int(tf.get_static_value(op.inputs[2])) >= collectives._PRIVATE_KEY_BASE})
+            {
+                (op.type, group_size(op), op.inputs[0].dtype.name)
+                for g in train_graphs(model)
+                for op in collective_ops(g)
+                if int(tf.get_static_value(op.inputs[2])) >= collectives._PRIVATE_KEY_BASE
+            }
+        )
     out["auto"] = sorted(set(strategy.gradient_planner.choices.values()))
     return out
 
 
 @functools.lru_cache(maxsize=None)
 def _cluster():
-    return run_workers("test_torus_multiworker:cluster_main", num_workers=2, cpus_per_worker=4, timeout=600)
+    return run_workers(
+        "test_torus_multiworker:cluster_main", num_workers=2, cpus_per_worker=4, timeout=600
+    )
 
 
 @pytest.fixture(scope="module")
@@ -110,11 +132,16 @@ def test_sum_across_processes_equals_plain_sum(cluster, name):
         # The shard crosses between processes in bfloat16: one rounding of each host's partial sum.
         rtol = {"float32": 1e-2, "bfloat16": 2e-2, "float16": 1e-2}
     for i, dtype in enumerate(DTYPES):
-        quantized = [tf.cast(tf.cast(values[i], dtype), tf.float32).numpy().astype(np.float64) for values in replicas]
+        quantized = [
+            tf.cast(tf.cast(values[i], dtype), tf.float32).numpy().astype(np.float64)
+            for values in replicas
+        ]
         expected = np.sum(quantized, axis=0)
         for worker in cluster:
             for value in worker["sums"][name][i]:
-                np.testing.assert_allclose(value, expected, rtol=rtol[dtype], err_msg=f"{dtype} {SHAPES[i]}")
+                np.testing.assert_allclose(
+                    value, expected, rtol=rtol[dtype], err_msg=f"{dtype} {SHAPES[i]}"
+                )
 
 
 def test_hierarchical_graph_crosses_hosts_only_in_the_column_sum(cluster):
@@ -134,8 +161,9 @@ def test_fit_across_processes_matches_native(cluster):
     from tpu_scale import plan
 
     # "auto" is the planner's choice for 2 CPU processes x 4 and this model's four small gradients:
-    # one all-reduce of each over all 8 (latency-bound: one collective beats three phases). ResNet-50's
-    # gradients take the hierarchical form (tests/test_plan.py), as the bfloat16 fit here does.
+    # one all-reduce of each over all 8 (latency-bound: one collective beats three phases).
+    # ResNet-50's gradients take the hierarchical form (tests/test_plan.py), as the bfloat16 fit
+    # here does.
     tensors = [(4 * n, "float32") for n in (35, 7, 21, 3)]
     expected = plan.choose_algorithm(plan.hardware_cluster("cpu", 2, 4), tensors).algorithm
     assert cluster[0]["auto"] == [expected] == ["flat"]
@@ -145,7 +173,10 @@ def test_fit_across_processes_matches_native(cluster):
     assert cluster[0]["fit_ops"]["torus_bfloat16"] == [("CollectiveReduceV2", 2, "bfloat16")]
     assert cluster[0]["fit_ops"]["native"] == []
     for worker in cluster:
-        (initial, torus_weights), (_, native_weights) = worker["weights"]["torus"], worker["weights"]["native"]
+        (initial, torus_weights), (_, native_weights) = (
+            worker["weights"]["torus"],
+            worker["weights"]["native"],
+        )
         for w, native, w0 in zip(torus_weights, native_weights, initial):
             assert np.abs(w - w0).max() > 1e-3, "training changed nothing"
             np.testing.assert_allclose(w, native, atol=1e-5, rtol=0)

@@ -33,8 +33,10 @@ def test_bytes_between_hosts_hierarchical_vs_ring():
 
 def test_auto_algorithm():
     assert torus.resolve_algorithm("auto", mesh=ReplicaMesh.from_shape(2, 4)) == "torus_2d"
-    assert torus.resolve_algorithm("auto", mesh=ReplicaMesh.from_shape(2, 4, is_torus=True)) == \
-        "torus_2d_bidirectional"
+    assert (
+        torus.resolve_algorithm("auto", mesh=ReplicaMesh.from_shape(2, 4, is_torus=True))
+        == "torus_2d_bidirectional"
+    )
     assert torus.resolve_algorithm("ring") == "ring"
     with pytest.raises(ValueError, match="choose 'auto' or one of"):
         torus.resolve_algorithm("tree")
@@ -63,7 +65,9 @@ def test_schedule_needs_no_tensorflow():
     import subprocess
     import sys
 
-    code = "import sys, tpu_scale.torus_schedule, tpu_scale.plan; print('tensorflow' in sys.modules)"
+    code = (
+        "import sys, tpu_scale.torus_schedule, tpu_scale.plan; print('tensorflow' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"

@@ -1,106 +1,73 @@
 """Group collectives over the replica mesh: the only module that launches cross-replica ops.
 
-Every function here is called in replica context (inside `strategy.run`, a Keras `train_step`, or a layer's
-`call` during training) with a static `group_assignment`: an int array `[num_groups, group_size]` of replica
-ids that partitions all replicas. Each replica takes part in the group that holds its id.
+Every function here is called in replica context (inside `strategy.run`, a Keras `train_step`, or a
+layer's `call` during training) with a static `group_assignment`: an int array `[num_groups,
+group_size]` of replica ids that partitions all replicas. Each replica takes part in the group that
+holds its id.
 
 One backend per platform, chosen here so that layers and the gradient aggregator never branch on it:
 
-* TPU (`TPUStrategy`): `cross_replica_sum` and `all_to_all` with the static group assignment; XLA needs no
-  keys and the replica id may be a tensor.
-* CPU/GPU graphs (`MirroredStrategy`, `MultiWorkerMirroredStrategy` inside `tf.function`): collective V2 ops
-  with a private group key per group, call-time instance keys and one ordering token per device. Without the
-  token, automatic control dependencies chain every replica's collective in one sequence and the replicas wait
-  on each other forever; without private keys, our groups would collide with the strategy's own.
-* Latency-bound sums on one host (`group_sum(..., latency_bound=True)`, e.g. batch-norm statistics): plain
-  ops in the step's graph, summed on the group's first device; no ring of hand-offs for a few kilobytes.
-* In-graph groups (`in_graph=True` on `group_sum`, `reduce_scatter`, `all_gather`): where every member of a
-  group is a CPU device of this process, inside `tf.function`, the primitive is built from plain ops in the
-  step's graph (`AddN`, `Split`, `ConcatV2` placed on the members' devices); the replicas share the host's
-  memory, so a tensor handed from one CPU device to another is not copied. A group that crosses processes
-  still runs as a collective op, so one schedule mixes both (`in_graph_groups` says which applies).
-* Eager replica context (`run_eagerly=True`, eager `strategy.run`): replicas run one after another there, so a
-  raw collective would wait for peers that never come. We place each replica's value in its group's slot and
-  use the strategy's own all-reduce, which cannot deadlock.
+* TPU (`TPUStrategy`): `cross_replica_sum` and `all_to_all` with the static group assignment; XLA
+  needs no keys and the replica id may be a tensor.
+* CPU/GPU graphs (`MirroredStrategy`, `MultiWorkerMirroredStrategy` inside `tf.function`):
+  collective V2 ops with a private group key per group, call-time instance keys and one ordering
+  token per device. Without the token, automatic control dependencies chain every replica's
+  collective in one sequence and the replicas wait on each other forever; without private keys, our
+  groups would collide with the strategy's own.
+* Latency-bound sums on one host (`group_sum(..., latency_bound=True)`, e.g. batch-norm statistics):
+  plain ops in the step's graph, summed on the group's first device; no ring of hand-offs for a few
+  kilobytes.
+* In-graph groups (`in_graph=True` on `group_sum`, `reduce_scatter`, `all_gather`): where every
+  member of a group is a CPU device of this process, inside `tf.function`, the primitive is built
+  from plain ops in the step's graph (`AddN`, `Split`, `ConcatV2` placed on the members' devices);
+  the replicas share the host's memory, so a tensor handed from one CPU device to another is not
+  copied. A group that crosses processes still runs as a collective op, so one schedule mixes both
+  (`in_graph_groups` says which applies).
+* Eager replica context (`run_eagerly=True`, eager `strategy.run`): replicas run one after another
+  there, so a raw collective would wait for peers that never come. We place each replica's value in
+  its group's slot and use the strategy's own all-reduce, which cannot deadlock.
 
-Ranks inside a group: on TPU and eagerly they follow the order of the group's row; in collective ops the
-runtime orders devices itself. Whatever the order, `all_to_all`, `reduce_scatter` and `all_gather` over the
-same group agree on it, so a reduce-scatter followed by an all-gather always restores the full sum.
+Ranks inside a group: on TPU and eagerly they follow the order of the group's row; in collective ops
+the runtime orders devices itself. Whatever the order, `all_to_all`, `reduce_scatter` and
+`all_gather` over the same group agree on it, so a reduce-scatter followed by an all-gather always
+restores the full sum.
 
-No V2 collective op has a registered gradient, so each has a custom gradient here: the gradient of a group sum
-is the group sum, of an all-to-all the same all-to-all, of an all-gather the reduce-scatter.
+No V2 collective op has a registered gradient, so each has a custom gradient here: the gradient of a
+group sum is the group sum, of an all-to-all the same all-to-all, of an all-gather the
+reduce-scatter.
 """
-
-import contextlib
-import os
-import threading
-import zlib
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import device_util
 from tensorflow.python.distribute import values as values_lib
 from tensorflow.python.framework import ops
-from tensorflow.python.ops import collective_ops, resource_variable_ops
 
 from tpu_scale import context
-
-# Every tf.distribute strategy numbers its group keys from 1; ours live far above them.
-_PRIVATE_KEY_BASE = 1 << 30
-# No timeout by default: the runtime parks one thread per launched op for the whole timeout, so a 300 s
-# timeout on every batch-norm sum grew a training process to thousands of sleeping threads. Mismatched
-# groups are caught before launch instead (`_checked_groups`).
-_DEFAULT_TIMEOUT_SECONDS = 0.0
-
-_lock = threading.Lock()
-_group_keys = {}  # group key -> sorted member tuple, to detect a (very unlikely) hash collision
-_instance_counters = {}  # (group key, device) -> next instance key
-_ordering_tokens = {}  # (device, channel) -> resource variable
-_override = threading.local()
-
-
-def timeout_seconds():
-    """Seconds a CPU/GPU collective may wait for its peers before failing; 0 waits forever.
-
-    Set `TPU_SCALE_COLLECTIVE_TIMEOUT` to debug a suspected hang: each op then holds a runtime thread for up to
-    that long, so keep it off in long training runs.
-    """
-    return float(os.environ.get("TPU_SCALE_COLLECTIVE_TIMEOUT", _DEFAULT_TIMEOUT_SECONDS))
-
-
-# --------------------------------------------------------------------------- ordering
-
-
-@contextlib.contextmanager
-def ordering_channel(channel):
-    """Collectives launched inside are ordered only against others of the same `channel` on their device.
-
-    On CPU/GPU every collective op takes a per-device ordering token, which runs the device's collectives one
-    after another in program order. Independent sequences (e.g. the two halves of a bidirectional torus sum)
-    can take different channels so both can be in flight at once. Each channel must still launch the same
-    collectives in the same order on every replica. No effect on TPU, where XLA schedules the ops.
-
-    Args:
-      channel: a hashable name; `0` is the default channel.
-    """
-    previous = getattr(_override, "channel", 0)
-    _override.channel = channel
-    try:
-        yield
-    finally:
-        _override.channel = previous
+from tpu_scale.collective_launch import (  # noqa: F401  (ordering_channel, timeout_seconds: public)
+    _PRIVATE_KEY_BASE,
+    _collective_all_gather,
+    _collective_all_to_all,
+    _collective_sum,
+    _Launch,
+    _local_shard_sum,
+    ordering_channel,
+    timeout_seconds,
+)
 
 
 def _checked_groups(group_assignment, num_replicas):
     groups = np.asarray(group_assignment, dtype=np.int64)
     if groups.ndim != 2 or groups.size == 0:
         raise ValueError(
-            f"group_assignment must be a 2-D [num_groups, group_size] array of replica ids, got shape "
+            "group_assignment must be a 2-D [num_groups, group_size] array of replica ids, got "
+            "shape "
             f"{groups.shape}. Build one with mesh.group_assignment(group_size)."
         )
     if sorted(groups.ravel().tolist()) != list(range(num_replicas)):
         raise ValueError(
-            f"group_assignment {groups.tolist()} must hold each of the {num_replicas} replica ids exactly "
+            f"group_assignment {groups.tolist()} must hold each of the {num_replicas} replica ids "
+            "exactly "
             f"once. Build one with mesh.group_assignment(group_size) from this strategy's mesh."
         )
     return groups
@@ -110,7 +77,8 @@ def _static_replica_id(ctx):
     replica_id = tf.get_static_value(ctx.replica_id_in_sync_group)
     if replica_id is None:
         raise RuntimeError(
-            "The replica id is not known while tracing, so the replica's group cannot be chosen. This happens "
+            "The replica id is not known while tracing, so the replica's group cannot be chosen. "
+            "This happens "
             "on TPU-like strategies; use TPUStrategy (TPU ops) or MirroredStrategy."
         )
     return int(replica_id)
@@ -121,132 +89,14 @@ def _my_group(groups, replica_id):
     return row, groups[row]
 
 
-# --------------------------------------------------------------------------- collective-op plumbing
-
-
-def _group_key(members):
-    """A private group key derived from the members alone, so every worker picks the same key."""
-    members = tuple(sorted(int(m) for m in members))
-    key = _PRIVATE_KEY_BASE + zlib.crc32(np.asarray(members, np.int64).tobytes()) % (1 << 30)
-    with _lock:
-        known = _group_keys.setdefault(key, members)
-    if known != members:
-        raise RuntimeError(
-            f"Private collective group key {key} is shared by groups {known} and {members}. Use a different "
-            f"group size."
-        )
-    return key
-
-
-def _next_instance_key(group_key, device):
-    with _lock:
-        key = _instance_counters.get((group_key, device), 1)
-        _instance_counters[(group_key, device)] = key + 1
-    return key
-
-
-def _instance_key(group_key, device):
-    """An instance key fetched at every call of the traced function, as TensorFlow's own launcher does.
-
-    Keys handed out while tracing would diverge between workers that retrace at different times; keys taken
-    at call time stay in step because every replica runs the same collectives in the same order.
-    """
-    graph = ops.get_default_graph()
-    while getattr(graph, "is_control_flow_graph", False):
-        graph = graph.outer_graph
-    if not graph.building_function:
-        return _next_instance_key(group_key, device)
-    with graph.as_default():
-        return graph.capture_call_time_value(
-            lambda: _next_instance_key(group_key, device), tf.TensorSpec([], tf.int32)
-        )
-
-
-def _ordering_token(device, channel=0):
-    with _lock:
-        token = _ordering_tokens.get((device, channel))
-        if token is None:
-            # A plain ResourceVariable (not tf.Variable) so no strategy or Keras variable creator sees it.
-            with ops.init_scope(), ops.device(device):
-                token = resource_variable_ops.ResourceVariable(0.0, trainable=False, name="collective_token")
-            _ordering_tokens[(device, channel)] = token
-    return token.handle
-
-
-class _Launch:
-    """What a replica needs to launch a collective op in its group."""
-
-    def __init__(self, members):
-        self.group_size = len(members)
-        self.group_key = _group_key(members)
-        self.device = device_util.canonicalize(device_util.current())
-        self.channel = getattr(_override, "channel", 0)
-
-    def kwargs(self):
-        return dict(
-            group_size=self.group_size,
-            group_key=self.group_key,
-            instance_key=_instance_key(self.group_key, self.device),
-            ordering_token=_ordering_token(self.device, self.channel),
-            timeout=timeout_seconds(),
-        )
-
-
-def _collective_sum(x, launch):
-    @tf.custom_gradient
-    def summed(x):
-        with ops.device(launch.device):
-            y = collective_ops.all_reduce_v2(x, **launch.kwargs())
-        return y, lambda dy: _collective_sum(dy, launch)
-
-    return summed(x)
-
-
-def _collective_all_to_all(x, launch):
-    @tf.custom_gradient
-    def exchanged(x):
-        # The CPU/GPU kernel wants axis 0 to be exactly the group size: one row per rank.
-        with ops.device(launch.device):
-            rows = tf.reshape(x, [launch.group_size, -1])
-            y = tf.reshape(collective_ops.all_to_all_v2(rows, **launch.kwargs()), tf.shape(x))
-        return y, lambda dy: _collective_all_to_all(dy, launch)
-
-    return exchanged(x)
-
-
-def _collective_all_gather(x, launch):
-    @tf.custom_gradient
-    def gathered(x):
-        with ops.device(launch.device):
-            if x.dtype == tf.bfloat16:
-                # The gather kernel has no bfloat16; it only copies bytes, so send the bits as float16.
-                y = tf.bitcast(collective_ops.all_gather_v2(tf.bitcast(x, tf.float16), **launch.kwargs()),
-                               tf.bfloat16)
-            else:
-                y = collective_ops.all_gather_v2(x, **launch.kwargs())
-
-        def grad(dy):
-            return _local_shard_sum(_collective_all_to_all(dy, launch), launch.group_size)
-
-        return y, grad
-
-    return gathered(x)
-
-
-def _local_shard_sum(received, group_size):
-    """Sums the `group_size` equal chunks along axis 0: the local half of a reduce-scatter."""
-    shape = tf.shape(received)
-    chunks = tf.reshape(received, tf.concat([[group_size, shape[0] // group_size], shape[1:]], 0))
-    return tf.reduce_sum(chunks, axis=0)
-
-
 # --------------------------------------------------------------------------- eager fallback
 
 
 def _replica_values(strategy, value):
     """Every local replica's `value` from inside a merge call, in replica id order.
 
-    Replicas that all passed the very same tensor (e.g. a captured constant) arrive as that one tensor.
+    Replicas that all passed the very same tensor (e.g. a captured constant) arrive as that one
+    tensor.
     """
     parts = strategy.experimental_local_results(value)
     if len(parts) == 1:
@@ -266,14 +116,15 @@ def _all_replicas_local(ctx):
 
 
 def _local_replica_ids(ctx):
-    """`(first, count)`: this process's replica ids, `first + i` (one worker's: `task * count + i`)."""
+    """`(first, count)`: this process's replica ids `first + i` (a worker's: `task * count + i`)."""
     local = len(ctx.strategy.extended.worker_devices)
     first = _static_replica_id(ctx) // local * local
     return first, local
 
 
 def groups_in_process(group_assignment):
-    """True when every group holding one of this process's replicas lies wholly in it (False on TPU)."""
+    """True when every group holding one of this process's replicas lies wholly in it (False on
+    TPU)."""
     if context.forced_mesh() is not None or context.backend() not in ("collective", "eager"):
         return context.backend() == "single"
     first, local = _local_replica_ids(tf.distribute.get_replica_context())
@@ -290,8 +141,11 @@ def groups_between_processes(group_assignment):
     The phases a 16-bit transport may carry: they only add values from different processes.
     """
     groups = np.asarray(group_assignment)
-    if groups.shape[1] < 2 or context.forced_mesh() is not None or \
-            context.backend() not in ("collective", "eager"):
+    if (
+        groups.shape[1] < 2
+        or context.forced_mesh() is not None
+        or context.backend() not in ("collective", "eager")
+    ):
         return False
     ctx = tf.distribute.get_replica_context()
     first, local = _local_replica_ids(ctx)
@@ -303,8 +157,9 @@ def in_graph_groups(group_assignment):
     """True when `in_graph=True` primitives over these groups are plain ops in this step's graph.
 
     That is: inside `tf.function` (the collective-op backend), this replica on a CPU device, and
-    `groups_in_process(group_assignment)`. Every process of a symmetric mesh (a row per host) answers the
-    same, so all of them build the same kind of op. GPUs keep collective ops (NCCL rings over NVLink).
+    `groups_in_process(group_assignment)`. Every process of a symmetric mesh (a row per host)
+    answers the same, so all of them build the same kind of op. GPUs keep collective ops (NCCL rings
+    over NVLink).
 
     """
     if context.forced_mesh() is not None or context.backend() != "collective":
@@ -318,9 +173,9 @@ def _merged(xs, groups, ctx, build):
     """Runs `build(parts, devices) -> outputs` over every local group, for each tensor of `xs`.
 
     `parts` are the group members' values in the group's order and `devices` their devices; `build`
-    returns one output per member. One merge call serves the whole list: it sees every local replica's
-    values at trace time (each merge call stops every replica's thread once), and at run time only the
-    step graph's dataflow remains.
+    returns one output per member. One merge call serves the whole list: it sees every local
+    replica's values at trace time (each merge call stops every replica's thread once), and at run
+    time only the step graph's dataflow remains.
     """
     first, _ = _local_replica_ids(ctx)
 
@@ -370,12 +225,14 @@ def _build_all_gather(parts, devices):
     return _on_each(devices, lambda rank: tf.concat(parts, axis=0))
 
 
-# The replica's gradient tape does not see the merge call's ops, hence custom gradients: each kind's is
-# its dual. The result is built outside the custom gradient and passed in: from inside it, the graph-mode
-# walk from outputs to inputs would cross into every other replica's graph at every call.
-_KINDS = {"sum": (_build_sum_on_first, "sum"),  # kind -> (builder, the kind of its gradient)
-          "reduce_scatter": (_build_reduce_scatter, "all_gather"),
-          "all_gather": (_build_all_gather, "reduce_scatter")}
+# The replica's gradient tape does not see the merge call's ops, hence custom gradients: each kind's
+# is its dual. The result is built outside the custom gradient and passed in: from inside it, the
+# graph-mode walk from outputs to inputs would cross into every other replica's graph at every call.
+_KINDS = {
+    "sum": (_build_sum_on_first, "sum"),  # kind -> (builder, the kind of its gradient)
+    "reduce_scatter": (_build_reduce_scatter, "all_gather"),
+    "all_gather": (_build_all_gather, "reduce_scatter"),
+}
 
 
 def _in_graph(xs, groups, ctx, kind):
@@ -396,8 +253,9 @@ def _in_graph(xs, groups, ctx, kind):
 def _in_graph_list(x, group_assignment, kind):
     """The in-graph form of a primitive for a tensor or a list of tensors (same structure back)."""
     xs = [tf.convert_to_tensor(t) for t in (x if isinstance(x, (list, tuple)) else [x])]
-    groups = _checked_groups(group_assignment,
-                             tf.distribute.get_replica_context().num_replicas_in_sync)
+    groups = _checked_groups(
+        group_assignment, tf.distribute.get_replica_context().num_replicas_in_sync
+    )
     if kind == "reduce_scatter":
         for t in xs:
             _check_divisible(t, groups.shape[1], "reduce_scatter")
@@ -419,11 +277,13 @@ def native_all_reduce(values):
 
 
 def _eager_slot_sum(value, groups, ctx):
-    """Every member's `value`, `[group_size, ...]` in rank order, and this replica's rank in its group.
+    """Every member's `value`, `[group_size, ...]` in rank order, and this replica's rank in its
+    group.
 
-    On one host the replicas' values are stacked in a merge call, with plain ops: eager collective ops from two
-    strategies over the same devices reuse the same keys and abort the process's collective runtime. Across
-    hosts each value goes in its `[group, rank]` slot and one strategy all-reduce sums the slots.
+    On one host the replicas' values are stacked in a merge call, with plain ops: eager collective
+    ops from two strategies over the same devices reuse the same keys and abort the process's
+    collective runtime. Across hosts each value goes in its `[group, rank]` slot and one strategy
+    all-reduce sums the slots.
     """
     replica_id = _static_replica_id(ctx)
     row, members = _my_group(groups, replica_id)
@@ -447,8 +307,11 @@ def _dispatch(x, group_assignment):
     x = tf.convert_to_tensor(x)
     backend = context.backend()
     forced = context.forced_mesh()
-    num_replicas = forced.num_replicas if forced is not None else \
-        tf.distribute.get_replica_context().num_replicas_in_sync
+    num_replicas = (
+        forced.num_replicas
+        if forced is not None
+        else tf.distribute.get_replica_context().num_replicas_in_sync
+    )
     return x, backend, _checked_groups(group_assignment, num_replicas)
 
 
@@ -458,15 +321,16 @@ def group_sum(x, group_assignment, latency_bound=False, in_graph=False):
     Args:
       x: a tensor, the same shape on every replica, or a list of them.
       group_assignment: int `[num_groups, group_size]` replica ids partitioning all replicas.
-      latency_bound: True for a small tensor on the step's critical path, such as batch-norm statistics.
-        When every replica lives in this process (one host, inside `tf.function`), such a sum is then built
-        from plain ops in the step's graph: each member's value goes to the group's first device, one `AddN`
-        sums it there and each member reads the result back, two hops in all. A collective op would pass
-        the data around a ring in `2 * (group_size - 1)` hand-offs, which for a few kilobytes costs far
-        more than the data. Elsewhere (TPU, several hosts, eager) it changes nothing.
-      in_graph: True to build the sum from plain ops (summed on the group's first device, read back by
-        every member) wherever `in_graph_groups(group_assignment)` holds, for any size: on CPU devices of
-        one process this is `ReductionToOneDevice`'s form. Elsewhere it changes nothing.
+      latency_bound: True for a small tensor on the step's critical path, such as batch-norm
+        statistics. When every replica lives in this process (one host, inside `tf.function`), such
+        a sum is then built from plain ops in the step's graph: each member's value goes to the
+        group's first device, one `AddN` sums it there and each member reads the result back, two
+        hops in all. A collective op would pass the data around a ring in `2 * (group_size - 1)`
+        hand-offs, which for a few kilobytes costs far more than the data. Elsewhere (TPU, several
+        hosts, eager) it changes nothing.
+      in_graph: True to build the sum from plain ops (summed on the group's first device, read back
+        by every member) wherever `in_graph_groups(group_assignment)` holds, for any size: on CPU
+        devices of one process this is `ReductionToOneDevice`'s form. Elsewhere it changes nothing.
 
     Returns:
       The sum of `x` over the group, on every member of the group. A list of tensors gives the list
@@ -493,8 +357,9 @@ def group_sum(x, group_assignment, latency_bound=False, in_graph=False):
 
 
 def _eager_group_sum(x, groups, ctx):
-    # The one-host fallback stacks the replicas' values in a merge call, which the replica's gradient tape
-    # does not see; without this gradient the other members' share of the gradient would be lost.
+    # The one-host fallback stacks the replicas' values in a merge call, which the replica's
+    # gradient tape does not see; without this gradient the other members' share of the gradient
+    # would be lost.
     @tf.custom_gradient
     def summed(x):
         slots, _ = _eager_slot_sum(x, groups, ctx)
@@ -522,14 +387,19 @@ def all_to_all(x, group_assignment):
         from tensorflow.python.tpu.ops import tpu_ops
 
         return tpu_ops.all_to_all(
-            x, concat_dimension=0, split_dimension=0, split_count=group_size,
+            x,
+            concat_dimension=0,
+            split_dimension=0,
+            split_count=group_size,
             group_assignment=groups.astype(np.int32).tolist(),
         )
     ctx = tf.distribute.get_replica_context()
     if backend == "eager":
         slots, rank = _eager_slot_sum(x, groups, ctx)  # [size, ...]: every rank's full x
         chunk = tf.shape(x)[0] // group_size
-        return tf.concat([slots[j, rank * chunk:(rank + 1) * chunk] for j in range(group_size)], axis=0)
+        return tf.concat(
+            [slots[j, rank * chunk : (rank + 1) * chunk] for j in range(group_size)], axis=0
+        )
     _, members = _my_group(groups, _static_replica_id(ctx))
     return _collective_all_to_all(x, _Launch(members))
 
@@ -537,15 +407,15 @@ def all_to_all(x, group_assignment):
 def reduce_scatter(x, group_assignment, in_graph=False):
     """Sums `x` over the group and keeps this replica's chunk of axis 0 (its rank's `1/group_size`).
 
-    Done as an all-to-all plus a local sum: the CPU runtime has no reduce-scatter kernel, and a failed
-    collective would stop the process's collective runtime for good.
+    Done as an all-to-all plus a local sum: the CPU runtime has no reduce-scatter kernel, and a
+    failed collective would stop the process's collective runtime for good.
 
     Args:
       x: a tensor whose axis 0 is a multiple of the group size, or a list of them.
       group_assignment: int `[num_groups, group_size]` replica ids partitioning all replicas.
-      in_graph: True to build it from plain ops wherever `in_graph_groups(group_assignment)` holds: the
-        member of rank `r` adds the `r`-th chunk of every member's `x` on its own device (ranks follow the
-        group's order). Elsewhere it changes nothing.
+      in_graph: True to build it from plain ops wherever `in_graph_groups(group_assignment)` holds:
+        the member of rank `r` adds the `r`-th chunk of every member's `x` on its own device (ranks
+        follow the group's order). Elsewhere it changes nothing.
 
     Returns:
       `[x.shape[0] // group_size, ...]`: this rank's chunk of the group sum.
@@ -564,8 +434,9 @@ def all_gather(x, group_assignment, in_graph=False):
     Args:
       x: a tensor, the same shape on every replica, or a list of them.
       group_assignment: int `[num_groups, group_size]` replica ids partitioning all replicas.
-      in_graph: True to build it from plain ops (one `ConcatV2` of the members' values on each member's
-        device) wherever `in_graph_groups(group_assignment)` holds. Elsewhere it changes nothing.
+      in_graph: True to build it from plain ops (one `ConcatV2` of the members' values on each
+        member's device) wherever `in_graph_groups(group_assignment)` holds. Elsewhere it changes
+        nothing.
 
     Returns:
       `[group_size * x.shape[0], ...]`.
@@ -595,6 +466,7 @@ def _check_divisible(x, group_size, name):
         raise ValueError(f"{name} needs a tensor with a leading axis to split; got a scalar.")
     if first is not None and first % group_size:
         raise ValueError(
-            f"{name} splits axis 0 into {group_size} equal chunks, but it has length {first}; pad it to a "
+            f"{name} splits axis 0 into {group_size} equal chunks, but it has length {first}; pad "
+            "it to a "
             f"multiple of {group_size}."
         )

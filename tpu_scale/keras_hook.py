@@ -1,17 +1,20 @@
-"""The one module that touches Keras's private API: routes `model.fit`'s gradient sum to the torus sum.
+"""The one module that touches Keras's private API: routes `model.fit`'s gradient sum to the torus
+sum.
 
 Every Keras 3 optimizer on the TensorFlow backend sums its gradients in
-`keras.src.backend.tensorflow.optimizer.TFOptimizer._all_reduce_sum_gradients`, in replica context, under
-every `tf.distribute` strategy (TPU included). `install(strategy, ...)` replaces that method once per
-process and registers the strategy with its settings; the replacement runs `tpu_scale.torus.all_reduce_sum`
-only for registered strategies, and Keras's own code for every other one. `create_strategy` registers the
-strategies it makes with `gradient_reduction="torus"`; users never call this module themselves.
+`keras.src.backend.tensorflow.optimizer.TFOptimizer._all_reduce_sum_gradients`, in replica context,
+under every `tf.distribute` strategy (TPU included). `install(strategy, ...)` replaces that method
+once per process and registers the strategy with its settings; the replacement runs
+`tpu_scale.torus.all_reduce_sum` only for registered strategies, and Keras's own code for every
+other one. `create_strategy` registers the strategies it makes with `gradient_reduction="torus"`;
+users never call this module themselves.
 
 It also answers the one other question the package asks of Keras's internals:
 `is_functional_or_sequential(model)` (Keras exports no name for its functional model class).
 
 Keras versions: the hook needs `TFOptimizer._all_reduce_sum_gradients` and the module function
-`filter_empty_gradients`; `check_keras()` fails with the versions that have them when they are missing.
+`filter_empty_gradients`; `check_keras()` fails with the versions that have them when they are
+missing.
 """
 
 import threading
@@ -32,7 +35,8 @@ GRADIENT_DTYPES = (None, "float32", "bfloat16")
 
 
 class Settings:
-    """How one strategy's gradients are summed: the algorithm, the fused buffer size, the wire dtype.
+    """How one strategy's gradients are summed: the algorithm, the fused buffer size, the wire
+    dtype.
 
     Args:
       algorithm: `"auto"` (the planner's choice, see `tpu_scale.plan.choose_algorithm`), `"native"`
@@ -42,23 +46,33 @@ class Settings:
         stay float32); None or `"float32"`: every phase in the gradients' own dtype.
     """
 
-    def __init__(self, algorithm=torus.DEFAULT_ALGORITHM, pack_bytes=torus.DEFAULT_PACK_BYTES,
-                 gradient_dtype=None):
+    def __init__(
+        self,
+        algorithm=torus.DEFAULT_ALGORITHM,
+        pack_bytes=torus.DEFAULT_PACK_BYTES,
+        gradient_dtype=None,
+    ):
         if algorithm != "auto" and algorithm not in torus.CHOICES:
             raise ValueError(f"algorithm={algorithm!r}; choose 'auto' or one of {torus.CHOICES}.")
         if pack_bytes is not None and pack_bytes < 0:
-            raise ValueError(f"pack_bytes must be positive, or None / 0 for one buffer; got {pack_bytes}.")
+            raise ValueError(
+                f"pack_bytes must be positive, or None / 0 for one buffer; got {pack_bytes}."
+            )
         if gradient_dtype not in GRADIENT_DTYPES:
             raise ValueError(
-                f"gradient_dtype={gradient_dtype!r}; choose one of {GRADIENT_DTYPES} (bfloat16 halves "
-                f"the bytes between hosts).")
+                f"gradient_dtype={gradient_dtype!r}; choose one of {GRADIENT_DTYPES} (bfloat16 "
+                "halves "
+                f"the bytes between hosts)."
+            )
         self.algorithm = algorithm
         self.pack_bytes = pack_bytes
         self.gradient_dtype = None if gradient_dtype == "float32" else gradient_dtype
 
     def __repr__(self):
-        return (f"Settings(algorithm={self.algorithm!r}, pack_bytes={self.pack_bytes}, "
-                f"gradient_dtype={self.gradient_dtype!r})")
+        return (
+            f"Settings(algorithm={self.algorithm!r}, pack_bytes={self.pack_bytes}, "
+            f"gradient_dtype={self.gradient_dtype!r})"
+        )
 
 
 def _keras_optimizer_module():
@@ -66,12 +80,16 @@ def _keras_optimizer_module():
     try:
         from keras.src.backend.tensorflow import optimizer as module
     except ImportError as e:
-        raise ImportError(_version_message(f"keras.src.backend.tensorflow.optimizer is missing ({e})")) from e
+        raise ImportError(
+            _version_message(f"keras.src.backend.tensorflow.optimizer is missing ({e})")
+        ) from e
     missing = [
         name
         for name, present in (
-            ("TFOptimizer._all_reduce_sum_gradients",
-             hasattr(getattr(module, "TFOptimizer", None), "_all_reduce_sum_gradients")),
+            (
+                "TFOptimizer._all_reduce_sum_gradients",
+                hasattr(getattr(module, "TFOptimizer", None), "_all_reduce_sum_gradients"),
+            ),
             ("filter_empty_gradients", hasattr(module, "filter_empty_gradients")),
         )
         if not present
@@ -83,8 +101,10 @@ def _keras_optimizer_module():
 
 def _version_message(problem):
     return (
-        f"tpu_scale's model.fit gradient sum cannot hook into Keras {keras.__version__}: {problem}. "
-        f"Install a Keras 3 release the package supports (pip install 'keras{SUPPORTED_KERAS}'; tested with "
+        f"tpu_scale's model.fit gradient sum cannot hook into Keras {keras.__version__}: "
+        f"{problem}. "
+        f"Install a Keras 3 release the package supports (pip install 'keras{SUPPORTED_KERAS}'; "
+        "tested with "
         f"{TESTED_KERAS}), or create the strategy with gradient_reduction='native'."
     )
 
@@ -118,15 +138,16 @@ def _all_reduce_sum_gradients(self, grads_and_vars):
 def install(strategy, settings=None):
     """Makes Keras `model.fit` under `strategy` sum gradients with `torus.all_reduce_sum`.
 
-    Replaces Keras's gradient-sum method once per process (idempotent) and registers `strategy`; every
-    strategy not registered keeps Keras's own sum.
+    Replaces Keras's gradient-sum method once per process (idempotent) and registers `strategy`;
+    every strategy not registered keeps Keras's own sum.
 
     Args:
       strategy: a `tf.distribute.Strategy` whose replicas sum gradients with the torus schedule.
       settings: a `Settings` (default: "auto" algorithm, default buffer size).
 
     Raises:
-      ImportError: if this Keras lacks what the hook replaces (the message names the versions that work).
+      ImportError: if this Keras lacks what the hook replaces (the message names the versions that
+        work).
     """
     module = _keras_optimizer_module()
     with _lock:
@@ -138,12 +159,14 @@ def install(strategy, settings=None):
 
 
 def settings_for(strategy):
-    """The `Settings` `strategy` was registered with, or None when Keras sums its gradients natively."""
+    """The `Settings` `strategy` was registered with, or None when Keras sums its gradients
+    natively."""
     return _settings.get(strategy)
 
 
 def uninstall(strategy=None):
-    """Unregisters `strategy`; with no strategy (or none left registered), restores Keras's own method."""
+    """Unregisters `strategy`; with no strategy (or none left registered), restores Keras's own
+    method."""
     module = _keras_optimizer_module()
     with _lock:
         if strategy is not None:
@@ -156,7 +179,9 @@ def uninstall(strategy=None):
 
 def is_installed():
     """True when Keras optimizers route their gradient sum through this module."""
-    return _keras_optimizer_module().TFOptimizer._all_reduce_sum_gradients is _all_reduce_sum_gradients
+    return (
+        _keras_optimizer_module().TFOptimizer._all_reduce_sum_gradients is _all_reduce_sum_gradients
+    )
 
 
 def is_functional_or_sequential(model):

@@ -1,17 +1,21 @@
-"""`create_strategy`: find the hardware, initialize it, and return a `tf.distribute` strategy with a mesh.
+"""`create_strategy`: find the hardware, initialize it, and return a `tf.distribute` strategy with a
+  mesh.
 
 One call for every platform:
 
-* a TPU slice (a `tpu` name, `"local"`, or `TPU_NAME` in the environment): `TPUStrategy` with a device
-  assignment built from the slice's topology; the mesh follows the physical torus;
-* several hosts (`TF_CONFIG` names more than one worker): `MultiWorkerMirroredStrategy`, optionally with
-  several logical CPUs per worker; the mesh is workers x local replicas, so a mesh row never leaves a host;
+* a TPU slice (a `tpu` name, `"local"`, or `TPU_NAME` in the environment): `TPUStrategy` with a
+  device assignment built from the slice's topology; the mesh follows the physical torus;
+* several hosts (`TF_CONFIG` names more than one worker): `MultiWorkerMirroredStrategy`, optionally
+  with several logical CPUs per worker; the mesh is workers x local replicas, so a mesh row never
+  leaves a host;
 * GPUs: `MirroredStrategy` over them;
-* otherwise the CPU: `MirroredStrategy` over `num_cpu_replicas` logical CPU devices (virtual replicas).
+* otherwise the CPU: `MirroredStrategy` over `num_cpu_replicas` logical CPU devices (virtual
+  replicas).
 
-The returned object is a real strategy (a thin subclass of the TensorFlow one) with two extra attributes:
-`mesh` (a `ReplicaMesh`) and `gradient_reduction` (`"torus"` or `"native"`, how `model.fit` sums gradients).
-The fixes these classes carry for TensorFlow and Keras behaviour live in `tpu_scale._workarounds`.
+The returned object is a real strategy (a thin subclass of the TensorFlow one) with two extra
+attributes: `mesh` (a `ReplicaMesh`) and `gradient_reduction` (`"torus"` or `"native"`, how
+`model.fit` sums gradients). The fixes these classes carry for TensorFlow and Keras behaviour live
+in `tpu_scale._workarounds`.
 """
 
 import json
@@ -48,9 +52,9 @@ class _MeshMixin:
 class GradientPlanner:
     """What `"auto"` means on one strategy: the planner's cheapest option, decided at first use.
 
-    `torus.all_reduce_sum(..., algorithm="auto")` calls it with the gradient's tensors; the decision is
-    priced by `tpu_scale.plan.choose_algorithm` on the strategy's hardware (`cluster`), cached per
-    gradient signature and logged once (absl, INFO) with every option's predicted time.
+    `torus.all_reduce_sum(..., algorithm="auto")` calls it with the gradient's tensors; the decision
+    is priced by `tpu_scale.plan.choose_algorithm` on the strategy's hardware (`cluster`), cached
+    per gradient signature and logged once (absl, INFO) with every option's predicted time.
 
     Args:
       cluster: the `tpu_scale.plan.Cluster` of the hardware, or None (then the fixed rule of
@@ -70,14 +74,22 @@ class GradientPlanner:
         if key not in self.choices:
             if self.cluster is None or self.cluster.mesh.shape != mesh.shape:
                 algorithm = torus.resolve_algorithm("auto", mesh)
-                logging.info("tpu_scale: gradient sum 'auto' -> %s (fixed rule: no cost figures for this "
-                             "hardware)", algorithm)
+                logging.info(
+                    "tpu_scale: gradient sum 'auto' -> %s (fixed rule: no cost figures for this "
+                    "hardware)",
+                    algorithm,
+                )
                 self.choices[key] = algorithm
             else:
                 decision = plan_choice.choose_algorithm(
-                    self.cluster, list(tensors), self.pack_bytes or 0, self.transport_dtype)
-                logging.info("tpu_scale: gradient sum 'auto' -> %s, %d tensors, %.1f MB",
-                             decision.summary(), len(tensors), sum(b for b, _ in tensors) / 1e6)
+                    self.cluster, list(tensors), self.pack_bytes or 0, self.transport_dtype
+                )
+                logging.info(
+                    "tpu_scale: gradient sum 'auto' -> %s, %d tensors, %.1f MB",
+                    decision.summary(),
+                    len(tensors),
+                    sum(b for b, _ in tensors) / 1e6,
+                )
                 self.choices[key] = decision.algorithm
         return self.choices[key]
 
@@ -95,14 +107,17 @@ class TPUStrategy(_MeshMixin, tf.distribute.TPUStrategy):
 
 
 class MultiWorkerMirroredStrategy(_MeshMixin, tf.distribute.MultiWorkerMirroredStrategy):
-    """`tf.distribute.MultiWorkerMirroredStrategy` with a mesh, several CPUs per worker, and a Keras fix.
+    """`tf.distribute.MultiWorkerMirroredStrategy` with a mesh, several CPUs per worker, and a Keras
+    fix.
 
-    Several logical CPUs per worker: `_workarounds.multi_worker_extended`. Keras 3 `model.fit` with more than
-    one worker: `_workarounds.reduce_nested` (keras-team/keras#20585).
+    Several logical CPUs per worker: `_workarounds.multi_worker_extended`. Keras 3 `model.fit` with
+    more than one worker: `_workarounds.reduce_nested` (keras-team/keras#20585).
     """
 
     def __init__(self, cluster_resolver=None, communication_options=None, num_local_cpus=None):
-        communication_options = communication_options or tf.distribute.experimental.CommunicationOptions()
+        communication_options = (
+            communication_options or tf.distribute.experimental.CommunicationOptions()
+        )
         self._collective_key_base = _workarounds.next_collective_key_base()
         # TensorFlow's __init__ would build its own extended, with one CPU per worker.
         extended = _workarounds.multi_worker_extended(
@@ -142,9 +157,11 @@ def _configure_cpu_replicas(num_cpu_replicas):
             )
         except RuntimeError as e:
             raise RuntimeError(
-                f"Asked for {num_cpu_replicas} CPU replicas but TensorFlow already started with {have} "
+                f"Asked for {num_cpu_replicas} CPU replicas but TensorFlow already started with "
+                f"{have} "
                 f"logical CPU device(s), and devices cannot be added after start-up. Call "
-                f"tpu_scale.create_strategy(num_cpu_replicas={num_cpu_replicas}) before any other TensorFlow "
+                f"tpu_scale.create_strategy(num_cpu_replicas={num_cpu_replicas}) before any other "
+                "TensorFlow "
                 f"op runs."
             ) from e
 
@@ -156,7 +173,8 @@ def _connect_tpu(tpu):
         topology = tf.tpu.experimental.initialize_tpu_system(resolver)
     except Exception as e:  # resolver, connection and initialization each fail in their own way
         raise RuntimeError(
-            f"Could not reach the TPU {tpu!r} ({type(e).__name__}: {e}). Check the TPU name and that this "
+            f"Could not reach the TPU {tpu!r} ({type(e).__name__}: {e}). Check the TPU name and "
+            "that this "
             f"VM can reach it, or call create_strategy() without a TPU to use GPUs or CPUs."
         ) from e
     return resolver, topology
@@ -184,7 +202,8 @@ def _tpu_slice_name(topology):
     """`"v3-32"`-style name of the slice, when the TPU generation can be read; else None."""
     try:
         kind = tf.config.list_logical_devices("TPU") and tf.config.experimental.get_device_details(
-            tf.config.list_physical_devices("TPU")[0]).get("device_kind", "")
+            tf.config.list_physical_devices("TPU")[0]
+        ).get("device_kind", "")
     except (IndexError, ValueError, RuntimeError):
         kind = ""
     generation = next((g for g in ("v2", "v3", "v4") if g in str(kind).lower()), None)
@@ -205,24 +224,26 @@ def create_strategy(
     """Finds the hardware and returns a `tf.distribute` strategy that knows its replica mesh.
 
     Args:
-      tpu: a TPU name or address, or `"local"` on a TPU VM. Defaults to `TPU_NAME` from the environment; with
-        neither, no TPU is used. A TPU that was asked for and cannot be reached is an error, never a silent
-        fall-back to CPU.
-      num_cpu_replicas: virtual replicas on the CPU (when there is no GPU), or logical CPUs per worker under
-        `TF_CONFIG`. Creating them must happen before TensorFlow starts; later calls with the same or a smaller
-        count reuse the devices.
-      mesh_shape: `(rows, cols)` for a single host's replicas; default `(1, n)`. Multi-host meshes are
-        workers x local replicas and TPU meshes follow the torus.
+      tpu: a TPU name or address, or `"local"` on a TPU VM. Defaults to `TPU_NAME` from the
+        environment; with neither, no TPU is used. A TPU that was asked for and cannot be reached is
+        an error, never a silent fall-back to CPU.
+      num_cpu_replicas: virtual replicas on the CPU (when there is no GPU), or logical CPUs per
+        worker under `TF_CONFIG`. Creating them must happen before TensorFlow starts; later calls
+        with the same or a smaller count reuse the devices.
+      mesh_shape: `(rows, cols)` for a single host's replicas; default `(1, n)`. Multi-host meshes
+        are workers x local replicas and TPU meshes follow the torus.
       gradient_reduction: `"torus"` (the 2-D reduction of `tpu_scale.torus`, used by `model.fit`) or
         `"native"` (TensorFlow's own all-reduce).
-      gradient_algorithm: with `"torus"`: `"auto"`, `"native"` or one of `tpu_scale.torus.ALGORITHMS`.
-        `"auto"` is decided at the first gradient sum by the cost model (`tpu_scale.plan.choice`, which
-        says what it picks on TPU, GPU and CPU and why), priced for this hardware and the real
-        gradient, and logged once with every option's predicted time.
-      gradient_pack_bytes: with `"torus"`: gradients are fused into buffers of about this many bytes;
-        `None` or 0 fuses each dtype into one buffer.
-      gradient_dtype: with `"torus"`: `"bfloat16"` carries the phases between hosts in bfloat16 (half
-        the bytes on the network; sums within a host stay float32); None keeps the gradients' dtype.
+      gradient_algorithm: with `"torus"`: `"auto"`, `"native"` or one of
+        `tpu_scale.torus.ALGORITHMS`. `"auto"` is decided at the first gradient sum by the cost
+        model (`tpu_scale.plan.choice`, which says what it picks on TPU, GPU and CPU and why),
+        priced for this hardware and the real gradient, and logged once with every option's
+        predicted time.
+      gradient_pack_bytes: with `"torus"`: gradients are fused into buffers of about this many
+        bytes; `None` or 0 fuses each dtype into one buffer.
+      gradient_dtype: with `"torus"`: `"bfloat16"` carries the phases between hosts in bfloat16
+        (half the bytes on the network; sums within a host stay float32); None keeps the gradients'
+        dtype.
 
     Returns:
       A strategy with `.mesh` (`ReplicaMesh`) and `.gradient_reduction`.
@@ -232,7 +253,9 @@ def create_strategy(
             f"gradient_reduction={gradient_reduction!r}; choose one of {GRADIENT_REDUCTIONS}."
         )
     settings = keras_hook.Settings(gradient_algorithm, gradient_pack_bytes, gradient_dtype)
-    if num_cpu_replicas is not None and (not isinstance(num_cpu_replicas, int) or num_cpu_replicas < 1):
+    if num_cpu_replicas is not None and (
+        not isinstance(num_cpu_replicas, int) or num_cpu_replicas < 1
+    ):
         raise ValueError(f"num_cpu_replicas must be a positive int, got {num_cpu_replicas!r}.")
 
     tpu = _requested_tpu(tpu)
@@ -241,7 +264,9 @@ def create_strategy(
         tf.config.list_physical_devices()  # the first listing initializes every platform
     if tpu is not None:
         if mesh_shape is not None:
-            raise ValueError("mesh_shape cannot be set on a TPU: the mesh follows the slice's torus.")
+            raise ValueError(
+                "mesh_shape cannot be set on a TPU: the mesh follows the slice's torus."
+            )
         resolver, topology = _connect_tpu(tpu)
         device_assignment = tf.tpu.experimental.DeviceAssignment.build(
             topology, num_replicas=topology.num_tasks * topology.num_tpus_per_task
@@ -252,15 +277,21 @@ def create_strategy(
         hardware = dict(kind="tpu", tpu_slice_name=_tpu_slice_name(topology))
     elif num_workers > 1:
         if mesh_shape is not None:
-            raise ValueError("mesh_shape cannot be set with TF_CONFIG: the mesh is workers x local replicas.")
+            raise ValueError(
+                "mesh_shape cannot be set with TF_CONFIG: the mesh is workers x local replicas."
+            )
         if num_cpu_replicas and not tf.config.list_physical_devices("GPU"):
             _configure_cpu_replicas(num_cpu_replicas)
         strategy = MultiWorkerMirroredStrategy(num_local_cpus=num_cpu_replicas)
         local = len(strategy.extended.worker_devices)
         mesh = ReplicaMesh.for_workers(strategy.num_replicas_in_sync // local, local)
         kind = f"{num_workers} workers x {local} {_workarounds.local_device_type(strategy)}"
-        hardware = dict(kind=_workarounds.local_device_type(strategy).lower(), hosts=mesh.shape[0],
-                        replicas_per_host=local, gpu=_gpu_type())
+        hardware = dict(
+            kind=_workarounds.local_device_type(strategy).lower(),
+            hosts=mesh.shape[0],
+            replicas_per_host=local,
+            gpu=_gpu_type(),
+        )
     elif tf.config.list_physical_devices("GPU"):
         gpus = [d.name for d in tf.config.list_logical_devices("GPU")]
         strategy = MirroredStrategy(gpus)
@@ -271,7 +302,7 @@ def create_strategy(
         if num_cpu_replicas is None and mesh_shape is not None:
             num_cpu_replicas = int(mesh_shape[0]) * int(mesh_shape[1])
         _configure_cpu_replicas(num_cpu_replicas or 1)
-        devices = [d.name for d in tf.config.list_logical_devices("CPU")][:num_cpu_replicas or 1]
+        devices = [d.name for d in tf.config.list_logical_devices("CPU")][: num_cpu_replicas or 1]
         mesh = ReplicaMesh.for_devices(len(devices), mesh_shape)
         strategy = MirroredStrategy(devices)
         kind = f"{len(devices)} CPU replica(s)"
@@ -281,14 +312,23 @@ def create_strategy(
     cluster = plan_choice.hardware_cluster(**hardware)
     if cluster is not None and cluster.mesh.shape != mesh.shape:
         cluster = None  # e.g. a one-host mesh_shape other than (1, n): priced by the fixed rule
-    strategy.gradient_planner = GradientPlanner(cluster, gradient_pack_bytes, settings.gradient_dtype)
+    strategy.gradient_planner = GradientPlanner(
+        cluster, gradient_pack_bytes, settings.gradient_dtype
+    )
     if gradient_reduction == "torus":
         keras_hook.install(strategy, settings)
-    if tpu is None and strategy.num_replicas_in_sync > 1 and \
-            _workarounds.local_device_type(strategy) == "CPU":
+    if (
+        tpu is None
+        and strategy.num_replicas_in_sync > 1
+        and _workarounds.local_device_type(strategy) == "CPU"
+    ):
         _workarounds.batch_scheduling()
     logging.info(
         "tpu_scale: %s, %d replicas, mesh %dx%d, gradient reduction %s",
-        kind, strategy.num_replicas_in_sync, mesh.shape[0], mesh.shape[1], gradient_reduction,
+        kind,
+        strategy.num_replicas_in_sync,
+        mesh.shape[0],
+        mesh.shape[1],
+        gradient_reduction,
     )
     return strategy

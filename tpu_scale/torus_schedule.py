@@ -1,21 +1,20 @@
 """The 2-D torus gradient sum as plain data: phases, their groups and bytes (numpy only).
 
-A 1-D ring all-reduce over N replicas takes 2(N-1) sequential steps. On an R x C mesh the sum is done along
-one dimension, then the other: reduce-scatter along rows, all-reduce the 1/C shard along columns,
-all-gather along rows: about 2(C-1) + 2(R-1) steps for the same bytes per replica. The bidirectional form
-splits the gradient in two halves that run in opposite dimension orders at the same time, so the links of
-both dimensions are busy in both phases. On several hosts (rows = hosts) only a 1/C shard crosses the host
-boundary: it is a hierarchical all-reduce.
+A 1-D ring all-reduce over N replicas takes 2(N-1) sequential steps. On an R x C mesh the sum is
+done along one dimension, then the other: reduce-scatter along rows, all-reduce the 1/C shard along
+columns, all-gather along rows: about 2(C-1) + 2(R-1) steps for the same bytes per replica. The
+bidirectional form splits the gradient in two halves that run in opposite dimension orders at the
+same time, so the links of both dimensions are busy in both phases. On several hosts (rows = hosts)
+only a 1/C shard crosses the host boundary: it is a hierarchical all-reduce.
 
 A `Schedule` is data: the executor (`tpu_scale.torus.all_reduce_sum`) runs it with the
-`tpu_scale.collectives` primitives and the planner (`tpu_scale.plan`) prices the same objects. The rules both
-must agree on live here too: how gradients are fused into buffers (`pack_indices`), how a buffer is padded
-(`padded_length`) and which algorithm "auto" means (`resolve_algorithm`).
+`tpu_scale.collectives` primitives and the planner (`tpu_scale.plan`) prices the same objects. The
+rules both must agree on live here too: how gradients are fused into buffers (`pack_indices`), how a
+buffer is padded (`padded_length`) and which algorithm "auto" means (`resolve_algorithm`).
 
 Reference:
   Ying et al., "Image Classification at Supercomputer Scale", 2018 (arXiv:1811.06992), section 3.3.
 """
-
 
 import dataclasses
 
@@ -65,7 +64,8 @@ class Schedule:
       algorithm: one of `ALGORITHMS`.
       mesh: the `ReplicaMesh` it runs on.
       num_bytes: bytes of gradient each replica contributes (after padding).
-      streams: tuple of phase tuples; the streams run at the same time, the phases of a stream in order.
+      streams: tuple of phase tuples; the streams run at the same time, the phases of a stream in
+        order.
     """
 
     algorithm: str
@@ -75,7 +75,8 @@ class Schedule:
 
 
 def _phases(mesh, order, num_bytes):
-    """reduce-scatter along the first dimension, all-reduce the shard along the second, all-gather back."""
+    """reduce-scatter along the first dimension, all-reduce the shard along the second, all-gather
+    back."""
     groups = {"rows": mesh.row_groups(), "columns": mesh.column_groups()}
     first, second = order
     size = groups[first].shape[1]
@@ -93,12 +94,13 @@ def build_schedule(mesh, num_bytes, algorithm="torus_2d_bidirectional"):
 
     Args:
       mesh: a `ReplicaMesh`.
-      num_bytes: gradient bytes per replica; the executor pads buffers so each stream divides evenly.
-      algorithm: `"ring"` (reduce-scatter then all-gather over every replica), `"torus_2d"` (rows then
-        columns), `"torus_2d_bidirectional"` (half rows-first, half columns-first, at the same time) or
-        `"flat"` (one all-reduce phase over every replica: on one CPU host the executor sums it on one
-        device in the step graph, TensorFlow's `ReductionToOneDevice` form; elsewhere it is one
-        collective all-reduce, TensorFlow's default form).
+      num_bytes: gradient bytes per replica; the executor pads buffers so each stream divides
+        evenly.
+      algorithm: `"ring"` (reduce-scatter then all-gather over every replica), `"torus_2d"` (rows
+        then columns), `"torus_2d_bidirectional"` (half rows-first, half columns-first, at the same
+        time) or `"flat"` (one all-reduce phase over every replica: on one CPU host the executor
+        sums it on one device in the step graph, TensorFlow's `ReductionToOneDevice` form; elsewhere
+        it is one collective all-reduce, TensorFlow's default form).
 
     Returns:
       A `Schedule`.
@@ -110,8 +112,16 @@ def build_schedule(mesh, num_bytes, algorithm="torus_2d_bidirectional"):
     n = mesh.num_replicas
     if algorithm == "ring":
         everyone = np.arange(n).reshape(1, n)
-        streams = ((Phase(REDUCE_SCATTER, "all", everyone, num_bytes),
-                    Phase(ALL_GATHER, "all", everyone, num_bytes // n)),) if n > 1 else ((),)
+        streams = (
+            (
+                (
+                    Phase(REDUCE_SCATTER, "all", everyone, num_bytes),
+                    Phase(ALL_GATHER, "all", everyone, num_bytes // n),
+                ),
+            )
+            if n > 1
+            else ((),)
+        )
     elif algorithm == "flat":
         everyone = np.arange(n).reshape(1, n)
         streams = ((Phase(ALL_REDUCE, "all", everyone, num_bytes),),) if n > 1 else ((),)
@@ -119,48 +129,59 @@ def build_schedule(mesh, num_bytes, algorithm="torus_2d_bidirectional"):
         streams = (_phases(mesh, ("rows", "columns"), num_bytes),)
     else:
         half = num_bytes // 2
-        streams = (_phases(mesh, ("rows", "columns"), half),
-                   _phases(mesh, ("columns", "rows"), num_bytes - half))
+        streams = (
+            _phases(mesh, ("rows", "columns"), half),
+            _phases(mesh, ("columns", "rows"), num_bytes - half),
+        )
     return Schedule(algorithm, mesh, int(num_bytes), tuple(streams))
 
 
 def phase_within_hosts(phase, host_of):
     """True when every group of `phase` sits on one host (`host_of`: replica id -> host id).
 
-    Such a phase needs no network: the executor builds it from plain ops in the step graph on CPU hosts
-    (`collectives.in_graph_groups`) and the planner prices it on the host's memory.
+    Such a phase needs no network: the executor builds it from plain ops in the step graph on CPU
+    hosts (`collectives.in_graph_groups`) and the planner prices it on the host's memory.
     """
     return all(len({host_of(int(m)) for m in members}) == 1 for members in phase.groups)
 
 
 def phase_between_hosts(phase, host_of):
-    """True when every member of every group of `phase` sits on a host of its own (e.g. a mesh column).
+    """True when every member of every group of `phase` sits on a host of its own (e.g. a mesh
+    column).
 
-    Such a phase only adds values from different hosts: the one a 16-bit transport dtype may carry while
-    every sum within a host stays in the gradient's dtype.
+    Such a phase only adds values from different hosts: the one a 16-bit transport dtype may carry
+    while every sum within a host stays in the gradient's dtype.
     """
-    return all(len({host_of(int(m)) for m in members}) == len(members) for members in phase.groups) \
+    return (
+        all(len({host_of(int(m)) for m in members}) == len(members) for members in phase.groups)
         and phase.group_size > 1
+    )
 
 
 def transport_schedule(schedule, host_of, itemsize, transport_itemsize):
     """`schedule` with its phases between hosts carrying `transport_itemsize`-byte values.
 
-    The executor casts a buffer to the transport dtype (e.g. bfloat16) before a phase whose groups hold
-    one member per host (`phase_between_hosts`) and back after it; every other phase keeps the
+    The executor casts a buffer to the transport dtype (e.g. bfloat16) before a phase whose groups
+    hold one member per host (`phase_between_hosts`) and back after it; every other phase keeps the
     gradient's own dtype, so sums within a host stay exact to it. The planner prices the result.
     """
     if transport_itemsize >= itemsize:
         return schedule
     streams = tuple(
-        tuple(dataclasses.replace(p, bytes_in=p.bytes_in * transport_itemsize // itemsize)
-              if phase_between_hosts(p, host_of) else p for p in stream)
-        for stream in schedule.streams)
+        tuple(
+            dataclasses.replace(p, bytes_in=p.bytes_in * transport_itemsize // itemsize)
+            if phase_between_hosts(p, host_of)
+            else p
+            for p in stream
+        )
+        for stream in schedule.streams
+    )
     return dataclasses.replace(schedule, streams=streams)
 
 
 def stream_sizes(schedule):
-    """Bytes each stream of `schedule` sums (its first phase's input); they add up to `schedule.num_bytes`."""
+    """Bytes each stream of `schedule` sums (its first phase's input); they add up to
+    `schedule.num_bytes`."""
     if not any(schedule.streams):
         return tuple(schedule.num_bytes if i == 0 else 0 for i in range(len(schedule.streams)))
     return tuple(stream[0].bytes_in if stream else 0 for stream in schedule.streams)
@@ -169,11 +190,11 @@ def stream_sizes(schedule):
 def bytes_sent_between(schedule, host_of):
     """Bytes a schedule sends from one host to another, summed over every replica.
 
-    The count follows how the collective-op runtime moves data: a reduce-scatter (all-to-all) sends each
-    other member of the group its `1/g` chunk directly; an all-reduce runs a ring over the group in replica
-    order (reduce-scatter then all-gather around the ring: `2 (g - 1) / g` of the input on every ring edge);
-    an all-gather also runs a ring (`(g - 1)` shards on every edge). Only messages whose sender and receiver
-    sit on different hosts count.
+    The count follows how the collective-op runtime moves data: a reduce-scatter (all-to-all) sends
+    each other member of the group its `1/g` chunk directly; an all-reduce runs a ring over the
+    group in replica order (reduce-scatter then all-gather around the ring: `2 (g - 1) / g` of the
+    input on every ring edge); an all-gather also runs a ring (`(g - 1)` shards on every edge). Only
+    messages whose sender and receiver sit on different hosts count.
 
     Args:
       schedule: a `Schedule`.
@@ -193,16 +214,21 @@ def bytes_sent_between(schedule, host_of):
                     total += pairs * (phase.bytes_in // g)
                 else:
                     ring_edges = sum(hosts[i] != hosts[(i + 1) % g] for i in range(g))
-                    per_edge = 2 * (g - 1) * phase.bytes_in // g if phase.kind == ALL_REDUCE else \
-                        (g - 1) * phase.bytes_in
+                    per_edge = (
+                        2 * (g - 1) * phase.bytes_in // g
+                        if phase.kind == ALL_REDUCE
+                        else (g - 1) * phase.bytes_in
+                    )
                     total += ring_edges * per_edge
     return int(total)
 
 
 def ring_bytes_sent_between(num_replicas, num_bytes, host_of):
-    """Bytes a single ring all-reduce over replicas `0..n-1` sends between hosts (TensorFlow's default).
+    """Bytes a single ring all-reduce over replicas `0..n-1` sends between hosts (TensorFlow's
+    default).
 
-    Each of the `n` ring edges carries `2 (n - 1) / n` of the buffer (reduce-scatter then all-gather).
+    Each of the `n` ring edges carries `2 (n - 1) / n` of the buffer (reduce-scatter then
+    all-gather).
     """
     n = num_replicas
     edges = sum(host_of(i) != host_of((i + 1) % n) for i in range(n))
@@ -217,11 +243,11 @@ def resolve_algorithm(algorithm, mesh=None):
     """The concrete algorithm for `"auto"` when no planner decision is at hand (a fixed rule).
 
     Strategies from `tpu_scale.create_strategy` carry the planner's decision
-    (`tpu_scale.plan.choose_algorithm`, priced for the strategy's hardware and the real gradient), and
-    `torus.all_reduce_sum` uses it; this rule serves any other strategy. Bidirectional on a physical torus
-    (`mesh.is_torus`, every TPU slice: it keeps the links of both dimensions busy in both phases);
-    `"torus_2d"` on CPU/GPU meshes of hosts x local devices, where rows-first is the hierarchical
-    all-reduce (only a `1/cols` shard leaves a host).
+    (`tpu_scale.plan.choose_algorithm`, priced for the strategy's hardware and the real gradient),
+    and `torus.all_reduce_sum` uses it; this rule serves any other strategy. Bidirectional on a
+    physical torus (`mesh.is_torus`, every TPU slice: it keeps the links of both dimensions busy in
+    both phases); `"torus_2d"` on CPU/GPU meshes of hosts x local devices, where rows-first is the
+    hierarchical all-reduce (only a `1/cols` shard leaves a host).
 
     Args:
       algorithm: `"auto"` or one of `ALGORITHMS`.
@@ -240,11 +266,12 @@ def resolve_algorithm(algorithm, mesh=None):
 
 
 def pack_indices(tensor_bytes, pack_bytes=DEFAULT_PACK_BYTES):
-    """Splits same-dtype tensors of these byte sizes, in order, into fused buffers: lists of positions.
+    """Splits same-dtype tensors of these byte sizes, in order, into fused buffers: lists of
+    positions.
 
-    A new buffer starts when the next tensor would take the current one past `pack_bytes` (a larger tensor
-    gets a buffer of its own); `None` or 0 puts everything in one buffer. The executor packs with this rule and
-    `tpu_scale.plan` prices the buffers it gives.
+    A new buffer starts when the next tensor would take the current one past `pack_bytes` (a larger
+    tensor gets a buffer of its own); `None` or 0 puts everything in one buffer. The executor packs
+    with this rule and `tpu_scale.plan` prices the buffers it gives.
     """
     packs, current, size = [], [], 0
     for position, nbytes in enumerate(tensor_bytes):
@@ -258,10 +285,11 @@ def pack_indices(tensor_bytes, pack_bytes=DEFAULT_PACK_BYTES):
 
 
 def padded_length(length, mesh, algorithm):
-    """The length a flat buffer of `length` elements is padded to before `algorithm` sums it on `mesh`.
+    """The length a flat buffer of `length` elements is padded to before `algorithm` sums it on
+    `mesh`.
 
-    Every stream's share must split into shards for every group it meets: a multiple of all replicas per
-    stream does. The executor pads with this rule and the planner prices the padded buffers.
+    Every stream's share must split into shards for every group it meets: a multiple of all replicas
+    per stream does. The executor pads with this rule and the planner prices the padded buffers.
     """
     if algorithm == "flat":
         return length  # an all-reduce splits nothing

@@ -1,11 +1,11 @@
 """The pod-scale planner: what a slice, a batch and a BN span cost before the money is spent.
 
-An alpha-beta cost model prices the gradient-summation schedules of `tpu_scale.torus` (the same `Schedule`
-objects the executor runs): the 1-D ring, the 2-D torus (reduce-scatter along rows, all-reduce of the shard
-along columns, all-gather along rows) and the paper's bidirectional 2-D form, for TPU slices by name and for
-GPU clusters, and `choose_algorithm` decides what `"auto"` runs (see `tpu_scale.plan.choice`).
-It also says how many images per second each host must feed and which BN group size gives a
-span of 64-128 examples.
+An alpha-beta cost model prices the gradient-summation schedules of `tpu_scale.torus` (the same
+`Schedule` objects the executor runs): the 1-D ring, the 2-D torus (reduce-scatter along rows,
+all-reduce of the shard along columns, all-gather along rows) and the paper's bidirectional 2-D
+form, for TPU slices by name and for GPU clusters, and `choose_algorithm` decides what `"auto"` runs
+(see `tpu_scale.plan.choice`). It also says how many images per second each host must feed and which
+BN group size gives a span of 64-128 examples.
 
     python -m tpu_scale.plan --slice v3-2048 --model resnet50 --per_core_batch 16
     python -m tpu_scale.plan --hosts 32 --gpus_per_host 8 --gpu a100 --json
@@ -14,27 +14,29 @@ span of 64-128 examples.
 
 The model, in brief (details in `price_schedule`):
 
-* A *node* is what the remote links connect: a TPU chip, or a GPU host. Its replicas (the cores of a chip,
-  the GPUs of a host) are joined by *local* links (on-chip paths, NVLink).
-* On a TPU, a phase over a group spanning `k` chips with `m` replicas on each is priced as a two-level ring:
-  the `m` cores combine over the on-chip path (`m - 1` steps each way), the chips form a ring over the
-  inter-chip links (`k - 1` steps for a reduce-scatter or all-gather, `2 (k - 1)` for an all-reduce). That is
-  how a chip's cores join the chip's place in the ring, so step counts are in chips, as in the paper (124 vs
-  2046 on 32x32). On GPUs a group is one flat ring through all its GPUs, as NCCL runs it: `2 (H - 1)` of its
-  steps cross hosts, the rest stay on NVLink.
-* Each step costs its link's `alpha`; bytes cost `bytes / bandwidth`, where a chip's bandwidth on a torus
-  ring counts both directions (the ring's data is split in two halves sent opposite ways) and a line without
-  wrap-around counts one.
-* Streams of a schedule run at the same time: phases that use the same links share their bandwidth (an
-  event simulation with fair sharing), phases on different links do not. So the bidirectional form, whose two
-  halves run on the rows' and the columns' links at once, gets the bandwidth of both dimensions.
+* A *node* is what the remote links connect: a TPU chip, or a GPU host. Its replicas (the cores of a
+  chip, the GPUs of a host) are joined by *local* links (on-chip paths, NVLink).
+* On a TPU, a phase over a group spanning `k` chips with `m` replicas on each is priced as a
+  two-level ring: the `m` cores combine over the on-chip path (`m - 1` steps each way), the chips
+  form a ring over the inter-chip links (`k - 1` steps for a reduce-scatter or all-gather, `2 (k -
+  1)` for an all-reduce). That is how a chip's cores join the chip's place in the ring, so step
+  counts are in chips, as in the paper (124 vs 2046 on 32x32). On GPUs a group is one flat ring
+  through all its GPUs, as NCCL runs it: `2 (H - 1)` of its steps cross hosts, the rest stay on
+  NVLink.
+* Each step costs its link's `alpha`; bytes cost `bytes / bandwidth`, where a chip's bandwidth on a
+  torus ring counts both directions (the ring's data is split in two halves sent opposite ways) and
+  a line without wrap-around counts one.
+* Streams of a schedule run at the same time: phases that use the same links share their bandwidth
+  (an event simulation with fair sharing), phases on different links do not. So the bidirectional
+  form, whose two halves run on the rows' and the columns' links at once, gets the bandwidth of both
+  dimensions.
 
-Every hardware figure is listed with its source, or labelled as an assumption, in `TPU_GENERATIONS` and
-`GPU_TYPES`; a cluster's `sources` lists the ones it uses, and the plan prints them.
+Every hardware figure is listed with its source, or labelled as an assumption, in `TPU_GENERATIONS`
+and `GPU_TYPES`; a cluster's `sources` lists the ones it uses, and the plan prints them.
 
-The parts: `catalog` (models, hardware, cluster builders), `cost` (the pricing), `sizing` (input rate, BN
-groups), `report` (the plan and its table), `cli`; `plot` (matplotlib) and `calibrate` (TensorFlow) are
-imported only when used, so `import tpu_scale.plan` needs neither.
+The parts: `catalog` (models, hardware, cluster builders), `cost` (the pricing), `sizing` (input
+rate, BN groups), `report` (the plan and its table), `cli`; `plot` (matplotlib) and `calibrate`
+(TensorFlow) are imported only when used, so `import tpu_scale.plan` needs neither.
 
 Reference:
   Ying et al., "Image Classification at Supercomputer Scale", 2018 (arXiv:1811.06992), section 3.3.
@@ -77,10 +79,34 @@ def __getattr__(name):
 
 
 __all__ = [
-    "CPU_FIGURES", "OPTIONS", "Choice", "choose_algorithm", "cpu_cluster", "hardware_cluster",
+    "CPU_FIGURES",
+    "OPTIONS",
+    "Choice",
+    "choose_algorithm",
+    "cpu_cluster",
+    "hardware_cluster",
     "price_option",
-    "DTYPE_BYTES", "GPU_TYPES", "MODELS", "TPU_GENERATIONS", "WRAPAROUND", "Cluster", "Link",
-    "calibrate", "format_plan", "gpu_cluster", "gradient_bytes", "input_rate", "main", "pack_sizes",
-    "plan", "plot_scaling", "price_algorithms", "price_schedule", "scaling_series", "slice_names",
-    "suggest_bn_group", "tpu_slice", "uniform_cluster",
+    "DTYPE_BYTES",
+    "GPU_TYPES",
+    "MODELS",
+    "TPU_GENERATIONS",
+    "WRAPAROUND",
+    "Cluster",
+    "Link",
+    "calibrate",
+    "format_plan",
+    "gpu_cluster",
+    "gradient_bytes",
+    "input_rate",
+    "main",
+    "pack_sizes",
+    "plan",
+    "plot_scaling",
+    "price_algorithms",
+    "price_schedule",
+    "scaling_series",
+    "slice_names",
+    "suggest_bn_group",
+    "tpu_slice",
+    "uniform_cluster",
 ]

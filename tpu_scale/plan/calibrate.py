@@ -22,25 +22,25 @@ def _median_time(fn, repeats):
     return float(np.median(times)), float(min(times)), float(max(times))
 
 
-def calibrate(sizes=(2 ** 12, 2 ** 18, 2 ** 21, 2 ** 23), repeats=5, model="resnet50",
-              log=print):
-    """Fits the CPU figures on this machine's 8 CPU replicas and checks them against real summations.
+def calibrate(sizes=(2**12, 2**18, 2**21, 2**23), repeats=5, model="resnet50", log=print):
+    """Fits the CPU figures on this machine's 8 CPU replicas and checks them against real
+    summations.
 
-    Collective ops: times `collectives.group_sum` (float32) in one `strategy.run` call over groups of 2,
-    4 and 8 replicas of a `(2, 4)` mesh at several sizes, and 1 or 8 small sums in a row, and fits
-    `T = call + collectives * (launch + alpha * steps) + ring_bytes / bandwidth`. In-graph sums: times
-    `group_sum(..., in_graph=True)` over all 8 at the same sizes and fits
-    `T = call + sums * 2 * op + sums * 25 * bytes / memory_bandwidth` (the sum's eight reads and one
-    write, and the step's halving on every replica). Both by
-    non-negative least squares. Then sums the model's real gradient shapes with every option `"auto"`
-    can pick (`plan.choice.OPTIONS`: each algorithm of `torus.all_reduce_sum` and the strategy's native
-    all-reduce) and reports predicted over measured time (ratio < 1: the model is optimistic).
+    Collective ops: times `collectives.group_sum` (float32) in one `strategy.run` call over groups
+    of 2, 4 and 8 replicas of a `(2, 4)` mesh at several sizes, and 1 or 8 small sums in a row, and
+    fits `T = call + collectives * (launch + alpha * steps) + ring_bytes / bandwidth`. In-graph
+    sums: times `group_sum(..., in_graph=True)` over all 8 at the same sizes and fits `T = call +
+    sums * 2 * op + sums * 25 * bytes / memory_bandwidth` (the sum's eight reads and one write, and
+    the step's halving on every replica). Both by non-negative least squares. Then sums the model's
+    real gradient shapes with every option `"auto"` can pick (`plan.choice.OPTIONS`: each algorithm
+    of `torus.all_reduce_sum` and the strategy's native all-reduce) and reports predicted over
+    measured time (ratio < 1: the model is optimistic).
 
     Must run before TensorFlow starts anything else in the process (it creates the 8 logical CPUs).
 
     Returns:
-      dict with the fitted figures (`cpu_figures`, the keys of `catalog.CPU_FIGURES`), the fit points
-      and, per option, predicted and measured seconds and their ratio.
+      dict with the fitted figures (`cpu_figures`, the keys of `catalog.CPU_FIGURES`), the fit
+      points and, per option, predicted and measured seconds and their ratio.
     """
     import tensorflow as tf
 
@@ -54,8 +54,10 @@ def calibrate(sizes=(2 ** 12, 2 ** 18, 2 ** 21, 2 ** 23), repeats=5, model="resn
 
     def timed(step_fn, shapes):
         values = strategy.experimental_distribute_values_from_function(
-            lambda ctx: [tf.fill(s, tf.cast(ctx.replica_id_in_sync_group + 1, tf.float32))
-                         for s in shapes])
+            lambda ctx: [
+                tf.fill(s, tf.cast(ctx.replica_id_in_sync_group + 1, tf.float32)) for s in shapes
+            ]
+        )
 
         @tf.function
         def run(v):
@@ -76,19 +78,38 @@ def calibrate(sizes=(2 ** 12, 2 ** 18, 2 ** 21, 2 ** 23), repeats=5, model="resn
 
         med, lo, hi = timed(step, [[elements]])
         label = "in-graph sum(s)" if in_graph else "collective sum(s)"
-        log(f"  fit point: {count} {label} over groups of {g}, {format_bytes(size)}: "
-            f"{format_seconds(med)} (min {format_seconds(lo)}, max {format_seconds(hi)})")
-        return {"group_size": g, "bytes": size, "collectives": count, "steps": 2 * (g - 1),
-                "ring_bytes": 2 * (g - 1) / g * size, "in_graph": in_graph, "seconds": med,
-                "min": lo, "max": hi}
+        log(
+            f"  fit point: {count} {label} over groups of {g}, {format_bytes(size)}: "
+            f"{format_seconds(med)} (min {format_seconds(lo)}, max {format_seconds(hi)})"
+        )
+        return {
+            "group_size": g,
+            "bytes": size,
+            "collectives": count,
+            "steps": 2 * (g - 1),
+            "ring_bytes": 2 * (g - 1) / g * size,
+            "in_graph": in_graph,
+            "seconds": med,
+            "min": lo,
+            "max": hi,
+        }
 
     everyone = np.arange(n).reshape(1, n)
     points = [fit_point(everyone, sizes[0], count) for count in (1, 8)]
     for size in sizes:
         for groups in (mesh.column_groups(), mesh.row_groups(), everyone):
             points.append(fit_point(groups, size, 1))
-    a = np.array([[1.0, p["collectives"], p["collectives"] * p["steps"],
-                   p["collectives"] * p["ring_bytes"]] for p in points])
+    a = np.array(
+        [
+            [
+                1.0,
+                p["collectives"],
+                p["collectives"] * p["steps"],
+                p["collectives"] * p["ring_bytes"],
+            ]
+            for p in points
+        ]
+    )
     t = np.array([p["seconds"] for p in points])
     coef = _nonnegative_lstsq(a, t)
     call, launch, alpha, beta = (float(c) for c in coef)
@@ -98,24 +119,38 @@ def calibrate(sizes=(2 ** 12, 2 ** 18, 2 ** 21, 2 ** 23), repeats=5, model="resn
     local = [fit_point(everyone, sizes[0], count, in_graph=True) for count in (1, 8)]
     local += [fit_point(everyone, size, 1, in_graph=True) for size in sizes[1:]]
     # Each fit step also halves the sum on every replica: n more reads and writes of the buffer.
-    b = np.array([[1.0, 2.0 * p["collectives"], p["collectives"] * (3 * n + 1) * p["bytes"]]
-                  for p in local])
+    b = np.array(
+        [[1.0, 2.0 * p["collectives"], p["collectives"] * (3 * n + 1) * p["bytes"]] for p in local]
+    )
     u = np.array([p["seconds"] for p in local])
     local_coef = _nonnegative_lstsq(b, u)
     _, op_seconds, inverse_memory = (float(c) for c in local_coef)
     memory_bandwidth = 1.0 / inverse_memory if inverse_memory > 0 else math.inf
     local_rms = float(np.sqrt(np.mean(((b @ local_coef - u) / u) ** 2)))
-    figures = {"call_seconds": call, "collective_launch_seconds": launch, "collective_alpha": alpha,
-               "collective_bandwidth": bandwidth, "op_seconds": op_seconds,
-               "memory_bandwidth": memory_bandwidth}
-    fit = {"call_seconds": call, "launch_seconds": launch, "alpha_seconds": alpha,
-           "bandwidth_bytes_per_sec": bandwidth, "rms_relative_error": rms,
-           "in_graph_op_seconds": op_seconds, "memory_bandwidth_bytes_per_sec": memory_bandwidth,
-           "in_graph_rms_relative_error": local_rms}
-    log(f"  fit: {format_seconds(call)} per call, {format_seconds(launch)} per collective, alpha "
+    figures = {
+        "call_seconds": call,
+        "collective_launch_seconds": launch,
+        "collective_alpha": alpha,
+        "collective_bandwidth": bandwidth,
+        "op_seconds": op_seconds,
+        "memory_bandwidth": memory_bandwidth,
+    }
+    fit = {
+        "call_seconds": call,
+        "launch_seconds": launch,
+        "alpha_seconds": alpha,
+        "bandwidth_bytes_per_sec": bandwidth,
+        "rms_relative_error": rms,
+        "in_graph_op_seconds": op_seconds,
+        "memory_bandwidth_bytes_per_sec": memory_bandwidth,
+        "in_graph_rms_relative_error": local_rms,
+    }
+    log(
+        f"  fit: {format_seconds(call)} per call, {format_seconds(launch)} per collective, alpha "
         f"{format_seconds(alpha)} per step, bandwidth {bandwidth / 1e9:.2f} GB/s per replica "
         f"(rms relative error {rms:.0%}); in graph: {format_seconds(op_seconds)} per op, memory "
-        f"{memory_bandwidth / 1e9:.2f} GB/s (rms relative error {local_rms:.0%})")
+        f"{memory_bandwidth / 1e9:.2f} GB/s (rms relative error {local_rms:.0%})"
+    )
 
     # The model's real gradient: its trainable variables' shapes, priced as "auto" prices them.
     from tpu_scale.plan.catalog import cpu_cluster
@@ -128,14 +163,23 @@ def calibrate(sizes=(2 ** 12, 2 ** 18, 2 ** 21, 2 ** 23), repeats=5, model="resn
     for option in OPTIONS:
         predicted = call + price_option(cluster, tensors, option)
         med, lo, hi = timed(lambda v, o=option: torus.all_reduce_sum(v, algorithm=o), shapes)
-        comparisons[option] = {"predicted_seconds": predicted, "measured_seconds": med,
-                               "measured_min": lo, "measured_max": hi, "ratio": predicted / med}
-        log(f"  {model} via {option}: predicted {format_seconds(predicted)}, measured "
+        comparisons[option] = {
+            "predicted_seconds": predicted,
+            "measured_seconds": med,
+            "measured_min": lo,
+            "measured_max": hi,
+            "ratio": predicted / med,
+        }
+        log(
+            f"  {model} via {option}: predicted {format_seconds(predicted)}, measured "
             f"{format_seconds(med)} (min {format_seconds(lo)}, max {format_seconds(hi)}), "
-            f"predicted/measured {predicted / med:.2f}")
+            f"predicted/measured {predicted / med:.2f}"
+        )
     best = min(comparisons, key=lambda o: comparisons[o]["predicted_seconds"])
-    log(f"  'auto' picks {best}; measured fastest: "
-        f"{min(comparisons, key=lambda o: comparisons[o]['measured_seconds'])}")
+    log(
+        f"  'auto' picks {best}; measured fastest: "
+        f"{min(comparisons, key=lambda o: comparisons[o]['measured_seconds'])}"
+    )
     return {
         "machine": "8 virtual CPU replicas (mesh 2x4) on this host, float32",
         "model": model,
@@ -164,9 +208,15 @@ def _nonnegative_lstsq(a, t):
 
 
 def model_gradient_shapes(model):
-    """Trainable variable shapes of a known Keras model, or one flat tensor of `MODELS[model]` parameters."""
-    builders = {"resnet50": "ResNet50", "resnet101": "ResNet101", "resnet152": "ResNet152",
-                "mobilenet_v2": "MobileNetV2", "efficientnet_b0": "EfficientNetB0"}
+    """Trainable variable shapes of a known Keras model, or one flat tensor of `MODELS[model]`
+    parameters."""
+    builders = {
+        "resnet50": "ResNet50",
+        "resnet101": "ResNet101",
+        "resnet152": "ResNet152",
+        "mobilenet_v2": "MobileNetV2",
+        "efficientnet_b0": "EfficientNetB0",
+    }
     if model not in MODELS:
         raise ValueError(f"Unknown model {model!r}; known models: {sorted(MODELS)}.")
     if model not in builders:

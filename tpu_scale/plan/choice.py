@@ -6,7 +6,8 @@ cheapest; `hardware_cluster(...)` builds the `Cluster` of the machine a strategy
 `tpu_scale.create_strategy` attaches the decision to its strategies, so `model.fit` and
 `torus.all_reduce_sum(..., algorithm="auto")` use it.
 
-What it picks, and why (ResNet-50's 214 float32 tensors, 32 MiB packs; `tests/test_plan.py` pins it):
+What it picks, and why (ResNet-50's 214 float32 tensors, 32 MiB packs; `tests/test_plan.py` pins
+it):
 
 * One CPU host (virtual replicas): `"flat"`, summed on one device in the step graph. The replicas
   share one memory and a tensor handed between CPU devices is not copied, so a sum is one pass over
@@ -14,19 +15,19 @@ What it picks, and why (ResNet-50's 214 float32 tensors, 32 MiB packs; `tests/te
   (TensorFlow's default included) pay a launch and a hand-off per step. TensorFlow's
   `ReductionToOneDevice` is the same form.
 * CPU worker processes (a row of replicas per process): `"torus_2d"`, the hierarchical sum: its row
-  phases are plain ops inside each process and only the column all-reduce of a `1/cols` shard crosses
-  between processes. With `gradient_dtype="bfloat16"` the phases between processes cost half, and the
-  choice may move to a form with more of them (the bidirectional one).
+  phases are plain ops inside each process and only the column all-reduce of a `1/cols` shard
+  crosses between processes. With `gradient_dtype="bfloat16"` the phases between processes cost
+  half, and the choice may move to a form with more of them (the bidirectional one).
 * GPU hosts: for large gradients TensorFlow's own NCCL all-reduce (`"native"`, one fused buffer: one
-  ring's latency, where 32 MiB packs pay it per pack); for small gradients across hosts `"torus_2d"`,
-  whose `2 (hosts - 1)` network steps beat a flat ring's.
-* TPU slices: the 2-D forms on full-pod and wrapped dimensions (bidirectional on v3-512 and larger, on
-  v4); on sub-pod v2/v3 slices the 1-D forms (`"ring"`, or `"flat"`: XLA's all-reduce over every core),
-  because the catalog assumes, labelled, that only full-pod dimensions wrap around: a sub-pod slice's
-  rows and columns are lines with one direction's bandwidth, the ring through the slice a cycle with
-  two. Cloud TPU documentation states the wrap-around rule for v4 (a torus where every dimension is a
-  multiple of 4) but none for v2/v3 slices. TensorFlow's native TPU reduction is XLA's own, not
-  documented, so it is not priced.
+  ring's latency, where 32 MiB packs pay it per pack); for small gradients across hosts
+  `"torus_2d"`, whose `2 (hosts - 1)` network steps beat a flat ring's.
+* TPU slices: the 2-D forms on full-pod and wrapped dimensions (bidirectional on v3-512 and larger,
+  on v4); on sub-pod v2/v3 slices the 1-D forms (`"ring"`, or `"flat"`: XLA's all-reduce over every
+  core), because the catalog assumes, labelled, that only full-pod dimensions wrap around: a sub-pod
+  slice's rows and columns are lines with one direction's bandwidth, the ring through the slice a
+  cycle with two. Cloud TPU documentation states the wrap-around rule for v4 (a torus where every
+  dimension is a multiple of 4) but none for v2/v3 slices. TensorFlow's native TPU reduction is
+  XLA's own, not documented, so it is not priced.
 """
 
 import dataclasses
@@ -66,8 +67,9 @@ def _host_of(cluster):
     return lambda replica: int(hosts[replica])
 
 
-def price_option(cluster, tensors, algorithm, pack_bytes=torus_schedule.DEFAULT_PACK_BYTES,
-                 transport_dtype=None):
+def price_option(
+    cluster, tensors, algorithm, pack_bytes=torus_schedule.DEFAULT_PACK_BYTES, transport_dtype=None
+):
     """Predicted seconds of one option for the gradient `tensors` on `cluster`.
 
     Args:
@@ -87,20 +89,28 @@ def price_option(cluster, tensors, algorithm, pack_bytes=torus_schedule.DEFAULT_
         if cluster.kind == "tpu":
             return None
         # TensorFlow's all-reduce: one collective all-reduce over everyone per tensor on CPU (what
-        # CollectiveAllReduce launched here, timed in benchmarks/all_reduce.py), one fused NCCL buffer
-        # per dtype on GPUs (MirroredStrategy's NcclAllReduce with one pack).
+        # CollectiveAllReduce launched here, timed in benchmarks/all_reduce.py), one fused NCCL
+        # buffer per dtype on GPUs (MirroredStrategy's NcclAllReduce with one pack).
         for sizes in _by_dtype(tensors).values():
-            for nbytes in (sizes if cluster.kind == "cpu" else [sum(sizes)]):
+            for nbytes in sizes if cluster.kind == "cpu" else [sum(sizes)]:
                 schedule = torus_schedule.build_schedule(mesh, nbytes, "flat")
                 total += price_schedule(schedule, cluster, in_graph=False)["seconds"]
         return total
     for dtype, sizes in _by_dtype(tensors).items():
         itemsize = ITEMSIZE.get(dtype, 4)
         phases = [p for s in torus_schedule.build_schedule(mesh, 0, algorithm).streams for p in s]
-        in_graph = cluster.host_memory is not None and bool(phases) and \
-            all(torus_schedule.phase_within_hosts(p, host_of) for p in phases)
-        packs = [[b] for b in sizes] if in_graph else \
-            [[sizes[i] for i in pack] for pack in torus_schedule.pack_indices(sizes, pack_bytes)]
+        in_graph = (
+            cluster.host_memory is not None
+            and bool(phases)
+            and all(torus_schedule.phase_within_hosts(p, host_of) for p in phases)
+        )
+        packs = (
+            [[b] for b in sizes]
+            if in_graph
+            else [
+                [sizes[i] for i in pack] for pack in torus_schedule.pack_indices(sizes, pack_bytes)
+            ]
+        )
         transport = ITEMSIZE.get(transport_dtype, itemsize) if transport_dtype else itemsize
         for pack in packs:
             length = torus_schedule.padded_length(sum(pack) // itemsize, mesh, algorithm)
@@ -109,8 +119,12 @@ def price_option(cluster, tensors, algorithm, pack_bytes=torus_schedule.DEFAULT_
             total += price_schedule(schedule, cluster)["seconds"]
             if transport < itemsize and cluster.host_memory is not None:
                 # Casting there and back: read and write the shard of every phase between hosts.
-                crossing = sum(p.bytes_in for s in schedule.streams for p in s
-                               if torus_schedule.phase_between_hosts(p, host_of))
+                crossing = sum(
+                    p.bytes_in
+                    for s in schedule.streams
+                    for p in s
+                    if torus_schedule.phase_between_hosts(p, host_of)
+                )
                 per_host = cluster.replicas_per_host or cluster.num_replicas
                 total += 3 * crossing * per_host / cluster.host_memory.bandwidth
             if len(pack) > 1 and cluster.host_memory is not None:
@@ -120,8 +134,13 @@ def price_option(cluster, tensors, algorithm, pack_bytes=torus_schedule.DEFAULT_
     return total
 
 
-def choose_algorithm(cluster, tensors, pack_bytes=torus_schedule.DEFAULT_PACK_BYTES,
-                     transport_dtype=None, options=OPTIONS):
+def choose_algorithm(
+    cluster,
+    tensors,
+    pack_bytes=torus_schedule.DEFAULT_PACK_BYTES,
+    transport_dtype=None,
+    options=OPTIONS,
+):
     """The cheapest option for summing `tensors` on `cluster`, by the cost model.
 
     Args:
@@ -135,15 +154,24 @@ def choose_algorithm(cluster, tensors, pack_bytes=torus_schedule.DEFAULT_PACK_BY
       A `Choice`. Ties keep the earlier option of `options`.
     """
     if not tensors:
-        raise ValueError("choose_algorithm needs at least one gradient tensor [(num_bytes, dtype)].")
+        raise ValueError(
+            "choose_algorithm needs at least one gradient tensor [(num_bytes, dtype)]."
+        )
     predicted = {a: price_option(cluster, tensors, a, pack_bytes, transport_dtype) for a in options}
     priced = [a for a in options if predicted[a] is not None]
     best = min(priced, key=lambda a: predicted[a])
     return Choice(best, predicted, cluster.name)
 
 
-def hardware_cluster(kind, hosts=1, replicas_per_host=1, gpu=None, tpu_slice_name=None,
-                     cpu_figures=None, mesh_shape=None):
+def hardware_cluster(
+    kind,
+    hosts=1,
+    replicas_per_host=1,
+    gpu=None,
+    tpu_slice_name=None,
+    cpu_figures=None,
+    mesh_shape=None,
+):
     """The `Cluster` of the machine a strategy runs on, from what `create_strategy` detects.
 
     Args:
@@ -156,14 +184,15 @@ def hardware_cluster(kind, hosts=1, replicas_per_host=1, gpu=None, tpu_slice_nam
       mesh_shape: one CPU host's `(rows, cols)`.
 
     Returns:
-      A `Cluster`, or None when the hardware is not in the catalog (then `"auto"` keeps the fixed rule
-      of `torus_schedule.resolve_algorithm`).
+      A `Cluster`, or None when the hardware is not in the catalog (then `"auto"` keeps the fixed
+      rule of `torus_schedule.resolve_algorithm`).
     """
     if kind == "tpu":
         return tpu_slice(tpu_slice_name) if tpu_slice_name in slice_names() else None
     if kind == "gpu":
-        return gpu_cluster(int(hosts), int(replicas_per_host), gpu if gpu in ("v100", "a100", "h100")
-                           else "a100")
+        return gpu_cluster(
+            int(hosts), int(replicas_per_host), gpu if gpu in ("v100", "a100", "h100") else "a100"
+        )
     if kind == "cpu":
         return cpu_cluster(int(hosts), int(replicas_per_host), cpu_figures, mesh_shape)
     raise ValueError(f"kind={kind!r}; choose 'cpu', 'gpu' or 'tpu'.")

@@ -1,4 +1,5 @@
-"""The cost model: prices a `torus_schedule.Schedule` on a `Cluster` with an alpha-beta event simulation.
+"""The cost model: prices a `torus_schedule.Schedule` on a `Cluster` with an alpha-beta event
+simulation.
 
 Details of the model are in `price_schedule`; the package docstring has the summary.
 """
@@ -13,10 +14,12 @@ from tpu_scale.plan.catalog import Cluster, Link  # noqa: F401  (Cluster: named 
 
 @dataclasses.dataclass(frozen=True)
 class _Part:
-    """A piece of a phase: its latency, then `nbytes` over `link` (the link that bounds the transfer).
+    """A piece of a phase: its latency, then `nbytes` over `link` (the link that bounds the
+    transfer).
 
     `steps` and `local_steps` count the critical path's steps between nodes and inside a node;
-    `remote_bytes` is what each node sends to other nodes, `local_bytes` what each replica sends inside its node.
+    `remote_bytes` is what each node sends to other nodes, `local_bytes` what each replica sends
+    inside its node.
     """
 
     latency: float
@@ -29,7 +32,8 @@ class _Part:
 
 
 def _group_layout(phase, node_ids):
-    """`(k, m, groups_per_node)`: nodes a group spans, replicas per node in it, groups touching a node."""
+    """`(k, m, groups_per_node)`: nodes a group spans, replicas per node in it, groups touching a
+    node."""
     nodes = node_ids[phase.groups]
     k = max(len(np.unique(row)) for row in nodes)
     m = max(int(np.bincount(row).max()) for row in nodes)
@@ -40,7 +44,7 @@ def _group_layout(phase, node_ids):
 
 
 def _local_part(cluster, m, full):
-    """A ring of the `m` replicas of one node: `m - 1` steps, `(m - 1) / m` of the data per replica."""
+    """A ring of the `m` replicas of one node: `m - 1` steps, `(m - 1) / m` of the data each."""
     nbytes = (m - 1) / m * full
     return _Part((m - 1) * cluster.local.alpha, cluster.local, nbytes, 0, m - 1, 0.0, nbytes)
 
@@ -49,9 +53,10 @@ def _in_graph_part(phase, cluster, host_ids):
     """A phase the executor builds from plain ops on one CPU host: memory traffic plus per-op cost.
 
     Per group of `g`, with `B` the phase's input per replica: a sum on the first member and a
-    reduce-scatter read every member's `B` and write `B` (`(g + 1) B`; handing a tensor to another CPU
-    device copies nothing); an all-gather writes and reads the gathered `g B` on each member (`2 g^2 B`).
-    The groups of one host share its memory; the critical path is one op (two for a sum's read-back).
+    reduce-scatter read every member's `B` and write `B` (`(g + 1) B`; handing a tensor to another
+    CPU device copies nothing); an all-gather writes and reads the gathered `g B` on each member (`2
+    g^2 B`). The groups of one host share its memory; the critical path is one op (two for a sum's
+    read-back).
     """
     g = phase.group_size
     per_host = np.bincount(host_ids[phase.groups[:, 0]]).max()
@@ -67,15 +72,16 @@ def _in_graph_part(phase, cluster, host_ids):
 def _phase_parts(phase, cluster, node_ids):
     """The parts of one phase, in execution order.
 
-    Two-level (TPU): a chip's replicas combine on chip, the chips form a ring, so a group of `k` chips costs
-    `k - 1` steps per pass whatever the cores per chip. Flat (`cluster.flat_rings`, NCCL-style GPU rings): one
-    ring through every replica, `g - 1` steps per pass, `k - 1` of them between hosts and `g - k` over NVLink,
-    each host sending `(g - 1) / g` of the data per pass on its one outgoing network edge.
+    Two-level (TPU): a chip's replicas combine on chip, the chips form a ring, so a group of `k`
+    chips costs `k - 1` steps per pass whatever the cores per chip. Flat (`cluster.flat_rings`,
+    NCCL-style GPU rings): one ring through every replica, `g - 1` steps per pass, `k - 1` of them
+    between hosts and `g - k` over NVLink, each host sending `(g - 1) / g` of the data per pass on
+    its one outgoing network edge.
     """
     k, m, per_node = _group_layout(phase, node_ids)
     g = phase.group_size
-    # The data one group moves around its ring: the whole vector for a reduce-scatter or an all-reduce, the
-    # gathered vector for an all-gather.
+    # The data one group moves around its ring: the whole vector for a reduce-scatter or an
+    # all-reduce, the gathered vector for an all-gather.
     full = phase.bytes_out if phase.kind == torus_schedule.ALL_GATHER else phase.bytes_in
     passes = 2 if phase.kind == torus_schedule.ALL_REDUCE else 1
     remote = cluster.links[phase.dimension]
@@ -84,7 +90,8 @@ def _phase_parts(phase, cluster, node_ids):
         local_bytes = passes * (g - 1) / g * full
         steps, local_steps = passes * (k - 1), passes * (g - k)
         latency = steps * remote.alpha + local_steps * cluster.local.alpha
-        # Both kinds of link carry the ring's chunks at the same time; the slower one bounds the transfer.
+        # Both kinds of link carry the ring's chunks at the same time; the slower one bounds the
+        # transfer.
         if remote_bytes / remote.bandwidth >= local_bytes / cluster.local.bandwidth:
             link, nbytes = remote, remote_bytes
         else:
@@ -103,7 +110,8 @@ def _phase_parts(phase, cluster, node_ids):
 
 
 def _simulate(streams):
-    """Seconds until every stream is done; concurrent transfers on one link name share its bandwidth fairly.
+    """Seconds until every stream is done; concurrent transfers on one link name share its bandwidth
+    fairly.
 
     Args:
       streams: list of lists of segments `("delay", seconds)` or `("send", link, bytes)`.
@@ -152,18 +160,20 @@ def price_schedule(schedule, cluster, in_graph=True):
     Args:
       schedule: a `Schedule` from `torus_schedule.build_schedule` on `cluster.mesh`.
       cluster: a `Cluster`.
-      in_graph: with `cluster.host_memory` (CPU hosts), price the phases whose groups sit on one host as
-        the executor's plain in-graph ops; False prices every phase as a collective.
+      in_graph: with `cluster.host_memory` (CPU hosts), price the phases whose groups sit on one
+        host as the executor's plain in-graph ops; False prices every phase as a collective.
 
     Returns:
-      dict with `steps` (sequential steps between nodes on the critical path: 2(N-1) for a ring over N
-      nodes, 2(X-1)+2(Y-1) for the 2-D forms), `local_steps` (on-chip / NVLink steps), `bytes_per_node`
-      (bytes each node sends to other nodes), `local_bytes_per_replica`, `seconds` (all streams done),
-      `latency_seconds` (the critical path's steps times alpha) and `transfer_seconds` (the rest).
+      dict with `steps` (sequential steps between nodes on the critical path: 2(N-1) for a ring over
+      N nodes, 2(X-1)+2(Y-1) for the 2-D forms), `local_steps` (on-chip / NVLink steps),
+      `bytes_per_node` (bytes each node sends to other nodes), `local_bytes_per_replica`, `seconds`
+      (all streams done), `latency_seconds` (the critical path's steps times alpha) and
+      `transfer_seconds` (the rest).
     """
     if schedule.mesh.num_replicas != cluster.num_replicas:
         raise ValueError(
-            f"The schedule's mesh has {schedule.mesh.num_replicas} replicas but the cluster {cluster.name!r} "
+            f"The schedule's mesh has {schedule.mesh.num_replicas} replicas but the cluster "
+            f"{cluster.name!r} "
             f"has {cluster.num_replicas}; build the schedule on cluster.mesh."
         )
     node_ids = cluster.node_ids()
@@ -181,8 +191,11 @@ def price_schedule(schedule, cluster, in_graph=True):
             if cluster.phase_overhead and not local:
                 segs.append(("delay", cluster.phase_overhead))
                 s_latency += cluster.phase_overhead
-            parts = [_in_graph_part(phase, cluster, host_ids)] if local else \
-                _phase_parts(phase, cluster, node_ids)
+            parts = (
+                [_in_graph_part(phase, cluster, host_ids)]
+                if local
+                else _phase_parts(phase, cluster, node_ids)
+            )
             for part in parts:
                 segs.append(("delay", part.latency))
                 segs.append(("send", part.link, part.nbytes))
@@ -210,11 +223,19 @@ def price_algorithms(cluster, num_bytes, algorithms=torus_schedule.ALGORITHMS):
     """`{algorithm: price_schedule(...)}` for `num_bytes` of gradient per replica on `cluster`."""
     if isinstance(num_bytes, bool) or not isinstance(num_bytes, (int, np.integer)) or num_bytes < 0:
         raise ValueError(f"num_bytes must be a non-negative integer, got {num_bytes!r}.")
-    return {alg: price_schedule(torus_schedule.build_schedule(cluster.mesh, int(num_bytes), alg), cluster)
-            for alg in algorithms}
+    return {
+        alg: price_schedule(
+            torus_schedule.build_schedule(cluster.mesh, int(num_bytes), alg), cluster
+        )
+        for alg in algorithms
+    }
 
 
 def pack_sizes(tensor_bytes, pack_bytes=torus_schedule.DEFAULT_PACK_BYTES):
-    """Bytes of the buffers `torus_schedule.all_reduce_sum` fuses a list of same-dtype gradients into (its own rule)."""
+    """Bytes of the buffers `torus_schedule.all_reduce_sum` fuses a list of same-dtype gradients
+    into (its own rule)."""
     tensor_bytes = list(tensor_bytes)
-    return [sum(tensor_bytes[p] for p in pack) for pack in torus_schedule.pack_indices(tensor_bytes, pack_bytes)]
+    return [
+        sum(tensor_bytes[p] for p in pack)
+        for pack in torus_schedule.pack_indices(tensor_bytes, pack_bytes)
+    ]

@@ -6,7 +6,15 @@ from tpu_scale.plan.catalog import gradient_bytes
 from tpu_scale.plan.cost import price_algorithms
 from tpu_scale.plan.sizing import input_rate, suggest_bn_group
 
-def plan(cluster, model=None, params=None, dtype="float32", per_core_batch=None, target_images_per_sec=None):
+
+def plan(
+    cluster,
+    model=None,
+    params=None,
+    dtype="float32",
+    per_core_batch=None,
+    target_images_per_sec=None,
+):
     """Everything the CLI prints, as a JSON-ready dict.
 
     Args:
@@ -16,8 +24,8 @@ def plan(cluster, model=None, params=None, dtype="float32", per_core_batch=None,
       target_images_per_sec: the job's target; default the node's known rate.
 
     Returns:
-      dict with `cluster`, `model`, `algorithms` (per algorithm: `steps`, `seconds`, ...), `best`, `input`,
-      `bn_group` (or None), `step` (or None) and `sources`.
+      dict with `cluster`, `model`, `algorithms` (per algorithm: `steps`, `seconds`, ...), `best`,
+      `input`, `bn_group` (or None), `step` (or None) and `sources`.
     """
     if model is None and params is None:
         model = "resnet50"
@@ -26,7 +34,12 @@ def plan(cluster, model=None, params=None, dtype="float32", per_core_batch=None,
     rate = input_rate(cluster, target_images_per_sec)
     result = {
         "cluster": cluster.describe(),
-        "model": {"name": model or "custom", "params": num_params, "dtype": dtype, "bytes": num_bytes},
+        "model": {
+            "name": model or "custom",
+            "params": num_params,
+            "dtype": dtype,
+            "bytes": num_bytes,
+        },
         "algorithms": algorithms,
         "best": min(algorithms, key=lambda a: algorithms[a]["seconds"]),
         "input": rate,
@@ -39,12 +52,16 @@ def plan(cluster, model=None, params=None, dtype="float32", per_core_batch=None,
         bn[f"{cluster.node}s_per_group"] = len(np.unique(cluster.node_ids()[bn["first_group"]]))
         result["bn_group"] = bn
         global_batch = per_core_batch * cluster.num_replicas
-        step_seconds = global_batch / rate["target_images_per_sec"] if rate["target_images_per_sec"] else None
+        step_seconds = (
+            global_batch / rate["target_images_per_sec"] if rate["target_images_per_sec"] else None
+        )
         result["step"] = {
             "global_batch": int(global_batch),
             "seconds_at_target": step_seconds,
-            "gradient_sum_share": {a: (v["seconds"] / step_seconds if step_seconds else None)
-                                   for a, v in algorithms.items()},
+            "gradient_sum_share": {
+                a: (v["seconds"] / step_seconds if step_seconds else None)
+                for a, v in algorithms.items()
+            },
         }
     return result
 
@@ -72,10 +89,11 @@ def format_plan(result):
         f"{c['name']}: {c['replicas']} replicas on {c['nodes']} {node}s "
         f"({'x'.join(map(str, c['node_shape']))}), {c['hosts']} host(s), mesh {c['mesh_shape'][0]}x"
         f"{c['mesh_shape'][1]}",
-        f"gradient: {m['name']} {m['params']:,} params in {m['dtype']} = {format_bytes(m['bytes'])} per replica",
+        f"gradient: {m['name']} {m['params']:,} params in {m['dtype']} = "
+        f"{format_bytes(m['bytes'])} per replica",
         "",
-        f"{'algorithm':<24}{'steps':>7}{'local':>7}{'bytes/' + node:>13}{'latency':>11}{'transfer':>11}"
-        f"{'predicted':>11}",
+        f"{'algorithm':<24}{'steps':>7}{'local':>7}{'bytes/' + node:>13}"
+        f"{'latency':>11}{'transfer':>11}{'predicted':>11}",
     ]
     for name, a in result["algorithms"].items():
         lines.append(
@@ -85,20 +103,26 @@ def format_plan(result):
         )
     lines.append(f"fastest: {result['best']}")
     r = result["input"]
-    lines += ["", f"input: {r['target_images_per_sec']:,.0f} img/s ({r['basis']}) -> {r['per_host']:,.0f} img/s "
-                  f"per host over {r['hosts']} host(s), {r[f'per_{node}']:,.0f} per {node}"]
+    lines += [
+        "",
+        f"input: {r['target_images_per_sec']:,.0f} img/s ({r['basis']}) -> {r['per_host']:,.0f} "
+        "img/s "
+        f"per host over {r['hosts']} host(s), {r[f'per_{node}']:,.0f} per {node}",
+    ]
     if result["bn_group"]:
         b = result["bn_group"]
         lines.append(
             f"BN group for per-core batch {b['per_core_batch']}: {b['group_size']} replicas "
-            f"(a {b['tile_replicas'][0]}x{b['tile_replicas'][1]} tile of the mesh on {b[f'{node}s_per_group']} "
+            f"(a {b['tile_replicas'][0]}x{b['tile_replicas'][1]} tile of the mesh on "
+            f"{b[f'{node}s_per_group']} "
             f"{node}(s)), {b['num_groups']} groups; {b['note']}"
         )
     if result["step"] and result["step"]["seconds_at_target"]:
         s = result["step"]
         share = s["gradient_sum_share"][result["best"]]
         lines.append(
-            f"step: global batch {s['global_batch']:,} -> {format_seconds(s['seconds_at_target'])} per step at the "
+            f"step: global batch {s['global_batch']:,} -> "
+            f"{format_seconds(s['seconds_at_target'])} per step at the "
             f"target rate; {result['best']} takes {share:.1%} of it if not overlapped"
         )
     lines += ["", "figures and assumptions:"] + [f"  - {s}" for s in result["sources"]]

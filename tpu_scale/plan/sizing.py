@@ -1,16 +1,17 @@
-"""Sizing: the input rate each host must feed, and the batch-norm group that spans enough examples."""
+"""Sizing: the input rate each host must feed, and the batch-norm group spanning enough examples."""
 
 import numpy as np
 
 from tpu_scale.mesh import smallest_group_for_span
+
 
 def input_rate(cluster, target_images_per_sec=None):
     """Images per second each host must decode and feed.
 
     Args:
       cluster: a `Cluster`.
-      target_images_per_sec: the whole job's target; default: the node's known training rate times nodes
-        (for TPU v3 the paper's ~1,025 img/s per chip).
+      target_images_per_sec: the whole job's target; default: the node's known training rate times
+        nodes (for TPU v3 the paper's ~1,025 img/s per chip).
 
     Returns:
       dict with the target, and the rate per host, per node and per replica.
@@ -20,7 +21,9 @@ def input_rate(cluster, target_images_per_sec=None):
         basis = f"{cluster.images_per_sec_per_node:,.0f} img/s per {cluster.node} (see sources)"
     else:
         if not isinstance(target_images_per_sec, (int, float)) or not target_images_per_sec > 0:
-            raise ValueError(f"target_images_per_sec must be positive, got {target_images_per_sec!r}.")
+            raise ValueError(
+                f"target_images_per_sec must be positive, got {target_images_per_sec!r}."
+            )
         target, basis = float(target_images_per_sec), "given target"
     return {
         "target_images_per_sec": float(target),
@@ -33,7 +36,8 @@ def input_rate(cluster, target_images_per_sec=None):
 
 
 def suggest_bn_group(mesh, per_core_batch, span=(64, 128)):
-    """The smallest topology-tiled BN group whose span (per-core batch x group size) reaches `span[0]`.
+    """The smallest topology-tiled BN group whose span (per-core batch x group size) reaches
+    `span[0]`.
 
     The group is `mesh.smallest_group_for_span` (tiled), the rule the layers use; this adds its tile
     shape and how it compares with `span`.
@@ -44,10 +48,14 @@ def suggest_bn_group(mesh, per_core_batch, span=(64, 128)):
       span: `(low, high)` examples normalized together; the authors' team ran 64-128.
 
     Returns:
-      dict with `group_size`, `span`, `in_range`, `tile_replicas` (rows, cols of one group), `tile_chips`,
-      `num_groups`, `first_group` and a `note`.
+      dict with `group_size`, `span`, `in_range`, `tile_replicas` (rows, cols of one group),
+      `tile_chips`, `num_groups`, `first_group` and a `note`.
     """
-    if isinstance(per_core_batch, bool) or not isinstance(per_core_batch, (int, np.integer)) or per_core_batch < 1:
+    if (
+        isinstance(per_core_batch, bool)
+        or not isinstance(per_core_batch, (int, np.integer))
+        or per_core_batch < 1
+    ):
         raise ValueError(f"per_core_batch must be a positive integer, got {per_core_batch!r}.")
     low, high = span
     n = mesh.num_replicas
