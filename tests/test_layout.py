@@ -2,6 +2,7 @@
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -77,6 +78,14 @@ def test_core_imports_run_one_way():
 def test_keras_internals_in_one_module():
     users = sorted(name for name, path in _modules() if "keras.src" in path.read_text())
     assert users == ["tpu_scale.keras_hook"]
+    # Nor do other modules reach for Keras's private attributes of models and optimizers.
+    private = re.compile(r"\b(model|optimizer)\._(?!_)\w+")
+    reaching = sorted(
+        name
+        for name, path in _modules()
+        if name != "tpu_scale.keras_hook" and private.search(path.read_text())
+    )
+    assert reaching == [], reaching
 
 
 @pytest.mark.parametrize("name,path", list(_modules()), ids=[n for n, _ in _modules()])

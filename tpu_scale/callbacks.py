@@ -7,6 +7,8 @@ import math
 import keras
 import numpy as np
 
+from tpu_scale import keras_hook
+
 _logger = logging.getLogger("tpu_scale")
 
 
@@ -181,7 +183,7 @@ class LossGuard(keras.callbacks.Callback):
 
     def _peak_learning_rate(self):
         optimizer = getattr(self.model, "optimizer", None)
-        rate = getattr(optimizer, "_learning_rate", None)
+        rate = keras_hook.learning_rate_of(optimizer) if optimizer is not None else None
         if hasattr(rate, "peak_learning_rate"):
             return float(rate.peak_learning_rate)
         try:

@@ -9,8 +9,10 @@ once per process and registers the strategy with its settings; the replacement r
 other one. `create_strategy` registers the strategies it makes with `gradient_reduction="torus"`;
 users never call this module themselves.
 
-It also answers the one other question the package asks of Keras's internals:
-`is_functional_or_sequential(model)` (Keras exports no name for its functional model class).
+It also holds the package's other uses of Keras internals: `is_functional_or_sequential(model)`
+(Keras exports no name for its functional model class), `set_initial_epoch(model, epoch)` (how a
+backup callback tells `fit` where to resume, as Keras's own BackupAndRestore does) and
+`learning_rate_of(optimizer)` (the schedule itself, not its current value).
 
 Keras versions: the hook needs `TFOptimizer._all_reduce_sum_gradients` and the module function
 `filter_empty_gradients`; `check_keras()` fails with the versions that have them when they are
@@ -189,3 +191,17 @@ def is_functional_or_sequential(model):
     from keras.src.models.functional import Functional
 
     return isinstance(model, (keras.Sequential, Functional))
+
+
+def set_initial_epoch(model, epoch):
+    """Makes the running (or next) `model.fit` start at `epoch`; None restores `fit`'s own argument.
+
+    Keras's own `BackupAndRestore` resumes this way: `fit` reads `model._initial_epoch` after the
+    callbacks' `on_train_begin`.
+    """
+    model._initial_epoch = epoch
+
+
+def learning_rate_of(optimizer):
+    """The optimizer's learning rate as it was given (a float or a schedule), or None."""
+    return getattr(optimizer, "_learning_rate", None)

@@ -12,6 +12,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from tpu_scale import keras_hook
 from tpu_scale.checkpointing.backups import (
     PREEMPTED_EXIT_CODE,
     WEIGHTS_FILE,
@@ -117,7 +118,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._epoch, self._step, self._steps_done = 0, 0, 0
         self._batches_since_save = 0
         self._skip = 0
-        model._initial_epoch = None
+        keras_hook.set_initial_epoch(model, None)
         if self._cluster is None:
             backup = latest_backup(self.backup_dir)
             if backup is not None:
@@ -126,7 +127,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             backup = self._restore_in_cluster(prefix)
         self.restored = backup
         if backup is not None:
-            model._initial_epoch = backup.epoch
+            keras_hook.set_initial_epoch(model, backup.epoch)
             self._epoch, self._step = backup.epoch, backup.step
             if backup.step:
                 self._skip_batches(backup.step)
@@ -317,6 +318,6 @@ class BackupAndRestore(keras.callbacks.Callback):
                 )
             self._notice.stop()
             self._notice = None
-        self.model._initial_epoch = None
+        keras_hook.set_initial_epoch(self.model, None)
         if self.delete_checkpoint and (self._cluster is None or self._cluster.is_chief):
             _remove(self.backup_dir)

@@ -1,11 +1,11 @@
 """The input builder: ImageNet TFRecords / TFDS on tf.data with fused JPEG decode-and-crop.
 
-  ImageNetInput            the train / eval pipeline (`.dataset(input_context)`, `.from_tfds`)
-  SyntheticImageNetInput   random batches with no I/O (the input-free bound of a step)
-  write_tfrecords          class folders of images -> train/validation TFRecords + labels.json
-  read_label_map           the label map next to the shards: classes, label offset, counts
-  make_synthetic_imagenet  a small, learnable dataset of real JPEGs in that layout
-  image_ops                fused decode-and-crop, scaled decode, center crop, normalization
+ImageNetInput            the train / eval pipeline (`.dataset(input_context)`, `.from_tfds`)
+SyntheticImageNetInput   random batches with no I/O (the input-free bound of a step)
+write_tfrecords          class folders of images -> train/validation TFRecords + labels.json
+read_label_map           the label map next to the shards: classes, label offset, counts
+make_synthetic_imagenet  a small, learnable dataset of real JPEGs in that layout
+image_ops                fused decode-and-crop, scaled decode, center crop, normalization
 """
 
 import importlib

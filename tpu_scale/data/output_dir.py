@@ -1,0 +1,100 @@
+"""The writer's output folder: staged next to its final place and moved in only when complete.
+
+An aborted conversion leaves a hidden `.<name>.incomplete-*` folder and nothing that looks finished;
+a finished one is refused as an output unless it is to be replaced, and a folder holding anything
+but shards and label files is never touched.
+"""
+
+import fnmatch
+import os
+import shutil
+import tempfile
+import uuid
+
+import tensorflow as tf
+
+from tpu_scale.data.schema import LABEL_MAP_FILE, LABELS_TXT_FILE
+
+
+def _is_local(path):
+    return "://" not in path
+
+
+def _looks_like_conversion(names):
+    patterns = ("train-*", "validation-*", LABEL_MAP_FILE, LABELS_TXT_FILE)
+    return bool(names) and all(any(fnmatch.fnmatch(n, p) for p in patterns) for n in names)
+
+
+def _check_output_dir(output_dir, overwrite):
+    """Whether `output_dir` holds a conversion to replace; raises if it must not be touched."""
+    if not tf.io.gfile.exists(output_dir):
+        return False
+    if not tf.io.gfile.isdir(output_dir):
+        raise ValueError(f"output_dir {output_dir!r} is a file: choose a folder.")
+    names = [name.rstrip("/") for name in tf.io.gfile.listdir(output_dir)]
+    if not names:
+        return False
+    if not _looks_like_conversion(names):
+        raise ValueError(
+            f"output_dir {output_dir!r} is not empty and holds files other than shards and label "
+            f"maps ({_first_names(sorted(names), 5)}): choose a new or empty folder."
+        )
+    if not overwrite:
+        finished = LABEL_MAP_FILE in names
+        raise ValueError(
+            f"output_dir {output_dir!r} already holds "
+            + (
+                "a finished conversion (labels.json)"
+                if finished
+                else "TFRecord shards without labels.json (an older or unfinished conversion)"
+            )
+            + ": pass overwrite=True (--overwrite) to replace it, or choose another output_dir."
+        )
+    return True
+
+
+def _publish(staging_dir, output_dir, replace):
+    """Moves the finished `staging_dir` into place as `output_dir`."""
+    if _is_local(output_dir):
+        old = None
+        if tf.io.gfile.exists(output_dir):
+            if replace:
+                old = f"{staging_dir}.replaced"
+                os.rename(output_dir, old)
+            else:
+                os.rmdir(output_dir)  # empty (checked before writing)
+        os.rename(staging_dir, output_dir)
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+        return
+    if replace:
+        tf.io.gfile.rmtree(output_dir)
+    tf.io.gfile.makedirs(output_dir)
+    names = sorted(n.rstrip("/") for n in tf.io.gfile.listdir(staging_dir))
+    # labels.json last: its presence is what marks a finished conversion.
+    for name in sorted(names, key=lambda n: n == LABEL_MAP_FILE):
+        tf.io.gfile.rename(os.path.join(staging_dir, name), os.path.join(output_dir, name))
+    tf.io.gfile.rmtree(staging_dir)
+
+
+def _make_staging_dir(output_dir):
+    parent, name = os.path.split(output_dir)
+    parent = parent or "."
+    tf.io.gfile.makedirs(parent)
+    if _is_local(output_dir):
+        return tempfile.mkdtemp(prefix=f".{name}.incomplete-", dir=parent)
+    staging = os.path.join(parent, f".{name}.incomplete-{uuid.uuid4().hex[:8]}")
+    tf.io.gfile.makedirs(staging)
+    return staging
+
+
+def _remove(path):
+    if _is_local(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif tf.io.gfile.exists(path):
+        tf.io.gfile.rmtree(path)
+
+
+def _first_names(names, count):
+    shown = ", ".join(names[:count])
+    return shown + (f" and {len(names) - count} more" if len(names) > count else "")
