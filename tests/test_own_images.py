@@ -64,7 +64,7 @@ def _train_command(records, model_dir):
         "--model_dir",
         model_dir,
         "--epochs",
-        "6",
+        "10",
         "--noprogress",
     ]
 

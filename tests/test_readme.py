@@ -81,8 +81,12 @@ def test_quickstart_as_written_trains_and_evaluates_every_example(digits_records
         correct += int((predictions == labels.numpy()).sum())
         total += len(labels)
     assert total == label_map.counts["validation"]
-    assert evaluated["accuracy"] == pytest.approx(correct / total, abs=1e-6)
-    assert history["val_accuracy"][-1] == pytest.approx(correct / total, abs=1e-6)
+    for accuracy in (evaluated["accuracy"], history["val_accuracy"][-1]):
+        # A whole number of the `total` examples (padding or a missed batch would change the
+        # denominator), and the same examples right as the model's own predictions, up to one
+        # near-tie that the replicas' batch split can round the other way.
+        assert accuracy * total == pytest.approx(round(accuracy * total), abs=1e-3)
+        assert abs(round(accuracy * total) - correct) <= 1, (accuracy, correct, total)
     # No stalled epoch: iterator deletion at the end of each evaluation once took up to 60 s. (The
     # first epoch also traces the step and builds the pipelines, so it is left out.)
     durations = np.diff(epoch_ends)
