@@ -4,17 +4,27 @@ TensorFlow is configured (8 logical CPU devices, before its runtime starts) just
 test module that needs it is imported; the numpy-only modules in `NUMPY_ONLY` never import it, so
 `pytest tests/test_mesh.py tests/test_plan.py` runs without TensorFlow.
 
-Shared fixtures: `cpu_devices` (the 8 device names), `strategy` (8 replicas in a 1x8 mesh,
+Temporary files: the whole run writes them under one folder, removed at its end (nothing is left
+in /tmp). Shared fixtures: `cpu_devices` (the 8 device names), `strategy` (8 replicas in a 1x8 mesh,
 TensorFlow's gradient sum) and `strategy_2x4` (the same devices in a 2x4 mesh). Marker (declared in
 pyproject.toml): `multiprocess` for tests that start localhost worker processes (`-m "not
 multiprocess"` leaves them out of a quick run).
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+# Everything the suite writes to a temporary folder, TensorFlow's AutoGraph files and the worker
+# processes' files included, goes to one folder that is removed when the run ends.
+_SUITE_TMP = tempfile.mkdtemp(prefix="tpu_scale_tests_")
+os.environ["TMPDIR"] = tempfile.tempdir = _SUITE_TMP
+atexit.register(shutil.rmtree, _SUITE_TMP, ignore_errors=True)
 
 NUM_CPU_REPLICAS = 8
 NUMPY_ONLY = {"test_mesh.py", "test_plan.py", "test_torus_schedule.py"}
