@@ -7,7 +7,6 @@ small ResNet (ResNet-50 at 1000 classes does not train in a test's time on two c
 
 import os
 import re
-import sys
 import time
 
 import numpy as np
@@ -24,10 +23,8 @@ def quickstart_code():
 
 @pytest.fixture(scope="module")
 def digits_records(tmp_path_factory):
-    sys.path.insert(0, os.path.dirname(__file__))
-    from test_own_images import write_digits_folder
-
     from tpu_scale.data import read_label_map, write_tfrecords
+    from tpu_scale.testing.digits import write_digits_folder
 
     images = str(tmp_path_factory.mktemp("digits"))
     write_digits_folder(images)
