@@ -35,7 +35,7 @@ def _train_command(records, model_dir):
         "--data_dir",
         records,
         "--image_size",
-        "32",
+        "16",
         "--model_dir",
         model_dir,
         "--epochs",
