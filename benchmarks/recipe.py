@@ -27,8 +27,8 @@ Usage:
     nice -n 10 python benchmarks/recipe.py --batches 32 --sgd_lrs 0.07 0.28 --lars_lrs 2 8
 
 Adds its runs to `benchmarks/results/recipe.json` (a run of the same batch, variant and seed
-replaces the earlier one; `--fresh` starts over) and redraws `benchmarks/results/recipe.png` from
-them all.
+replaces the earlier one; `--fresh` and `--quick` start over) and redraws
+`benchmarks/results/recipe.png` from them all.
 """
 
 import argparse
@@ -344,7 +344,9 @@ def main():
     parser.add_argument("--lars_lrs", type=float, nargs="*")
     parser.add_argument("--out", default=JSON_PATH)
     parser.add_argument(
-        "--fresh", action="store_true", help="replace --out instead of adding to its runs"
+        "--fresh",
+        action="store_true",
+        help="replace --out instead of adding to its runs (--quick does)",
     )
     args = parser.parse_args()
     cfg = dict(SETTINGS[args.quick])
@@ -360,8 +362,9 @@ def main():
     tf.config.threading.set_intra_op_parallelism_threads(1)
     out = {"settings": cfg, "runs": [], "recipe": {}}
     # The runs of other batches, sweep points and seeds already in --out stay; a run of the same
-    # batch, variant and seed is replaced.
-    if os.path.exists(args.out) and not args.fresh:
+    # batch, variant and seed is replaced. A quick run replaces the file, as it always did: its one
+    # seed and single sweep points must not mix into a full table.
+    if os.path.exists(args.out) and not (args.fresh or args.quick):
         with open(args.out) as f:
             old = json.load(f)
         settings = merge_settings(old.get("settings"), cfg)
