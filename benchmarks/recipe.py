@@ -109,6 +109,19 @@ def _keras_bn_model(model):
     return keras.models.clone_model(model, clone_function=clone)
 
 
+def plain_keras_recipe(batch, epochs):
+    """The plain-Keras baseline's settings at global batch `batch`: momentum SGD at 0.1 per 256
+    examples (Goyal et al., 2017) on the default recipe's warmup and decay, no label smoothing.
+
+    Its `build_optimizer` gives `keras.optimizers.SGD` on that schedule."""
+    from tpu_scale import schedules
+
+    recipe = schedules.recipe_for_batch(batch, total_epochs=epochs)
+    return dataclasses.replace(
+        recipe, optimizer="sgd", peak_learning_rate=0.1 * batch / 256, label_smoothing=0.0
+    )
+
+
 def run_batch(batch, cfg, out, out_path):
     """Trains every variant at global batch `batch` for every seed; adds each run to `out` and saves
     `out` to `out_path` after each."""
@@ -137,7 +150,7 @@ def run_batch(batch, cfg, out, out_path):
     families = [
         ("sgd", "sgd", cfg["sgd_lrs"][batch], False),
         ("lars", "lars", cfg["lars_lrs"][batch], False),
-        ("keras", "sgd", [0.1 * batch / 256], True),
+        ("keras", "sgd", [plain_keras_recipe(batch, epochs).peak_learning_rate], True),
     ]
     default_family = recipe.optimizer
     # Plain Keras and the default first: a run cut short still holds the comparison that matters.
