@@ -23,8 +23,8 @@ zeroed optimizer state.
 Usage:
     nice -n 10 python benchmarks/recipe.py            # full run: 4 batches, 2 seeds
     nice -n 10 python benchmarks/recipe.py --quick    # 1 seed, batches 64 and 1024, one sweep point
-
-    nice -n 10 python benchmarks/recipe.py --batches 32 --sgd_lrs 0.07 0.28 --lars_lrs 2 8
+    nice -n 10 python benchmarks/recipe.py --batches 32 --sgd_lrs 0.07 0.28 0.56 \
+        --lars_lrs 2 4 8                              # one batch's rows, the README's batch 32
 
 Adds its runs to `benchmarks/results/recipe.json` (a run of the same batch, variant and seed
 replaces the earlier one; `--fresh` and `--quick` start over) and redraws
