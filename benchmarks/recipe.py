@@ -23,8 +23,12 @@ zeroed optimizer state.
 Usage:
     nice -n 10 python benchmarks/recipe.py            # full run: 4 batches, 2 seeds
     nice -n 10 python benchmarks/recipe.py --quick    # 1 seed, batches 64 and 1024, one sweep point
+    nice -n 10 python benchmarks/recipe.py --batches 32 --sgd_lrs 0.07 0.28 0.56 \
+        --lars_lrs 2 4 8                              # one batch's rows, the README's batch 32
 
-Writes `benchmarks/results/recipe.json` and `benchmarks/results/recipe.png`.
+Adds its runs to `benchmarks/results/recipe.json` (a run of the same batch, variant and seed
+replaces the earlier one; `--fresh` and `--quick` start over) and redraws
+`benchmarks/results/recipe.png` from them all.
 """
 
 import argparse
@@ -105,8 +109,22 @@ def _keras_bn_model(model):
     return keras.models.clone_model(model, clone_function=clone)
 
 
-def run_batch(batch, cfg, out):
-    """Trains every variant at global batch `batch` for every seed; appends to `out["runs"]`."""
+def plain_keras_recipe(batch, epochs):
+    """The plain-Keras baseline's settings at global batch `batch`: momentum SGD at 0.1 per 256
+    examples (Goyal et al., 2017) on the default recipe's warmup and decay, no label smoothing.
+
+    Its `build_optimizer` gives `keras.optimizers.SGD` on that schedule."""
+    from tpu_scale import schedules
+
+    recipe = schedules.recipe_for_batch(batch, total_epochs=epochs)
+    return dataclasses.replace(
+        recipe, optimizer="sgd", peak_learning_rate=0.1 * batch / 256, label_smoothing=0.0
+    )
+
+
+def run_batch(batch, cfg, out, out_path):
+    """Trains every variant at global batch `batch` for every seed; adds each run to `out` and saves
+    `out` to `out_path` after each."""
     import keras
     import numpy as np
     import tensorflow as tf
@@ -132,9 +150,11 @@ def run_batch(batch, cfg, out):
     families = [
         ("sgd", "sgd", cfg["sgd_lrs"][batch], False),
         ("lars", "lars", cfg["lars_lrs"][batch], False),
-        ("keras", "sgd", [0.1 * batch / 256], True),
+        ("keras", "sgd", [plain_keras_recipe(batch, epochs).peak_learning_rate], True),
     ]
     default_family = recipe.optimizer
+    # Plain Keras and the default first: a run cut short still holds the comparison that matters.
+    families.sort(key=lambda f: (f[0] != "keras", f[0] != default_family))
     for family, optimizer_name, lrs, plain in families:
         lrs = list(lrs)
         if family == default_family:
@@ -195,7 +215,8 @@ def run_batch(batch, cfg, out):
                 logits = evaluator.predict(x_test, batch_size=TEST_EXAMPLES, verbose=0)
                 top_1 = float(np.mean(np.argmax(logits, -1) == y_test))
                 loss = float(history.history["loss"][-1])
-                out["runs"].append(
+                add_run(
+                    out,
                     {
                         "batch": batch,
                         "variant": name,
@@ -206,13 +227,46 @@ def run_batch(batch, cfg, out):
                         "top_1": top_1,
                         "final_loss": loss,
                         "seconds": round(time.perf_counter() - start, 1),
-                    }
+                    },
                 )
+                save(out, out_path)
                 print(
                     f"  batch {batch} {name} (lr {lr:g}) seed {seed}: top-1 {top_1:.3f}, "
                     f"loss {loss:.3f}, {time.perf_counter() - start:.0f} s",
                     flush=True,
                 )
+
+
+def add_run(out, run):
+    """Adds `run` to `out["runs"]`, replacing an earlier run of the same batch, variant and seed."""
+    key = (run["batch"], run["variant"], run["seed"])
+    out["runs"] = [r for r in out["runs"] if (r["batch"], r["variant"], r["seed"]) != key] + [run]
+    out["summary"] = summarize(out["runs"])
+
+
+def merge_settings(old, new):
+    """The settings of a results file that holds runs of both `old` and `new` settings (dicts as in
+    `SETTINGS`, LR lists keyed by batch as int or, read back from JSON, str), or None when their
+    epoch budgets differ and the runs cannot share a table."""
+    if old is None or old.get("epochs") != new["epochs"]:
+        return None
+    old_batches = {int(b) for b in old["batches"]}
+    merged = {
+        "batches": sorted(old_batches | set(new["batches"])),
+        "seeds": sorted(set(old["seeds"]) | set(new["seeds"])),
+        "epochs": new["epochs"],
+    }
+    for key in ("sgd_lrs", "lars_lrs"):
+        lrs = {int(b): set(v) for b, v in old[key].items() if int(b) in old_batches}
+        for b in new["batches"]:
+            lrs[b] = lrs.get(b, set()) | set(new[key][b])
+        merged[key] = {b: sorted(v) for b, v in sorted(lrs.items())}
+    return merged
+
+
+def save(out, path):
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
 
 
 def summarize(runs):
@@ -302,6 +356,11 @@ def main():
     parser.add_argument("--sgd_lrs", type=float, nargs="*")
     parser.add_argument("--lars_lrs", type=float, nargs="*")
     parser.add_argument("--out", default=JSON_PATH)
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="replace --out instead of adding to its runs (--quick does)",
+    )
     args = parser.parse_args()
     cfg = dict(SETTINGS[args.quick])
     for key in ("batches", "seeds", "epochs"):
@@ -314,19 +373,27 @@ def main():
 
     # One thread per op: the 8 replicas already share the cores.
     tf.config.threading.set_intra_op_parallelism_threads(1)
-    out = {"settings": cfg, "runs": []}
+    out = {"settings": cfg, "runs": [], "recipe": {}}
+    # The runs of other batches, sweep points and seeds already in --out stay; a run of the same
+    # batch, variant and seed is replaced. A quick run replaces the file, as it always did: its one
+    # seed and single sweep points must not mix into a full table.
+    if os.path.exists(args.out) and not (args.fresh or args.quick):
+        with open(args.out) as f:
+            old = json.load(f)
+        settings = merge_settings(old.get("settings"), cfg)
+        if settings is None:
+            print(f"{args.out} holds runs of another epoch budget; replacing it", flush=True)
+        else:
+            out = {"settings": settings, "runs": old["runs"], "recipe": old.get("recipe", {})}
     from tpu_scale import schedules
 
-    out["recipe"] = {
-        str(b): dataclasses.asdict(schedules.recipe_for_batch(b, total_epochs=cfg["epochs"]))
-        for b in cfg["batches"]
-    }
+    for b in cfg["batches"]:
+        recipe = schedules.recipe_for_batch(b, total_epochs=cfg["epochs"])
+        out["recipe"][str(b)] = dataclasses.asdict(recipe)
+    out["recipe"] = dict(sorted(out["recipe"].items(), key=lambda kv: int(kv[0])))
     out["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count()}
     for batch in cfg["batches"]:
-        run_batch(batch, cfg, out)
-        out["summary"] = summarize(out["runs"])
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        run_batch(batch, cfg, out, args.out)
     plot(out["summary"], PNG_PATH if args.out == JSON_PATH else args.out[:-5] + ".png")
     print_table(out["summary"])
 

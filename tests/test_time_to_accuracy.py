@@ -1,0 +1,133 @@
+"""The time-to-accuracy benchmark's own logic: reading the example's epoch lines, the threshold, the
+timing and stopping of a run, the ratio."""
+
+import math
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+import time_to_accuracy as tta  # noqa: E402
+import train_imagenet  # noqa: E402
+
+
+def _example_epoch_line(monkeypatch, logs):
+    """The line the example's progress callback logs at the end of an epoch, as it formats it."""
+    lines = []
+    monkeypatch.setattr(train_imagenet.logging, "info", lambda fmt, *a: lines.append(fmt % a))
+    progress = train_imagenet.progress_callback(128, 8, 30)
+    progress.on_epoch_begin(2)
+    progress.on_train_batch_end(0)
+    progress.on_train_batch_end(1)
+    progress.on_epoch_end(2, logs)
+    assert len(lines) == 1
+    return lines[0]
+
+
+def test_the_examples_epoch_line_is_read(monkeypatch):
+    line = _example_epoch_line(monkeypatch, {"loss": 1.9, "top_1": 0.41, "val_top_1": 0.5363})
+    # As absl prints it, prefix and all.
+    assert tta.parse_epoch_line(f"I1201 12:00:00.123 77 train_imagenet.py:480] {line}\n") == (
+        3,
+        30,
+        0.5363,
+    )
+    # No validation in the logs: NaN, which reaches no threshold.
+    line = _example_epoch_line(monkeypatch, {"loss": 1.9, "top_1": 0.41})
+    epoch, _, top_1 = tta.parse_epoch_line(line)
+    assert epoch == 3 and math.isnan(top_1)
+    assert tta.first_reaching([{"val_top_1": top_1}], 0.0) is None
+
+
+def test_the_plain_childs_line_and_other_lines():
+    assert tta.parse_epoch_line("epoch 12/30: loss 0.3, top-1 0.95, val top-1 0.9106") == (
+        12,
+        30,
+        0.9106,
+    )
+    # The example's final line and its resume message carry no epoch's validation top-1.
+    assert tta.parse_epoch_line("top-1 0.9441 (chance 0.1000) | 180 images/s | wall 95 s") is None
+    assert tta.parse_epoch_line("Resuming from the backup after epoch 2 of 10") is None
+
+
+def test_first_reaching_is_the_first_epoch_at_or_above():
+    epochs = [{"epoch": i + 1, "val_top_1": v} for i, v in enumerate([0.5, 0.9, 0.85, 0.95])]
+    assert tta.first_reaching(epochs, 0.9)["epoch"] == 2
+    assert tta.first_reaching(epochs, 0.91)["epoch"] == 4
+    assert tta.first_reaching(epochs, 0.96) is None
+
+
+def _fake_run(tmp_path, script):
+    child = tmp_path / "child.py"
+    child.write_text(script)
+    return [sys.executable, str(child)]
+
+
+def test_a_run_is_timed_to_the_threshold_and_then_stopped(tmp_path):
+    command = _fake_run(
+        tmp_path,
+        "import time\n"
+        "print('starting', flush=True)\n"
+        "for i, v in enumerate([0.3, 0.7, 0.92, 0.99]):\n"
+        "    time.sleep(0.5)\n"
+        "    print(f'epoch {i + 1}/4: loss 1.0, top-1 0.5, val top-1 {v}', flush=True)\n"
+        "time.sleep(60)\n",
+    )
+    start = time.monotonic()
+    run = tta.timed_run(command, 0.9, timeout=30, env=dict(os.environ))
+    assert time.monotonic() - start < 20  # stopped at epoch 3, not left to sleep
+    assert run["ended"] == "reached" and run["reached_epoch"] == 3
+    assert [e["epoch"] for e in run["epochs"]] == [1, 2, 3]
+    seconds = [e["seconds"] for e in run["epochs"]]
+    assert seconds == sorted(seconds) and seconds[0] >= 0.5
+    assert run["seconds_to_threshold"] == seconds[-1]
+
+
+def test_a_run_that_never_gets_there_says_why(tmp_path):
+    command = _fake_run(
+        tmp_path,
+        "print('epoch 1/3: val top-1 0.4', flush=True)\n"
+        "print('epoch 2/3: val top-1 0.5', flush=True)\n"
+        "raise SystemExit(3)\n",
+    )
+    run = tta.timed_run(command, 0.9, timeout=30, env=dict(os.environ))
+    assert run["reached_epoch"] is None and run["seconds_to_threshold"] is None
+    assert run["ended"] == "exited 3" and len(run["epochs"]) == 2
+    # The last epoch ends the run, however long the process then takes to exit.
+    slow_exit = _fake_run(
+        tmp_path,
+        "import time\n"
+        "print('epoch 1/2: val top-1 0.4', flush=True)\n"
+        "print('epoch 2/2: val top-1 0.5', flush=True)\n"
+        "time.sleep(60)\n",
+    )
+    start = time.monotonic()
+    run = tta.timed_run(slow_exit, 0.9, timeout=30, env=dict(os.environ))
+    assert run["ended"] == "last epoch" and time.monotonic() - start < 20
+    hung = _fake_run(tmp_path, "import time\ntime.sleep(60)\n")
+    start = time.monotonic()
+    run = tta.timed_run(hung, 0.9, timeout=1, env=dict(os.environ))
+    assert run["ended"] == "timeout" and time.monotonic() - start < 20
+
+
+def test_the_summary_and_ratio_count_only_runs_that_reached():
+    def run(name, seconds, epoch):
+        return {"contender": name, "seconds_to_threshold": seconds, "reached_epoch": epoch}
+
+    runs = [
+        run("example", 30.0, 5),
+        run("keras", 60.0, 12),
+        run("example", 40.0, 6),
+        run("keras", None, None),
+        run("example", 50.0, 6),
+        run("keras", 80.0, 14),
+    ]
+    summary = tta.summarize(runs, ("example", "keras"))
+    assert summary["example"]["seconds_to_threshold"] == {"median": 40.0, "min": 30.0, "max": 50.0}
+    assert summary["keras"]["reached"] == 2 and summary["keras"]["runs"] == 3
+    assert summary["keras"]["seconds_to_threshold"]["median"] == 70.0
+    assert summary["ratio"] == 40.0 / 70.0
+    assert tta.summarize(runs[1::2], ("example", "keras"))["ratio"] is None
