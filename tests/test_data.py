@@ -376,6 +376,12 @@ def test_center_crop_window_matches_reference_padding():
     np.testing.assert_array_equal(image_ops.center_crop_window(375, 500, 224), [24, 86, 328, 328])
 
 
+def test_center_crop_keeps_the_same_fraction_at_small_sizes():
+    # At 32 pixels, 32 / (32 + 32) would keep only half of a small image's short side.
+    for size in (16, 32, 64):
+        np.testing.assert_array_equal(image_ops.center_crop_window(64, 64, size), [4, 4, 56, 56])
+
+
 def test_fused_decode_matches_full_decode_then_crop():
     rng = np.random.default_rng(0)
     image = tf.image.resize(rng.uniform(0, 255, (1, 12, 16, 3)), (60, 80), "bicubic")[0]

@@ -18,8 +18,10 @@ import tensorflow as tf
 IMAGENET_MEAN_RGB = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STDDEV_RGB = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 
-# The reference evaluation crop: the center square of size/(size + 32) of the short side.
-CROP_PADDING = 32
+# The reference evaluation crop at 224: the center square of 224 / (224 + 32) of the short side.
+# The same fraction at every output size (the reference's `size / (size + 32)` would keep half the
+# short side at 32 pixels, where small images lose most of what they show).
+CENTER_CROP_FRACTION = 224 / (224 + 32)
 
 # The Inception-style random box of the reference ResNet-50 training recipe.
 AREA_RANGE = (0.08, 1.0)
@@ -32,19 +34,21 @@ _EOI_SEARCH_BYTES = 1024
 
 
 def center_crop_window(image_height, image_width, image_size):
-    """The reference evaluation crop: a centered square of `image_size / (image_size + 32)` of the
-    short side.
+    """The reference evaluation crop: a centered square of `CENTER_CROP_FRACTION` (224 / 256) of the
+    short side, at every output size.
 
     Args:
       image_height: int32 scalar tensor, the full image height.
       image_width: int32 scalar tensor, the full image width.
-      image_size: Python int, the output size the crop will be resized to.
+      image_size: Python int, the output size the crop will be resized to (the fraction is the same
+        for every size).
 
     Returns:
       An int32 `[4]` tensor `[offset_y, offset_x, crop_height, crop_width]`.
     """
+    del image_size
     short_side = tf.cast(tf.minimum(image_height, image_width), tf.float32)
-    crop_size = tf.cast(short_side * (image_size / (image_size + CROP_PADDING)), tf.int32)
+    crop_size = tf.cast(short_side * CENTER_CROP_FRACTION, tf.int32)
     # A 1-pixel image would otherwise give an empty crop.
     crop_size = tf.maximum(crop_size, 1)
     offset_y = (image_height - crop_size + 1) // 2
