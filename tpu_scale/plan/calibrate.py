@@ -22,19 +22,32 @@ def _median_time(fn, repeats):
     return float(np.median(times)), float(min(times)), float(max(times))
 
 
+IN_GRAPH_OPTIONS = ("ring", "torus_2d", "torus_2d_bidirectional", "flat")
+
+
+def _model_terms(n, mesh_shape, tensors, option, **figures):
+    """The cost model's price of `option` for `tensors` under the given unit figures."""
+    from tpu_scale.plan.catalog import cpu_cluster
+    from tpu_scale.plan.choice import price_option
+
+    return price_option(cpu_cluster(1, n, figures, mesh_shape), tensors, option)
+
+
 def calibrate(sizes=(2**12, 2**18, 2**21, 2**23), repeats=5, model="resnet50", log=print):
-    """Fits the CPU figures on this machine's 8 CPU replicas and checks them against real
+    """Fits the CPU cost figures on this machine's 8 CPU replicas and checks them against real
     summations.
 
-    Collective ops: times `collectives.group_sum` (float32) in one `strategy.run` call over groups
-    of 2, 4 and 8 replicas of a `(2, 4)` mesh at several sizes, and 1 or 8 small sums in a row, and
-    fits `T = call + collectives * (launch + alpha * steps) + ring_bytes / bandwidth`. In-graph
-    sums: times `group_sum(..., in_graph=True)` over all 8 at the same sizes and fits `T = call +
-    sums * 2 * op + sums * 25 * bytes / memory_bandwidth` (the sum's eight reads and one write, and
-    the step's halving on every replica). Both by non-negative least squares. Then sums the model's
-    real gradient shapes with every option `"auto"` can pick (`plan.choice.OPTIONS`: each algorithm
-    of `torus.all_reduce_sum` and the strategy's native all-reduce) and reports predicted over
-    measured time (ratio < 1: the model is optimistic).
+    In-graph sums (every option but TensorFlow's own on one host): times `torus.all_reduce_sum` with
+    each in-graph algorithm on one tensor of each of `sizes[1:]`, on 16 tensors of `sizes[0]` and on
+    48 tensors of sizes spread in log scale from `sizes[0]` to `sizes[-2]`, and fits `T = call +
+    handoffs * handoff_seconds + traffic / memory_bandwidth`, with the hand-offs and the traffic
+    counted by the cost model itself (`cost.in_graph_load`). TensorFlow's all-reduce (`"native"`,
+    one collective op per tensor): times it on the same lists and on one tensor of `sizes[0]`, and
+    fits `T = call + collectives * launch + ring_bytes / bandwidth`. Both by non-negative least
+    squares of the relative error. Then sums the model's real gradient shapes, which no fit point
+    has (ResNet-50: 214 tensors from 4 KiB to 9 MiB), with every option `"auto"` can pick
+    (`plan.choice.OPTIONS`) and reports predicted over measured time (ratio < 1: the model is
+    optimistic).
 
     Must run before TensorFlow starts anything else in the process (it creates the 8 logical CPUs).
 
@@ -44,15 +57,15 @@ def calibrate(sizes=(2**12, 2**18, 2**21, 2**23), repeats=5, model="resnet50", l
     """
     import tensorflow as tf
 
-    from tpu_scale import collectives, torus
+    from tpu_scale import torus
+    from tpu_scale.plan.choice import OPTIONS
     from tpu_scale.strategy import create_strategy
 
     strategy = create_strategy(num_cpu_replicas=8, mesh_shape=(2, 4), gradient_reduction="native")
-
     mesh = strategy.mesh
     n = mesh.num_replicas
 
-    def timed(step_fn, shapes):
+    def timed(option, shapes):
         values = strategy.experimental_distribute_values_from_function(
             lambda ctx: [
                 tf.fill(s, tf.cast(ctx.replica_id_in_sync_group + 1, tf.float32)) for s in shapes
@@ -62,107 +75,95 @@ def calibrate(sizes=(2**12, 2**18, 2**21, 2**23), repeats=5, model="resnet50", l
         @tf.function
         def run(v):
             # Every output is returned: plain ops whose results nothing reads would be pruned.
-            return strategy.run(step_fn, args=(v,))
+            return strategy.run(lambda x: torus.all_reduce_sum(x, algorithm=option), args=(v,))
 
         return _median_time(lambda: run(values), repeats)
 
-    def fit_point(groups, size, count, in_graph=False):
-        g = groups.shape[1]
-        elements = size // 4
-
-        def step(v):
-            x = v[0]
-            for _ in range(count):
-                x = collectives.group_sum(x, groups, in_graph=in_graph) * 0.5
-            return [x]
-
-        med, lo, hi = timed(step, [[elements]])
-        label = "in-graph sum(s)" if in_graph else "collective sum(s)"
+    def fit_point(option, tensor_bytes, columns):
+        med, lo, hi = timed(option, [[b // 4] for b in tensor_bytes])
+        tensors = [(b, "float32") for b in tensor_bytes]
+        terms = [_model_terms(n, mesh.shape, tensors, option, **figures) for figures in columns]
         log(
-            f"  fit point: {count} {label} over groups of {g}, {format_bytes(size)}: "
+            f"  fit point: {option}, {len(tensor_bytes)} tensor(s) of "
+            f"{format_bytes(min(tensor_bytes))}-{format_bytes(max(tensor_bytes))}: "
             f"{format_seconds(med)} (min {format_seconds(lo)}, max {format_seconds(hi)})"
         )
         return {
-            "group_size": g,
-            "bytes": size,
-            "collectives": count,
-            "steps": 2 * (g - 1),
-            "ring_bytes": 2 * (g - 1) / g * size,
-            "in_graph": in_graph,
+            "option": option,
+            "tensors": len(tensor_bytes),
+            "bytes": tensor_bytes[0],
+            "terms": terms,
             "seconds": med,
             "min": lo,
             "max": hi,
         }
 
-    everyone = np.arange(n).reshape(1, n)
-    points = [fit_point(everyone, sizes[0], count) for count in (1, 8)]
-    for size in sizes:
-        for groups in (mesh.column_groups(), mesh.row_groups(), everyone):
-            points.append(fit_point(groups, size, 1))
-    a = np.array(
-        [
-            [
-                1.0,
-                p["collectives"],
-                p["collectives"] * p["steps"],
-                p["collectives"] * p["ring_bytes"],
-            ]
-            for p in points
-        ]
-    )
-    t = np.array([p["seconds"] for p in points])
-    coef = _nonnegative_lstsq(a, t)
-    call, launch, alpha, beta = (float(c) for c in coef)
-    bandwidth = 1.0 / beta if beta > 0 else math.inf
-    rms = float(np.sqrt(np.mean(((a @ coef - t) / t) ** 2)))
+    def fit(points):
+        a = np.array([[1.0] + p["terms"] for p in points])
+        t = np.array([p["seconds"] for p in points])
+        # Relative errors: the points span three orders of magnitude.
+        coef = _nonnegative_lstsq(a / t[:, None], np.ones_like(t))
+        return coef, float(np.sqrt(np.mean(((a @ coef - t) / t) ** 2)))
 
-    local = [fit_point(everyone, sizes[0], count, in_graph=True) for count in (1, 8)]
-    local += [fit_point(everyone, size, 1, in_graph=True) for size in sizes[1:]]
-    # Each fit step also halves the sum on every replica: n more reads and writes of the buffer.
-    b = np.array(
-        [[1.0, 2.0 * p["collectives"], p["collectives"] * (3 * n + 1) * p["bytes"]] for p in local]
+    # Gradient-like lists as well: tensors of sizes spread evenly in log scale, 48 up to
+    # `sizes[-2]` and 96 up to `sizes[-1]` / 2 (tens of MB: large buffers page-fault, which small
+    # points do not show).
+    spread = [
+        [int(b) // 4 * 4 for b in np.geomspace(sizes[0], top, count)]
+        for count, top in ((48, sizes[-2]), (96, sizes[-1] // 2))
+    ]
+    lists = [[sizes[0]] * 16] + [[size] for size in sizes[1:]] + spread
+    # Unit figures that make the model's price one term: hand-offs, then bytes of memory traffic.
+    local_columns = (
+        {"handoff_seconds": 1.0, "memory_bandwidth": 1e30},
+        {"handoff_seconds": 0.0, "memory_bandwidth": 1.0},
     )
-    u = np.array([p["seconds"] for p in local])
-    local_coef = _nonnegative_lstsq(b, u)
-    _, op_seconds, inverse_memory = (float(c) for c in local_coef)
+    local = [fit_point(o, b, local_columns) for o in IN_GRAPH_OPTIONS for b in lists]
+    (local_call, handoff, inverse_memory), local_rms = fit(local)
+    # ... collective launches, then ring bytes.
+    native_columns = (
+        {"collective_launch_seconds": 1.0, "collective_alpha": 0.0, "collective_bandwidth": 1e30},
+        {"collective_launch_seconds": 0.0, "collective_alpha": 0.0, "collective_bandwidth": 1.0},
+    )
+    native = [fit_point("native", b, native_columns) for b in [[sizes[0]]] + lists]
+    (call, launch, beta), rms = fit(native)
+    bandwidth = 1.0 / beta if beta > 0 else math.inf
     memory_bandwidth = 1.0 / inverse_memory if inverse_memory > 0 else math.inf
-    local_rms = float(np.sqrt(np.mean(((b @ local_coef - u) / u) ** 2)))
     figures = {
-        "call_seconds": call,
-        "collective_launch_seconds": launch,
-        "collective_alpha": alpha,
+        "call_seconds": float(call),
+        "collective_launch_seconds": float(launch),
+        "collective_alpha": 0.0,
         "collective_bandwidth": bandwidth,
-        "op_seconds": op_seconds,
+        "handoff_seconds": float(handoff),
         "memory_bandwidth": memory_bandwidth,
     }
-    fit = {
-        "call_seconds": call,
-        "launch_seconds": launch,
-        "alpha_seconds": alpha,
+    fit_summary = {
+        "call_seconds": float(call),
+        "launch_seconds": float(launch),
         "bandwidth_bytes_per_sec": bandwidth,
         "rms_relative_error": rms,
-        "in_graph_op_seconds": op_seconds,
+        "in_graph_call_seconds": float(local_call),
+        "in_graph_handoff_seconds": float(handoff),
         "memory_bandwidth_bytes_per_sec": memory_bandwidth,
         "in_graph_rms_relative_error": local_rms,
     }
     log(
-        f"  fit: {format_seconds(call)} per call, {format_seconds(launch)} per collective, alpha "
-        f"{format_seconds(alpha)} per step, bandwidth {bandwidth / 1e9:.2f} GB/s per replica "
-        f"(rms relative error {rms:.0%}); in graph: {format_seconds(op_seconds)} per op, memory "
-        f"{memory_bandwidth / 1e9:.2f} GB/s (rms relative error {local_rms:.0%})"
+        f"  fit: TensorFlow's all-reduce {format_seconds(call)} per call, "
+        f"{format_seconds(launch)} per collective, bandwidth {bandwidth / 1e9:.2f} GB/s per "
+        f"replica (rms relative error {rms:.0%}); in graph: {format_seconds(local_call)} per "
+        f"call, {format_seconds(handoff)} per hand-off, memory {memory_bandwidth / 1e9:.2f} GB/s "
+        f"(rms relative error {local_rms:.0%})"
     )
 
     # The model's real gradient: its trainable variables' shapes, priced as "auto" prices them.
-    from tpu_scale.plan.catalog import cpu_cluster
-    from tpu_scale.plan.choice import OPTIONS, price_option
-
     shapes = model_gradient_shapes(model)
     tensors = [(int(np.prod(s)) * 4, "float32") for s in shapes]
-    cluster = cpu_cluster(1, n, figures, mesh_shape=mesh.shape)
     comparisons = {}
     for option in OPTIONS:
-        predicted = call + price_option(cluster, tensors, option)
-        med, lo, hi = timed(lambda v, o=option: torus.all_reduce_sum(v, algorithm=o), shapes)
+        predicted = (call if option == "native" else local_call) + _model_terms(
+            n, mesh.shape, tensors, option, **figures
+        )
+        med, lo, hi = timed(option, shapes)
         comparisons[option] = {
             "predicted_seconds": predicted,
             "measured_seconds": med,
@@ -186,9 +187,9 @@ def calibrate(sizes=(2**12, 2**18, 2**21, 2**23), repeats=5, model="resnet50", l
         "gradient_bytes": int(sum(b for b, _ in tensors)),
         "num_tensors": len(shapes),
         "repeats": repeats,
-        "fit": fit,
+        "fit": fit_summary,
         "cpu_figures": figures,
-        "points": points + local,
+        "points": local + native,
         "comparisons": comparisons,
         "auto": best,
     }

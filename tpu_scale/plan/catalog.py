@@ -99,10 +99,10 @@ class Cluster:
         ring (TPU chips).
       phase_overhead: seconds to launch one collective (one phase), on top of its steps; fitted on
         CPU replicas, where it dominates; 0 for the TPU and GPU figures, whose alpha covers it.
-      host_memory: for CPU hosts, the `Link` of a host's shared memory (`alpha`: seconds per
-        in-graph op on a phase's critical path; `bandwidth`: bytes/s of memory traffic): a phase
-        whose groups sit on one host is then priced as the plain ops the executor builds. None:
-        every phase is a collective (TPU, GPU).
+      host_memory: for CPU hosts, the `Link` of a host's shared memory (`alpha`: seconds of the
+        host's cores per hand-off of a value between two of its CPU devices; `bandwidth`: bytes/s
+        of memory traffic): a phase whose groups sit on one host is then priced as the plain ops
+        the executor builds (`cost.in_graph_load`). None: every phase is a collective (TPU, GPU).
       replicas_per_host: replicas on one host, for `host_memory` (the mesh's rows are hosts).
     """
 
@@ -515,18 +515,19 @@ def uniform_cluster(
 # loopback figures between two worker processes are fitted from `benchmarks/all_reduce.py`'s
 # two-process part.
 CPU_FIGURES = {
-    "call_seconds": 0.00717,
-    "collective_launch_seconds": 0.00316,
+    "call_seconds": 0.00492,
+    "collective_launch_seconds": 0.000335,
     "collective_alpha": 0.0,
-    "collective_bandwidth": 360000000.0,
-    "op_seconds": 3.06e-05,
-    "memory_bandwidth": 10600000000.0,
+    "collective_bandwidth": 386000000.0,
+    "handoff_seconds": 1.56e-05,
+    "memory_bandwidth": 6580000000.0,
     "network_alpha": 1.0e-3,
     "network_bandwidth": 0.35e9,
     "sources": (
-        "CPU collective ops (per launch, per step, bandwidth) and in-graph sums (per op, memory "
-        "bandwidth): fitted on the development machine by tpu_scale.plan.calibrate (2-core VM, 8 "
-        "virtual CPU replicas); another machine needs its own calibration.",
+        "CPU collective ops (per launch, bandwidth) and in-graph sums (per hand-off between CPU "
+        "devices, memory bandwidth): fitted on the development machine by "
+        "tpu_scale.plan.calibrate (2-core VM, 8 virtual CPU replicas); another machine needs its "
+        "own calibration.",
         "CPU between worker processes: gRPC over loopback, fitted from benchmarks/all_reduce.py's "
         "two-"
         "process run on the same machine: assumption for real networks.",
@@ -565,7 +566,7 @@ def cpu_cluster(hosts, replicas_per_host, figures=None, mesh_shape=None):
         links = {"rows": shared, "columns": network, "all": network}
     else:
         links = {"rows": shared, "columns": shared, "all": shared}
-    memory = Link("memory", f["op_seconds"], f["memory_bandwidth"])
+    memory = Link("memory", f["handoff_seconds"], f["memory_bandwidth"])
     name = f"{hosts}x{replicas_per_host} cpu" if hosts > 1 else f"1 host, {mesh.shape} cpu mesh"
     return Cluster(
         name,

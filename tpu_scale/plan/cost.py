@@ -49,24 +49,38 @@ def _local_part(cluster, m, full):
     return _Part((m - 1) * cluster.local.alpha, cluster.local, nbytes, 0, m - 1, 0.0, nbytes)
 
 
-def _in_graph_part(phase, cluster, host_ids):
-    """A phase the executor builds from plain ops on one CPU host: memory traffic plus per-op cost.
+def in_graph_load(phase, host_ids):
+    """`(handoffs, traffic_bytes)` of one in-graph phase on its busiest host.
 
-    Per group of `g`, with `B` the phase's input per replica: a sum on the first member and a
-    reduce-scatter read every member's `B` and write `B` (`(g + 1) B`; handing a tensor to another
-    CPU device copies nothing); an all-gather writes and reads the gathered `g B` on each member (`2
-    g^2 B`). The groups of one host share its memory; the critical path is one op (two for a sum's
-    read-back).
+    Per group of `g`, with `B` the phase's input per replica: a sum on the first member hands `g -
+    1` values to it and the result back to `g - 1` members; a reduce-scatter hands each member `g -
+    1` chunks and an all-gather `g - 1` shards: `g (g - 1)` hand-offs, each a send/receive pair
+    between two CPU devices in TensorFlow's executor (it copies nothing). Memory: a sum and a
+    reduce-scatter read every member's `B` and write `B` (`(g + 1) B`), an all-gather writes and
+    reads the gathered `g B` on each member (`2 g^2 B`). The groups of one host add up.
     """
     g = phase.group_size
-    per_host = np.bincount(host_ids[phase.groups[:, 0]]).max()
+    per_host = int(np.bincount(host_ids[phase.groups[:, 0]]).max())
     if phase.kind == torus_schedule.ALL_GATHER:
         traffic = 2 * g * g * phase.bytes_in
     else:
         traffic = (g + 1) * phase.bytes_in
+    handoffs = 2 * (g - 1) if phase.kind == torus_schedule.ALL_REDUCE else g * (g - 1)
+    return per_host * handoffs, float(per_host * traffic)
+
+
+def _in_graph_parts(phase, cluster, host_ids):
+    """A phase the executor builds from plain ops on one CPU host: its hand-offs on the host's cores
+    (`host_memory.alpha` seconds each), then its memory traffic (`in_graph_load`). Both are shared
+    resources: concurrent streams of one host share its cores and its memory bandwidth.
+    """
+    handoffs, traffic = in_graph_load(phase, host_ids)
     memory = cluster.host_memory
-    ops = 2 if phase.kind == torus_schedule.ALL_REDUCE else 1
-    return _Part(ops * memory.alpha, memory, float(per_host * traffic), 0, 0, 0.0, 0.0)
+    parts = [_Part(0.0, memory, traffic, 0, 0, 0.0, 0.0)]
+    if memory.alpha > 0:
+        cores = Link("host_cores", 0.0, 1.0 / memory.alpha)
+        parts.insert(0, _Part(0.0, cores, float(handoffs), 0, 0, 0.0, 0.0))
+    return parts
 
 
 def _phase_parts(phase, cluster, node_ids):
@@ -192,7 +206,7 @@ def price_schedule(schedule, cluster, in_graph=True):
                 segs.append(("delay", cluster.phase_overhead))
                 s_latency += cluster.phase_overhead
             parts = (
-                [_in_graph_part(phase, cluster, host_ids)]
+                _in_graph_parts(phase, cluster, host_ids)
                 if local
                 else _phase_parts(phase, cluster, node_ids)
             )
