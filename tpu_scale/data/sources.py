@@ -192,24 +192,29 @@ class TFRecordSource:
         record where the reading stopped.
 
         The reader's own error (truncated or corrupted record) would not name the file, so reading
-        simply stops there, and an end marker compares the bytes read with the file's size.
+        simply stops there, and an end marker compares the bytes read with the file's size. Records
+        are numbered and counted `_RECORDS_PER_COUNT` at a time: one function call per record would
+        cost more than the counting.
         """
         records = tf.data.TFRecordDataset(filename, buffer_size=self.read_buffer_bytes)
         records = records.ignore_errors().concatenate(tf.data.Dataset.from_tensors(_END_OF_FILE))
+        records = records.batch(_RECORDS_PER_COUNT)
 
-        def number(state, record):
+        def number(state, batch):
             index, bytes_read = state
-            at_end = tf.equal(record, _END_OF_FILE)
-            file_fault = at_end & tf.not_equal(bytes_read, size)
-            length = tf.cast(tf.strings.length(record), tf.int64) + _RECORD_OVERHEAD_BYTES
-            return (index + 1, bytes_read + length), (filename, index, record, file_fault)
+            count = tf.size(batch, out_type=tf.int64)
+            lengths = tf.cast(tf.strings.length(batch), tf.int64) + _RECORD_OVERHEAD_BYTES
+            read_before = bytes_read + tf.math.cumsum(lengths, exclusive=True)
+            at_end = tf.equal(batch, _END_OF_FILE)
+            file_fault = at_end & tf.not_equal(read_before, size)
+            numbered = (tf.fill([count], filename), index + tf.range(count), batch, file_fault)
+            # The end marker stays only where it reports a truncated file.
+            kept = file_fault | tf.logical_not(at_end)
+            numbered = tuple(tf.boolean_mask(part, kept) for part in numbered)
+            return (index + count, bytes_read + tf.reduce_sum(lengths)), numbered
 
         records = records.scan((tf.constant(0, tf.int64), tf.constant(0, tf.int64)), number)
-        return records.filter(
-            lambda origin, index, record, file_fault: (
-                file_fault | tf.not_equal(record, _END_OF_FILE)
-            )
-        )
+        return records.unbatch()
 
     def parse(self, record):
         """`(origin, index, image_bytes, label, fault)` of one record, or of a batch of them (each
