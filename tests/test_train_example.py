@@ -40,8 +40,9 @@ class Interrupt(keras.callbacks.Callback):
             raise KeyboardInterrupt("preempted")
 
 
-def test_tiny_run_end_to_end(tmp_path):
-    summary = train_imagenet.train(tiny_config(model_dir=str(tmp_path)))
+@pytest.mark.parametrize("input_dtype", ["float", "uint8"])
+def test_tiny_run_end_to_end(tmp_path, input_dtype):
+    summary = train_imagenet.train(tiny_config(model_dir=str(tmp_path), input_dtype=input_dtype))
     line = train_imagenet.summary_line(summary)
     assert line.startswith("top-1 ") and "images/s" in line and "wall" in line
     # 10 learnable classes: three short epochs are already far above chance.
@@ -74,6 +75,7 @@ def test_interrupted_run_resumes_where_it_stopped(tmp_path):
         (dict(data_dir="/tmp", tfds_name="imagenet2012"), "not both"),
         (dict(model="vgg"), "choose resnet50 or small_resnet"),
         (dict(mesh_shape="2by4"), "ROWSxCOLS"),
+        (dict(input_dtype="float16"), "choose uint8 or float"),
     ],
 )
 def test_bad_flags_fail_at_start(overrides, message):
