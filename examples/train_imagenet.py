@@ -3,8 +3,11 @@
 `model.fit` under `tpu_scale.create_strategy`, with grouped batch norm, the 2-D torus gradient sum,
 the fused decode-and-crop input pipeline, the recipe for the global batch size
 (`tpu_scale.schedules.recipe_for_batch`: momentum SGD below 512, LARS from 512, warmup + polynomial
-decay, label smoothing) and, optionally, bfloat16. Evaluates every epoch, logs images/s, stops a
-diverging run with the flags that fix it, and ends with one line:
+decay, label smoothing) and, optionally, bfloat16. The host normalizes the images;
+`--input_dtype uint8` sends raw pixels instead, which the model's first layer normalizes (on this
+CPU the step, not the host, is the bottleneck, so that measured slower; see benchmarks/README.md).
+Evaluates every epoch, logs images/s, stops a diverging run with the flags that fix it, and ends
+with one line:
 `top-1 <accuracy> | <images/s> | wall <seconds>`, then where every output is.
 
 This CPU, the built-in default: generates a small learnable dataset of real JPEGs in TFRecords in a
@@ -96,6 +99,7 @@ class TrainConfig:
     bn_group_size: Optional[int] = None
     gradient_reduction: str = "torus"
     mixed_precision: str = "float32"
+    input_dtype: str = "float"
     optimizer: Optional[str] = None
     peak_learning_rate: Optional[float] = None
     warmup_epochs: Optional[float] = None
@@ -138,6 +142,9 @@ def define_flags():
         "bn_group_size": "Replicas per batch-norm group. Empty: the smallest spanning 64 examples.",
         "gradient_reduction": "torus (2-D torus sum) or native (TensorFlow's all-reduce).",
         "mixed_precision": "float32, bfloat16 (TPU, CPU) or float16 (GPU).",
+        "input_dtype": "uint8: the host sends raw pixels, which the model's first layer "
+        "normalizes; float: the host normalizes (float32, or bfloat16 with --mixed_precision "
+        "bfloat16).",
         "optimizer": "lars or sgd (momentum 0.9). Default: the recipe for the batch size "
         "(tpu_scale.schedules.recipe_for_batch: sgd below 512, lars from 512).",
         "peak_learning_rate": "Peak learning rate. Default: the recipe's for batch and optimizer.",
@@ -196,6 +203,8 @@ def _check_config(config, strategy=None):
         raise ValueError(
             f"--mixed_precision={config.mixed_precision!r}: choose float32, bfloat16 or float16."
         )
+    if config.input_dtype not in ("uint8", "float"):
+        raise ValueError(f"--input_dtype={config.input_dtype!r}: choose uint8 or float.")
     if config.epochs < 1 or config.global_batch_size < 1:
         raise ValueError("--epochs and --global_batch_size must be at least 1.")
     if strategy is None:
@@ -316,7 +325,7 @@ def _inputs(config, data_dir, pad_eval):
     common = dict(
         global_batch_size=config.global_batch_size,
         image_size=config.image_size,
-        dtype="bfloat16" if config.mixed_precision == "bfloat16" else "float32",
+        dtype=_input_dtype(config),
     )
     if config.tfds_name:
         train = data.ImageNetInput.from_tfds(
@@ -351,6 +360,13 @@ def _inputs(config, data_dir, pad_eval):
         eval_pattern, is_training=False, pad_last_batch=pad_eval, **labels, **common
     )
     return train, evaluation, (train_count, eval_count)
+
+
+def _input_dtype(config):
+    """The images' dtype from the host: raw uint8 pixels, or normalized in the model's precision."""
+    if config.input_dtype == "uint8":
+        return "uint8"
+    return "bfloat16" if config.mixed_precision == "bfloat16" else "float32"
 
 
 def _tfds_counts(config):
@@ -442,10 +458,14 @@ def _build_model(config):
             config.num_classes,
             bn_group_size=config.bn_group_size,
             input_shape=(config.image_size, config.image_size, 3),
+            normalize_inputs=config.input_dtype == "uint8",
         )
     else:
         model = models.small_resnet(
-            config.num_classes, image_size=config.image_size, bn_group_size=config.bn_group_size
+            config.num_classes,
+            image_size=config.image_size,
+            bn_group_size=config.bn_group_size,
+            normalize_inputs=config.input_dtype == "uint8",
         )
     recipe = _recipe(config)
     model.compile(

@@ -811,3 +811,94 @@ def test_deterministic_stream_replays_from_every_new_iterator(records, cache):
     assert first == second
     epoch = len(set(first))
     assert first[:epoch] != first[epoch : 2 * epoch]  # epochs still come in new orders
+
+
+# --------------------------------------------------------------------------------------------------
+# Real images: scikit-learn's digits, written by the package's writer
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    """scikit-learn's digits as TFRecords; every record's digit index read back without the
+    pipeline (from the file name the writer stores), in the evaluation order."""
+    from sklearn.datasets import load_digits
+
+    from tpu_scale.data import write_tfrecords
+    from tpu_scale.testing.digits import write_digits_folder
+
+    folder = str(tmp_path_factory.mktemp("digits"))
+    write_digits_folder(folder)
+    out = str(tmp_path_factory.mktemp("digits_records")) + "/records"
+    write_tfrecords(folder, out)
+    order = {}
+    for split in ("train", "validation"):
+        files = sorted(tf.io.gfile.glob(os.path.join(out, f"{split}-*")))
+        # The evaluation order: one record of each file in turn (files sorted by name).
+        readers = [iter(tf.data.TFRecordDataset(path)) for path in files]
+        records = []
+        while readers:
+            for reader in list(readers):
+                record = next(reader, None)
+                if record is None:
+                    readers.remove(reader)
+                else:
+                    records.append(record)
+        order[split] = [
+            int(
+                tf.train.Example.FromString(record.numpy())
+                .features.feature["image/filename"]
+                .bytes_list.value[0]
+                .decode()
+                .split(".")[0]
+            )
+            for record in records
+        ]
+    return out, order, load_digits()
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "float32"])
+def test_real_digits_come_out_in_order_with_their_labels(digits, dtype):
+    """Evaluation: every digit once, in the files' order, with the label of its class folder, and
+    each image closest to a picture of its label among all 1,797 digits."""
+    out, order, data = digits
+    inp = ImageNetInput(
+        os.path.join(out, "validation-*"),
+        is_training=False,
+        global_batch_size=48,
+        image_size=32,
+        dtype=dtype,
+    )
+    batches = list(inp.dataset())
+    labels = np.concatenate([labels.numpy() for _, labels in batches])
+    np.testing.assert_array_equal(labels, data.target[order["validation"]])
+    images = np.concatenate([images.numpy().astype(np.float32) for images, _ in batches])
+    if dtype == "float32":
+        images = images * image_ops.IMAGENET_STDDEV_RGB + image_ops.IMAGENET_MEAN_RGB
+    # The evaluation crop of every digit, from its 8x8 pixels: the centre half, at 32x32.
+    pictures = tf.image.resize(data.images[..., None] * (255.0 / 16.0), [32, 32])
+    pictures = tf.image.resize(pictures[:, 8:24, 8:24], [32, 32]).numpy()[..., 0]
+    distances = ((images.mean(axis=-1)[:, None] - pictures[None]) ** 2).mean(axis=(2, 3))
+    nearest = np.argmin(distances, axis=1)
+    np.testing.assert_array_equal(data.target[nearest], labels)
+
+
+def test_real_digits_training_epoch_holds_every_label_once(digits):
+    out, order, data = digits
+    inp = ImageNetInput(
+        os.path.join(out, "train-*"),
+        is_training=True,
+        global_batch_size=64,
+        image_size=32,
+        dtype="uint8",
+        cache=True,
+        deterministic=True,
+        seed=1,
+    )
+    count = len(order["train"])
+    labels = np.concatenate([labels.numpy() for _, labels in inp.dataset().take(count // 64 + 1)])[
+        :count
+    ]
+    # With a cache each epoch is a permutation of the split: the same labels, in a new order.
+    expected = data.target[order["train"]]
+    np.testing.assert_array_equal(np.sort(labels), np.sort(expected))
+    assert not np.array_equal(labels, expected)

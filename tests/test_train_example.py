@@ -62,6 +62,11 @@ def test_a_run_ends_where_an_interrupted_and_resumed_one_ends(tmp_path):
     assert resumed["top_1"] == pytest.approx(reference["top_1"], abs=1e-6)
 
 
+def test_uint8_input_normalized_in_the_model_learns(tmp_path):
+    summary = train_imagenet.train(tiny_config(model_dir=str(tmp_path), input_dtype="uint8"))
+    assert summary["top_1"] > 0.3
+
+
 @pytest.mark.parametrize(
     "overrides,message",
     [
@@ -73,6 +78,7 @@ def test_a_run_ends_where_an_interrupted_and_resumed_one_ends(tmp_path):
         (dict(data_dir="/tmp", tfds_name="imagenet2012"), "not both"),
         (dict(model="vgg"), "choose resnet50 or small_resnet"),
         (dict(mesh_shape="2by4"), "ROWSxCOLS"),
+        (dict(input_dtype="float16"), "choose uint8 or float"),
     ],
 )
 def test_bad_flags_fail_at_start(overrides, message):

@@ -156,18 +156,19 @@ def is_complete_jpeg(image_bytes):
     decoder.
 
     Args:
-      image_bytes: string scalar tensor, the encoded image.
+      image_bytes: string tensor of encoded images, any shape (one image, or a batch of them).
 
     Returns:
-      A bool scalar tensor.
+      A bool tensor of `image_bytes`'s shape.
     """
     length = tf.strings.length(image_bytes)
-    head = tf.strings.substr(image_bytes, 0, 3)
+    zeros = tf.zeros_like(length)
+    head = tf.strings.substr(image_bytes, zeros, zeros + 3)
     tail_start = tf.maximum(length - _EOI_SEARCH_BYTES, 0)
-    # Padding to a fixed width lets `decode_raw` give a fixed-length vector.
-    tail = tf.strings.substr(image_bytes, tail_start, _EOI_SEARCH_BYTES)
+    # Padding to a fixed width lets `decode_raw` give a fixed-length vector per image.
+    tail = tf.strings.substr(image_bytes, tail_start, zeros + _EOI_SEARCH_BYTES)
     tail = tf.io.decode_raw(tail, tf.uint8, fixed_length=_EOI_SEARCH_BYTES)
-    has_end_marker = tf.reduce_any((tail[:-1] == 0xFF) & (tail[1:] == 0xD9))
+    has_end_marker = tf.reduce_any((tail[..., :-1] == 0xFF) & (tail[..., 1:] == 0xD9), axis=-1)
     return (length >= 4) & tf.equal(head, b"\xff\xd8\xff") & has_end_marker
 
 

@@ -5,8 +5,9 @@ tf.data service.
 
     files (sharded per input pipeline, shuffled) -> parallel interleave with a large read buffer
     -> [cache raw records] -> shuffle -> repeat
-    -> parallel map: parse, fused JPEG decode-and-crop, resize, flip, normalize  } fused by tf.data
-    -> batch(drop_remainder=True)                                                  }
+    -> batches of 128 records: parse, check (one assertion), crop seeds (one draw) -> unbatch
+    -> parallel map: fused JPEG decode-and-crop, resize, flip, normalize  } fused by tf.data
+    -> batch(drop_remainder=True)                                         }
     -> [tf.data service] -> prefetch
 
 Every stage runs on the host CPU. `dataset(input_context)` is meant to be given to
@@ -315,35 +316,47 @@ class ImageNetInput:
         return examples if self.skip_corrupt else examples.prefetch(AUTOTUNE)
 
     def _decode(self, records, seed):
-        """Parses and decodes every record into a normalized `(image, label)` example."""
-        if self.is_training:
-            # One stateless crop seed per example, from a random stream that is seeded in
-            # deterministic mode. (A scalar stream is cheap; batching it into pairs, or a stateful
-            # random op inside the map, each cost about a tenth of the per-image CPU.)
-            examples = tf.data.Dataset.zip((records, tf.data.Dataset.random(seed=seed)))
+        """Parses, checks and decodes every record into a normalized `(image, label)` example.
 
-            def with_crop_seed(record, draw):
-                return record, tf.stack([draw, tf.bitwise.invert(draw)])
-
-        else:
-            examples = records
-
-            def with_crop_seed(*record):
-                return record, tf.zeros([2], tf.int64)  # the center crop is not random
-
+        Parsing and the record checks run on batches of `_PARSE_BATCH` records (one function call,
+        one parser call and one assertion per batch instead of per record), and each batch draws its
+        crop seeds from one random value; then the records go one by one to the decode, which is
+        fused with the batching that follows (map_and_batch_fusion).
+        """
         if self.skip_corrupt:
-            return self._decode_skipping_corrupt(examples, with_crop_seed)
-        parse = self.source.parse
+            return self._decode_skipping_corrupt(records, seed)
+        data = records.batch(_PARSE_BATCH)
+        if self.is_training:
+            data = tf.data.Dataset.zip((data, tf.data.Dataset.random(seed=seed)))
+            data = data.map(self._parse_and_check, num_parallel_calls=AUTOTUNE)
+        else:
+            data = data.map(
+                lambda *batch: self._parse_and_check(batch), num_parallel_calls=AUTOTUNE
+            )
+        data = data.unbatch()
+        return data.map(self._decode_example, num_parallel_calls=AUTOTUNE)
 
-        def parse_check_and_decode(record, crop_seed):
-            image_bytes, label = self._checked(*parse(record))
-            return self._decode_example(image_bytes, label, crop_seed)
+    def _parse_and_check(self, records, draw=None):
+        """Parses a batch of records, fails on any record fault, and gives each record its crop
+        seed.
 
-        # The batch that follows is fused with this map by tf.data (map_and_batch_fusion).
-        return examples.map(
-            lambda *element: parse_check_and_decode(*with_crop_seed(*element)),
-            num_parallel_calls=AUTOTUNE,
+        Args:
+          records: a batch of the source's records.
+          draw: one random int64 for the batch's crop seeds (training); None for the center crop.
+
+        Returns:
+          `(image_bytes, labels, crop_seeds)`, vectors of the batch's size (seeds `[size, 2]`).
+        """
+        image_bytes, labels = self._checked(*self.source.parse(records))
+        size = tf.size(labels)
+        if draw is None:
+            return image_bytes, labels, tf.zeros([size, 2], tf.int64)
+        # One stateless draw of the batch's seed pairs, from its random value.
+        seed = tf.stack([draw, tf.bitwise.invert(draw)])
+        crop_seeds = tf.random.stateless_uniform(
+            [size, 2], seed, minval=None, maxval=None, dtype=tf.int64
         )
+        return image_bytes, labels, crop_seeds
 
     def _fault(self, origin, index, image_bytes, stored_label, fault):
         """The record's fault code (`sources.OK` when it is good) and its label after
@@ -364,18 +377,27 @@ class ImageNetInput:
         return tf.where(tf.equal(fault, sources.OK), jpeg_fault, fault), tf.cast(label, tf.int32)
 
     def _checked(self, origin, index, image_bytes, stored_label, fault):
-        """Fails, naming the file, the record and the fix, on any record fault; returns the JPEG
-        bytes and the label.
+        """Fails, naming the file, the record and the fix, on any fault of a batch of records;
+        returns their JPEG bytes and labels.
 
-        One assertion for all checks (each stateful op in the map costs per-image time), placed
-        before the decoder so that a broken record fails here, with its name, rather than inside
-        libjpeg.
+        One assertion for all checks of the batch, naming its first bad record, placed before the
+        decoder so that a broken record fails here, with its name, rather than inside libjpeg.
         """
         fault, label = self._fault(origin, index, image_bytes, stored_label, fault)
-        problem = tf.gather(self._fault_messages(), fault)
+        bad = tf.not_equal(fault, sources.OK)
+        first = tf.argmax(tf.cast(bad, tf.int32), output_type=tf.int32)
+        problem = tf.gather(self._fault_messages(), fault[first])
         check = tf.debugging.Assert(
-            tf.equal(fault, sources.OK),
-            ["Record", index, "of", origin, problem, "Its stored label:", stored_label],
+            tf.logical_not(tf.reduce_any(bad)),
+            [
+                "Record",
+                index[first],
+                "of",
+                origin[first],
+                problem,
+                "Its stored label:",
+                stored_label[first],
+            ],
         )
         with tf.control_dependencies([check]):
             return tf.identity(image_bytes), label
@@ -426,16 +448,30 @@ class ImageNetInput:
             return image_ops.to_uint8(image), label
         return image_ops.normalize_image(image, self.dtype), label
 
-    def _decode_skipping_corrupt(self, examples, with_crop_seed):
+    def _decode_skipping_corrupt(self, records, seed):
         """Drops bad records instead of failing; each kept example carries the skips before it.
 
         Record faults are found by the same checks as on the default path; each decode then runs in
         its own one-element dataset whose errors are ignored, so a parser or decoder failure becomes
         a "failed" marker rather than an error. This costs roughly a tenth more CPU per image than
-        the fused map, hence only with `skip_corrupt=True`. A scan then hands the counts of the
+        the default path, hence only with `skip_corrupt=True`. A scan then hands the counts of the
         dropped records (by reason) to the next kept example; evaluation appends an end marker that
         carries the trailing ones and is removed from the last batch by `_count_skipped`.
         """
+        if self.is_training:
+            # One stateless crop seed per example, from a random stream that is seeded in
+            # deterministic mode.
+            examples = tf.data.Dataset.zip((records, tf.data.Dataset.random(seed=seed)))
+
+            def with_crop_seed(record, draw):
+                return record, tf.stack([draw, tf.bitwise.invert(draw)])
+
+        else:
+            examples = records
+
+            def with_crop_seed(*record):
+                return record, tf.zeros([2], tf.int64)  # the center crop is not random
+
         parse = self.source.parse
         blank = tf.zeros([self.image_size, self.image_size, 3], self.dtype)
         failed_marker = (blank, tf.constant(-1, tf.int32), tf.constant(sources.UNDECODABLE))
@@ -492,6 +528,8 @@ class ImageNetInput:
 
 
 _END_LABEL = -2
+# Records parsed and checked per call (about 14 MB of ImageNet JPEGs per batch in flight).
+_PARSE_BATCH = 128
 
 _NOT_A_JPEG = (
     "is not a complete JPEG file (another format, empty or truncated). Re-encode it "

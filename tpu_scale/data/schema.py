@@ -84,25 +84,29 @@ def is_serialized_example(serialized):
     record or skip it; the parser can still fail on a record whose nested features are corrupt.
 
     Args:
-      serialized: string scalar tensor, one record.
+      serialized: string tensor of records, any shape (one record, or a batch of them).
 
     Returns:
-      A bool scalar tensor.
+      A bool tensor of `serialized`'s shape.
     """
     length = tf.cast(tf.strings.length(serialized), tf.int64)
     # Lengths below 2**35 take at most 5 varint bytes; `fixed_length` pads short records with zeros.
+    zeros = tf.zeros_like(length, tf.int32)
     head = tf.cast(
-        tf.io.decode_raw(tf.strings.substr(serialized, 0, 6), tf.uint8, fixed_length=6), tf.int64
+        tf.io.decode_raw(tf.strings.substr(serialized, zeros, zeros + 6), tf.uint8, fixed_length=6),
+        tf.int64,
     )
-    varint = head[1:]
+    varint = head[..., 1:]
     continues = varint >= 128
-    varint_bytes = tf.argmin(tf.cast(continues, tf.int32), output_type=tf.int64) + 1
+    varint_bytes = tf.argmin(tf.cast(continues, tf.int32), axis=-1, output_type=tf.int64) + 1
     shifts = tf.constant([0, 7, 14, 21, 28], tf.int64)
-    in_varint = tf.range(5, dtype=tf.int64) < varint_bytes
-    payload = tf.reduce_sum(tf.where(in_varint, tf.bitwise.left_shift(varint % 128, shifts), 0))
+    in_varint = tf.range(5, dtype=tf.int64) < varint_bytes[..., None]
+    payload = tf.reduce_sum(
+        tf.where(in_varint, tf.bitwise.left_shift(varint % 128, shifts), 0), axis=-1
+    )
     well_formed = (
-        tf.equal(head[0], 0x0A)
-        & tf.logical_not(tf.reduce_all(continues))
+        tf.equal(head[..., 0], 0x0A)
+        & tf.logical_not(tf.reduce_all(continues, axis=-1))
         & tf.equal(length, 1 + varint_bytes + payload)
     )
     return tf.equal(length, 0) | well_formed

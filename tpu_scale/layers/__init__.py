@@ -1,9 +1,9 @@
 """Keras layers of the recipe, one concept per module.
 
-  DistributedBatchNormalization   batch norm over groups of replicas (batch_normalization.py)
-  convert_batch_normalization     an existing model's batch norms made grouped, weights kept
-  ImageNormalization              uint8 (or float) pixels -> normalized values, on the device
-  SpaceToDepth                    2x2 pixel blocks into channels (the space-to-depth stem's input)
+DistributedBatchNormalization   batch norm over groups of replicas (batch_normalization.py)
+convert_batch_normalization     an existing model's batch norms made grouped, weights kept
+ImageNormalization              uint8 (or float) pixels -> normalized values, on the device
+SpaceToDepth                    2x2 pixel blocks into channels (the space-to-depth stem's input)
 """
 
 from tpu_scale.layers.batch_normalization import (
