@@ -187,9 +187,7 @@ def worker_decode_one_core(args):
 
     def decode_and_crop(image_bytes, seed):
         shape = tf.image.extract_jpeg_shape(image_bytes)
-        window = image_ops.sample_crop_window(
-            shape[0], shape[1], seed, fallback_image_size=IMAGE_SIZE
-        )
+        window = image_ops.sample_crop_window(shape[0], shape[1], seed)
         return tf.image.decode_and_crop_jpeg(image_bytes, window, channels=3)
 
     work = {

@@ -368,18 +368,18 @@ def test_random_crop_window_stays_in_inception_ranges():
 def test_random_crop_falls_back_to_center_crop_when_nothing_fits():
     # A 10x1000 strip: every box with area >= 8% and aspect <= 4/3 is taller than 10 pixels.
     window = image_ops.sample_crop_window(tf.constant(10), tf.constant(1000), tf.constant([1, 2]))
-    np.testing.assert_array_equal(window, image_ops.center_crop_window(10, 1000, 224))
+    np.testing.assert_array_equal(window, image_ops.center_crop_window(10, 1000))
 
 
 def test_center_crop_window_matches_reference_padding():
     # 224 / (224 + 32) of the 375-pixel short side.
-    np.testing.assert_array_equal(image_ops.center_crop_window(375, 500, 224), [24, 86, 328, 328])
+    np.testing.assert_array_equal(image_ops.center_crop_window(375, 500), [24, 86, 328, 328])
 
 
 def test_center_crop_keeps_the_same_fraction_at_small_sizes():
-    # At 32 pixels, 32 / (32 + 32) would keep only half of a small image's short side.
-    for size in (16, 32, 64):
-        np.testing.assert_array_equal(image_ops.center_crop_window(64, 64, size), [4, 4, 56, 56])
+    # 7/8 of the short side whatever the output size; 32 / (32 + 32) would keep only half of a
+    # small image's short side at 32 pixels.
+    np.testing.assert_array_equal(image_ops.center_crop_window(64, 64), [4, 4, 56, 56])
 
 
 def test_fused_decode_matches_full_decode_then_crop():
@@ -399,7 +399,7 @@ def _check_fused_decode(jpeg, seed):
     fused = image_ops.decode_and_random_crop(jpeg, 32, seed)
     # The same seed gives the same window as `sample_crop_window`; the draw after the window's
     # decides the flip.
-    y, x, h, w = image_ops.sample_crop_window(60, 80, seed, fallback_image_size=32).numpy()
+    y, x, h, w = image_ops.sample_crop_window(60, 80, seed).numpy()
     full = tf.io.decode_jpeg(jpeg, channels=3)[y : y + h, x : x + w]
     reference = tf.image.resize(full, (32, 32))
     flip = bool(tf.random.stateless_uniform([2 * image_ops.MAX_ATTEMPTS + 3], seed)[-1] < 0.5)

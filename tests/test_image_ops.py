@@ -46,7 +46,7 @@ def _resized(image, size, antialias=False):
 @pytest.mark.parametrize("size", [32, 64, 96, 128])
 def test_scaled_center_crop_matches_full_decode(photo, size):
     jpeg, (height, width) = photo
-    window = image_ops.center_crop_window(tf.constant(height), tf.constant(width), size)
+    window = image_ops.center_crop_window(tf.constant(height), tf.constant(width))
     assert int(image_ops.scaled_decode_ratio(window[2], window[3], size)) >= 2
     scaled = _resized(image_ops.decode_window(jpeg, window, size), size)
     full = image_ops.decode_window(jpeg, window)

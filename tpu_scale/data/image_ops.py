@@ -33,20 +33,17 @@ MAX_ATTEMPTS = 10
 _EOI_SEARCH_BYTES = 1024
 
 
-def center_crop_window(image_height, image_width, image_size):
+def center_crop_window(image_height, image_width):
     """The reference evaluation crop: a centered square of `CENTER_CROP_FRACTION` (224 / 256) of the
     short side, at every output size.
 
     Args:
       image_height: int32 scalar tensor, the full image height.
       image_width: int32 scalar tensor, the full image width.
-      image_size: Python int, the output size the crop will be resized to (the fraction is the same
-        for every size).
 
     Returns:
       An int32 `[4]` tensor `[offset_y, offset_x, crop_height, crop_width]`.
     """
-    del image_size
     short_side = tf.cast(tf.minimum(image_height, image_width), tf.float32)
     crop_size = tf.cast(short_side * CENTER_CROP_FRACTION, tf.int32)
     # A 1-pixel image would otherwise give an empty crop.
@@ -64,7 +61,6 @@ def sample_crop_window(
     area_range=AREA_RANGE,
     aspect_ratio_range=ASPECT_RATIO_RANGE,
     max_attempts=MAX_ATTEMPTS,
-    fallback_image_size=224,
 ):
     """Samples an Inception-style random crop window from an image shape alone.
 
@@ -82,7 +78,6 @@ def sample_crop_window(
       area_range: (min, max) fraction of the image area covered by the crop.
       aspect_ratio_range: (min, max) of the crop's width / height.
       max_attempts: how many boxes to try before falling back to the center crop.
-      fallback_image_size: the output size used to size the center-crop fallback.
 
     Returns:
       An int32 `[4]` tensor `[offset_y, offset_x, crop_height, crop_width]`.
@@ -95,7 +90,6 @@ def sample_crop_window(
         area_range,
         aspect_ratio_range,
         max_attempts,
-        fallback_image_size,
     )
 
 
@@ -110,7 +104,6 @@ def _crop_window_from_draws(
     area_range,
     aspect_ratio_range,
     max_attempts,
-    fallback_image_size,
 ):
     # Every random number of the window comes from one uniform draw: this runs once per image, and
     # each separate random op (seed split, key, draw, scaling) costs the map a few microseconds.
@@ -130,7 +123,7 @@ def _crop_window_from_draws(
     )
 
     any_fits = tf.reduce_any(fits)
-    fallback = center_crop_window(image_height, image_width, fallback_image_size)
+    fallback = center_crop_window(image_height, image_width)
     first_fit = tf.argmax(tf.cast(fits, tf.int32), output_type=tf.int32)
     # Choosing the size before the offsets keeps the offset ranges non-empty when nothing fits.
     crop_height = tf.where(any_fits, crop_heights[first_fit], fallback[2])
@@ -263,7 +256,6 @@ def decode_and_random_crop(
         AREA_RANGE,
         ASPECT_RATIO_RANGE,
         MAX_ATTEMPTS,
-        image_size,
     )
     image = decode_window(image_bytes, window, image_size if scaled_decode else None)
     image = tf.image.resize(image, [image_size, image_size], method=resize_method)
@@ -285,7 +277,7 @@ def decode_and_center_crop(
       A float32 `[image_size, image_size, 3]` tensor on the 0-255 scale.
     """
     shape = tf.image.extract_jpeg_shape(image_bytes)
-    window = center_crop_window(shape[0], shape[1], image_size)
+    window = center_crop_window(shape[0], shape[1])
     image = decode_window(image_bytes, window, image_size if scaled_decode else None)
     return tf.image.resize(image, [image_size, image_size], method=resize_method)
 
