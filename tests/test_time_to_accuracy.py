@@ -131,3 +131,19 @@ def test_the_summary_and_ratio_count_only_runs_that_reached():
     assert summary["keras"]["seconds_to_threshold"]["median"] == 70.0
     assert summary["ratio"] == 40.0 / 70.0
     assert tta.summarize(runs[1::2], ("example", "keras"))["ratio"] is None
+
+
+def test_lower_marks_are_read_off_each_runs_epochs():
+    def run(name, curve):
+        epochs = [{"epoch": i + 1, "val_top_1": v, "seconds": 10.0 * (i + 1)} for i, v in curve]
+        return {"contender": name, "epochs": epochs}
+
+    runs = [
+        run("example", enumerate([0.4, 0.75, 0.92])),
+        run("keras", enumerate([0.2, 0.55, 0.6, 0.81, 0.9])),
+    ]
+    marks = tta.summarize_marks(runs, ("example", "keras"), [0.5, 0.8, 0.95])
+    assert marks["0.5"]["example"]["reached_epoch"]["median"] == 2
+    assert marks["0.5"]["keras"]["seconds_to_threshold"]["median"] == 20.0
+    assert marks["0.8"]["ratio"] == 30.0 / 40.0
+    assert marks["0.95"]["example"]["reached"] == 0 and marks["0.95"]["ratio"] is None
