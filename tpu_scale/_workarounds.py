@@ -29,17 +29,26 @@ _batch_scheduling_applied = False
 def batch_scheduling(enabled=True):
     """Puts every thread of this process, and those it starts later, under SCHED_BATCH (Linux).
 
-    Why: TensorFlow's tf.data autotuning threads can miss their cancellation: the wake-up comes
-    before the "cancelled" flag is set, and a thread woken first sleeps again for up to 60 s.
-    Deleting an iterator then waits that long, once per per-replica iterator of a distributed
-    dataset: Keras deletes one at every evaluation and at the end of `fit`, and epochs of a 3-second
-    job took 6, 11 and 21 s. Under SCHED_BATCH a woken thread does not preempt the deleting one and
-    the race is not lost (0 of 24 deletions stalled, against 13 of 32). Threads that already run are
-    switched too.
+    Why: deleting a tf.data iterator can stall for seconds. Each iterator has an autotuning thread
+    (`Model::OptimizeLoop`) that sleeps between optimizations for a period that doubles up to 60 s.
+    The deletion cancels the iterator, and the cancellation callback wakes that thread, but
+    TensorFlow's `CancellationManager` sets its "cancelled" flag only after the callbacks have run.
+    A thread that wakes first sees no cancellation and sleeps for the rest of its period, and the
+    deletion waits for it. So an iterator that lived for T seconds can stall for about T. A
+    distributed dataset holds one such iterator per replica, with TensorFlow's default options,
+    whatever the dataset's own options say. Keras 3.15 drops the validation iterator at every
+    `evaluate` (inside `fit` too) and the training iterator at the end of `fit`. Epochs that take
+    3.5 s in the example took 5-80 s now and then (`benchmarks/time_to_accuracy.py`).
+
+    Under SCHED_BATCH a woken thread does not preempt the deleting one. That made the race lost
+    less often when this was written (0 of 24 deletions stalled, against 13 of 32). Measured later
+    with `python benchmarks/iterator_stall.py` (TF 2.21, Keras 3.15, 8 CPU replicas, 3-second
+    iterators), it does much less: 7 of 12 deletions stalled (the longest took 38 s), against 12
+    of 12 without it (17.5 s). Threads that already run are switched too.
 
     Upstream: no report found; seen with TF 2.16 to 2.21 on 2-core Linux hosts with 8 CPU replicas.
-    How to tell it can go: `python benchmarks/iterator_stall.py` shows no stalled deletion with this
-    function made a no-op.
+    How to tell it can go: `python benchmarks/iterator_stall.py` shows no stalled deletion in its
+    `default` mode.
 
     A no-op where the policy does not exist (macOS, Windows) or is not allowed.
 

@@ -1,0 +1,122 @@
+"""Iterator deletion stalls: seconds to delete a distributed tf.data iterator on this host.
+
+tf.data's autotuning thread (one per iterator, `Model::OptimizeLoop`) sleeps between
+optimizations for a period that doubles up to 60 s. Deleting the iterator cancels it and wakes it,
+but `CancellationManager` sets its "cancelled" flag only after the wake-up callbacks have run: a
+thread that wakes first sees no cancellation and sleeps again for the rest of its period, and the
+deletion waits for it. Keras deletes an iterator at every evaluation and at the end of `fit`; an
+iterator that lived for T seconds can stall for about T.
+
+Each mode runs in its own process (a scheduling policy is process-wide) on a `MirroredStrategy` of 8
+virtual CPUs, as the example runs, and times --deletions deletions of an iterator over a small
+parallel-map pipeline that was read for --lifetime seconds first:
+
+    default       TensorFlow as it comes
+    sched_batch   `tpu_scale._workarounds.batch_scheduling()` (what `create_strategy` applies)
+    no_autotune   the dataset's `options.autotune.enabled = False`: no autotuning thread at all
+
+A deletion over 1 s counts as stalled. Usage:
+
+    python benchmarks/iterator_stall.py            # 12 deletions per mode, 3 s lifetime
+    python benchmarks/iterator_stall.py --quick    # 6 deletions per mode
+
+Writes `benchmarks/results/iterator_stall.json`. The `batch_scheduling` workaround can go once the
+`default` mode shows no stalled deletion.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from common import RESULTS, machine_info  # noqa: E402
+
+MODES = ("default", "sched_batch", "no_autotune")
+STALLED_SECONDS = 1.0
+
+
+def child(mode, deletions, lifetime):
+    """Seconds each deletion took, in this process, under `mode`."""
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(8)]
+    )
+    if mode == "sched_batch":
+        from tpu_scale import _workarounds
+
+        _workarounds.batch_scheduling()
+    strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(8)])
+    data = tf.data.Dataset.range(10**9)
+    data = data.map(lambda i: tf.fill([32, 32, 3], tf.cast(i, tf.float32)), tf.data.AUTOTUNE)
+    data = data.batch(64).prefetch(tf.data.AUTOTUNE)
+    if mode == "no_autotune":
+        options = tf.data.Options()
+        options.autotune.enabled = False
+        data = data.with_options(options)
+    distributed = strategy.experimental_distribute_dataset(data)
+    seconds = []
+    for _ in range(deletions):
+        iterator = iter(distributed)
+        start = time.monotonic()
+        while time.monotonic() - start < lifetime:
+            next(iterator)
+        start = time.monotonic()
+        del iterator
+        seconds.append(round(time.monotonic() - start, 3))
+    return seconds
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--deletions", type=int)
+    parser.add_argument("--lifetime", type=float, default=3.0)
+    parser.add_argument("--out", default=os.path.join(RESULTS, "iterator_stall.json"))
+    parser.add_argument("--_mode", choices=MODES, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    deletions = args.deletions or (6 if args.quick else 12)
+    if args._mode:
+        print("RESULT " + json.dumps(child(args._mode, deletions, args.lifetime)), flush=True)
+        return 0
+    out = {"machine_at_start": machine_info(), "deletions": deletions, "lifetime": args.lifetime}
+    out["modes"] = {}
+    for mode in MODES:
+        command = [sys.executable, os.path.abspath(__file__), "--_mode", mode]
+        command += ["--deletions", str(deletions), "--lifetime", str(args.lifetime)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+        lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+        if not lines:
+            raise RuntimeError(f"{mode} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        seconds = json.loads(lines[0][len("RESULT ") :])
+        stalled = [s for s in seconds if s > STALLED_SECONDS]
+        out["modes"][mode] = {
+            "seconds": seconds,
+            "stalled": len(stalled),
+            "median": statistics.median(seconds),
+            "max": max(seconds),
+            "stalled_seconds": round(sum(stalled), 1),
+        }
+        print(
+            f"{mode:12s} {len(stalled)}/{deletions} deletions stalled, "
+            f"median {statistics.median(seconds):.3f} s, max {max(seconds):.1f} s",
+            flush=True,
+        )
+    out["machine_at_end"] = machine_info()
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
