@@ -398,10 +398,10 @@ def eval_dataset_fn(eval_input, steps):
     """`distribute_datasets_from_function`'s function for evaluation passes of exactly `steps`
     steps.
 
-    Keras keeps one evaluation iterator for the whole `fit` when it is given `validation_steps`, so
-    the data must repeat; each pass is topped up with empty batches to a whole number of steps, so
-    that every evaluation sees every example exactly once. Exact steps also keep Keras from warning
-    that the input "ran out of data".
+    Each pass is topped up with empty batches to a whole number of steps and the passes repeat, so
+    that every evaluation sees every example exactly once, whether it reads a new iterator or one
+    kept from the pass before (Keras 3.15 makes a new one at every `evaluate`, inside `fit` too).
+    Exact steps also keep Keras from warning that the input "ran out of data".
     """
     import tensorflow as tf
 
