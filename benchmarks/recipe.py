@@ -21,7 +21,7 @@ the peak learning rate is a variable, and each run restarts from that seed's ini
 zeroed optimizer state.
 
 Usage:
-    nice -n 10 python benchmarks/recipe.py            # full run: 4 batches, 2 seeds
+    nice -n 10 python benchmarks/recipe.py            # full run: 4 batches, 2 seeds, ~1 hour
     nice -n 10 python benchmarks/recipe.py --quick    # 1 seed, batches 64 and 1024, one sweep point
     nice -n 10 python benchmarks/recipe.py --batches 32 --sgd_lrs 0.07 0.28 0.56 \
         --lars_lrs 2 4 8                              # one batch's rows, the README's batch 32
@@ -64,8 +64,18 @@ SETTINGS = {
         "batches": [32, 64, 256, 1024],
         "seeds": [0, 1],
         "epochs": 15,
-        "sgd_lrs": {32: [0.56], 64: [0.8], 256: [1.6], 1024: [0.4]},
-        "lars_lrs": {32: [4.0], 64: [4.0], 256: [8.0], 1024: [8.0]},
+        "sgd_lrs": {
+            32: [0.07, 0.28, 0.56],
+            64: [0.1, 0.4, 0.8],
+            256: [0.2, 0.8, 1.6],
+            1024: [0.4, 0.8, 1.6],
+        },
+        "lars_lrs": {
+            32: [2.0, 4.0, 8.0],
+            64: [2.0, 4.0, 8.0],
+            256: [4.0, 8.0, 16.0],
+            1024: [8.0, 12.5, 50.0],
+        },
     },
 }
 
