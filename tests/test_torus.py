@@ -46,9 +46,13 @@ def _is_private(op):
 # --------------------------------------------------------------------------- executor
 
 
-def _specs(mixed=120):
-    """(shape, dtype) of the summed tensors: sizes 1, 7, 1000003, 16-bit types, `mixed` mixed small
-    tensors (ranks 0-3, every dtype; many of them make several packs)."""
+# Small tensors of mixed ranks and dtypes summed beside the fixed ones.
+MIXED = 12
+
+
+def _specs():
+    """(shape, dtype) of the summed tensors: sizes 1, 7, 1000003, 16-bit types, `MIXED` mixed small
+    tensors (ranks 0-3, every dtype; with small packs, several packs of each dtype)."""
     specs = [
         ((1,), tf.float32),
         ((7,), tf.float32),
@@ -58,19 +62,19 @@ def _specs(mixed=120):
     ]
     rng = np.random.default_rng(7)
     dtypes = [tf.float32, tf.bfloat16, tf.float16]
-    for i in range(mixed):
+    for i in range(MIXED):
         rank = i % 4
         specs.append((tuple(int(d) for d in rng.integers(1, 6, size=rank)), dtypes[i % 3]))
     return specs
 
 
 @functools.lru_cache(maxsize=None)
-def _inputs(mixed=120):
+def _inputs():
     """Per-replica values `[8, *shape]` (float32, quantized to each dtype) and their exact float64
     sums."""
     rng = np.random.default_rng(0)
     values, sums = [], []
-    for shape, dtype in _specs(mixed):
+    for shape, dtype in _specs():
         # Positive values: no cancellation, so a relative tolerance is meaningful for every element.
         v = rng.uniform(0.5, 1.5, size=(8,) + shape).astype(np.float32)
         v = tf.cast(tf.cast(v, dtype), tf.float32).numpy()
@@ -79,9 +83,9 @@ def _inputs(mixed=120):
     return values, sums
 
 
-def _run_sum(strategy, algorithm, pack_bytes, mixed=120):
-    values, _ = _inputs(mixed)
-    dtypes = [d for _, d in _specs(mixed)]
+def _run_sum(strategy, algorithm, pack_bytes):
+    values, _ = _inputs()
+    dtypes = [d for _, d in _specs()]
     per_replica = strategy.experimental_distribute_values_from_function(
         lambda ctx: [tf.cast(v[ctx.replica_id_in_sync_group], d) for v, d in zip(values, dtypes)]
     )
@@ -96,9 +100,9 @@ def _run_sum(strategy, algorithm, pack_bytes, mixed=120):
     return summed(per_replica), summed.get_concrete_function(per_replica).graph
 
 
-def _check_sums(strategy, out, shape, algorithm, mixed=120):
-    _, sums = _inputs(mixed)
-    for (spec_shape, dtype), result, expected in zip(_specs(mixed), out, sums):
+def _check_sums(strategy, out, shape, algorithm):
+    _, sums = _inputs()
+    for (spec_shape, dtype), result, expected in zip(_specs(), out, sums):
         for replica_value in strategy.experimental_local_results(result):
             assert replica_value.dtype == dtype and tuple(replica_value.shape) == spec_shape
             np.testing.assert_allclose(
@@ -118,8 +122,7 @@ def _graph_op_types(graph):
 
 
 # Every mesh with the algorithms "auto" picks on CPU hosts (flat on one host, torus_2d across
-# them); the others on the 2x4 mesh. In graph every tensor is summed on its own (no packs), so 12
-# mixed tensors cover every rank and dtype.
+# them); the others on the 2x4 mesh. In graph every tensor is summed on its own (no packs).
 IN_GRAPH_CASES = [(shape, a) for shape in MESHES for a in ("flat", "torus_2d")] + [
     ((2, 4), a) for a in torus.ALGORITHMS if a not in ("flat", "torus_2d")
 ]
@@ -129,8 +132,8 @@ IN_GRAPH_CASES = [(shape, a) for shape in MESHES for a in ("flat", "torus_2d")] 
 def test_sum_in_graph_equals_plain_sum(shape, algorithm):
     """On one CPU host every phase is plain ops in the step graph: no collective op at all."""
     strategy = _strategy(shape)
-    out, graph = _run_sum(strategy, algorithm, 4096, mixed=12)
-    _check_sums(strategy, out, shape, algorithm, mixed=12)
+    out, graph = _run_sum(strategy, algorithm, 4096)
+    _check_sums(strategy, out, shape, algorithm)
     assert not _collective_ops(graph)
     # One AddN per tensor and group member (reduce-scatter) or group (sum on the first member):
     # nothing is fused, since plain ops have no launch cost to amortize.
@@ -141,7 +144,7 @@ def test_sum_in_graph_equals_plain_sum(shape, algorithm):
         for p in stream
         if p.kind != torus.ALL_GATHER
     )
-    assert _graph_op_types(graph).count("AddN") == per_tensor * len(_specs(mixed=12))
+    assert _graph_op_types(graph).count("AddN") == per_tensor * len(_specs())
 
 
 @pytest.mark.parametrize("algorithm", torus.ALGORITHMS)
@@ -149,12 +152,14 @@ def test_sum_with_collective_ops_equals_plain_sum(algorithm, monkeypatch):
     """The collective-op form (GPUs, groups across hosts), forced on one host."""
     monkeypatch.setattr(collectives, "in_graph_groups", lambda groups: False)
     strategy = _strategy((2, 4))
-    pack_bytes = 4096
+    pack_bytes = 128  # several packs of every dtype for these 17 tensors
     out, graph = _run_sum(strategy, algorithm, pack_bytes)
     _check_sums(strategy, out, (2, 4), algorithm)
     # Fused: one collective per pack, phase and stream on each replica, not one per tensor.
     fake = [tf.zeros(s, d) for s, d in _specs()]
-    num_packs = len(torus._packs(list(enumerate(fake)), pack_bytes))
+    packs = torus._packs(list(enumerate(fake)), pack_bytes)
+    assert len({fake[p[0]].dtype for p in packs}) == 3 and len(packs) >= 6
+    num_packs = len(packs)
     schedule = torus.build_schedule(strategy.mesh, 8, algorithm)
     for kind, op_type in OP_OF_PHASE.items():
         per_pack = sum(p.kind == kind for stream in schedule.streams for p in stream)
@@ -295,8 +300,10 @@ def _fit(strategy, run_eagerly=False):
 
 
 @functools.lru_cache(maxsize=None)
-def _native_weights(shape):
-    model, _ = _fit(_strategy(shape, "native"))
+def _native_weights():
+    """The weights after `_fit` with TensorFlow's own sum of the 8 replicas' gradients: one
+    reference for every mesh shape, which only arranges the torus."""
+    model, _ = _fit(_strategy((2, 4), "native"))
     assert not [op for g in _train_graphs(model) for op in _collective_ops(g) if _is_private(op)], (
         "native reduction must not run the torus"
     )
@@ -307,7 +314,7 @@ def _native_weights(shape):
 def test_fit_matches_native_and_sums_in_the_step_graph(shape):
     strategy = _strategy(shape)
     model, initial = _fit(strategy)
-    for w, native, w0 in zip(model.get_weights(), _native_weights(shape), initial):
+    for w, native, w0 in zip(model.get_weights(), _native_weights(), initial):
         assert np.abs(w - w0).max() > 1e-3, "training changed nothing"
         np.testing.assert_allclose(w, native, atol=1e-5, rtol=0)
 
@@ -327,7 +334,7 @@ def test_fit_eagerly_matches_native(monkeypatch):
     )
     model, _ = _fit(_strategy((2, 4)), run_eagerly=True)
     assert len(calls) == 8 * 4  # 8 replicas x 4 steps, every one through the torus
-    for w, native in zip(model.get_weights(), _native_weights((2, 4))):
+    for w, native in zip(model.get_weights(), _native_weights()):
         np.testing.assert_allclose(w, native, atol=1e-5, rtol=0)
 
 
