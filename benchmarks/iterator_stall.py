@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -36,7 +35,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from common import RESULTS, machine_info  # noqa: E402
+from common import RESULTS, machine_info, run_child, write_child_output  # noqa: E402
 
 MODES = ("default", "sched_batch", "no_autotune")
 STALLED_SECONDS = 1.0
@@ -82,21 +81,17 @@ def main():
     parser.add_argument("--lifetime", type=float, default=3.0)
     parser.add_argument("--out", default=os.path.join(RESULTS, "iterator_stall.json"))
     parser.add_argument("--_mode", choices=MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--_child_output", help=argparse.SUPPRESS)
     args = parser.parse_args()
     deletions = args.deletions or (6 if args.quick else 12)
     if args._mode:
-        print("RESULT " + json.dumps(child(args._mode, deletions, args.lifetime)), flush=True)
+        write_child_output(args._child_output, child(args._mode, deletions, args.lifetime))
         return 0
     out = {"machine_at_start": machine_info(), "deletions": deletions, "lifetime": args.lifetime}
     out["modes"] = {}
     for mode in MODES:
-        command = [sys.executable, os.path.abspath(__file__), "--_mode", mode]
-        command += ["--deletions", str(deletions), "--lifetime", str(args.lifetime)]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
-        lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
-        if not lines:
-            raise RuntimeError(f"{mode} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-        seconds = json.loads(lines[0][len("RESULT ") :])
+        options = ["--_mode", mode, "--deletions", str(deletions), "--lifetime", str(args.lifetime)]
+        seconds = run_child(os.path.abspath(__file__), options, timeout=3600)
         stalled = [s for s in seconds if s > STALLED_SECONDS]
         out["modes"][mode] = {
             "seconds": seconds,
