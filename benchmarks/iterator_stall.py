@@ -11,17 +11,21 @@ Each mode runs in its own process (a scheduling policy is process-wide) on a `Mi
 virtual CPUs, as the example runs, and times --deletions deletions of an iterator over a small
 parallel-map pipeline that was read for --lifetime seconds first:
 
-    default       TensorFlow as it comes
-    sched_batch   `tpu_scale._workarounds.batch_scheduling()` (what `create_strategy` applies)
-    no_autotune   the dataset's `options.autotune.enabled = False`: no autotuning thread at all
+    default           TensorFlow as it comes
+    sched_batch       `tpu_scale._workarounds.batch_scheduling()` alone
+    no_autotune       the dataset's `options.autotune.enabled = False` alone (the per-replica
+                      iterators keep theirs)
+    untuned_replicas  `tpu_scale._workarounds.replica_iterators_untuned()` alone
+    create_strategy   the strategy from `tpu_scale.create_strategy(num_cpu_replicas=8)`, with
+                      the workarounds it applies (both of the two above)
 
 A deletion over 1 s counts as stalled. Usage:
 
     python benchmarks/iterator_stall.py            # 12 deletions per mode, 3 s lifetime
     python benchmarks/iterator_stall.py --quick    # 6 deletions per mode
 
-Writes `benchmarks/results/iterator_stall.json`. The `batch_scheduling` workaround can go once the
-`default` mode shows no stalled deletion.
+Writes `benchmarks/results/iterator_stall.json`. The two workarounds can go once the `default` mode
+shows no stalled deletion.
 """
 
 import argparse
@@ -37,7 +41,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from common import RESULTS, machine_info, run_child, write_child_output  # noqa: E402
 
-MODES = ("default", "sched_batch", "no_autotune")
+MODES = ("default", "sched_batch", "no_autotune", "untuned_replicas", "create_strategy")
 STALLED_SECONDS = 1.0
 
 
@@ -45,15 +49,21 @@ def child(mode, deletions, lifetime):
     """Seconds each deletion took, in this process, under `mode`."""
     import tensorflow as tf
 
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(8)]
-    )
-    if mode == "sched_batch":
-        from tpu_scale import _workarounds
+    import tpu_scale
+    from tpu_scale import _workarounds
 
-        _workarounds.batch_scheduling()
-    strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(8)])
+    if mode == "create_strategy":
+        strategy = tpu_scale.create_strategy(num_cpu_replicas=8, gradient_reduction="native")
+    else:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(8)]
+        )
+        if mode == "sched_batch":
+            _workarounds.batch_scheduling()
+        if mode == "untuned_replicas":
+            _workarounds.replica_iterators_untuned()
+        strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(8)])
     data = tf.data.Dataset.range(10**9)
     data = data.map(lambda i: tf.fill([32, 32, 3], tf.cast(i, tf.float32)), tf.data.AUTOTUNE)
     data = data.batch(64).prefetch(tf.data.AUTOTUNE)
@@ -101,7 +111,7 @@ def main():
             "stalled_seconds": round(sum(stalled), 1),
         }
         print(
-            f"{mode:12s} {len(stalled)}/{deletions} deletions stalled, "
+            f"{mode:16s} {len(stalled)}/{deletions} deletions stalled, "
             f"median {statistics.median(seconds):.3f} s, max {max(seconds):.1f} s",
             flush=True,
         )

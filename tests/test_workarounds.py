@@ -99,3 +99,19 @@ def test_create_strategy_on_a_cpu_machine_prints_no_cuda_error():
         )
         assert out.returncode == 0, out.stderr
         assert "cuInit" not in out.stderr
+
+
+def test_create_strategy_builds_replica_iterators_without_autotuning():
+    from tensorflow.python.data.ops import multi_device_iterator_ops
+
+    strategy = tpu_scale.create_strategy(num_cpu_replicas=4, gradient_reduction="native")
+    devices = strategy.extended.worker_devices
+    iterator = multi_device_iterator_ops.OwnedMultiDeviceIterator(tf.data.Dataset.range(8), devices)
+    for replica in iterator._device_iterators:
+        assert replica._dataset.options().autotune.enabled is False
+    # The distributed batches are still the right ones, replica by replica, epoch after epoch.
+    data = strategy.experimental_distribute_dataset(tf.data.Dataset.range(16).batch(8))
+    for _ in range(2):
+        local = strategy.experimental_local_results
+        batches = [[t.numpy().tolist() for t in local(batch)] for batch in data]
+        assert batches == [[[0, 1], [2, 3], [4, 5], [6, 7]], [[8, 9], [10, 11], [12, 13], [14, 15]]]

@@ -3,6 +3,7 @@
 Each entry names the upstream report (or says none was found), the versions it was seen on, and how
 to tell it can go. Users never call these: `create_strategy` and the strategy classes apply them.
 
+  replica_iterators_untuned a distributed iterator's deletion waits on each replica's autotuning
   batch_scheduling          tf.data iterator deletion stalls up to 60 s per iterator on CPU hosts
   next_collective_key_base  every strategy in a process numbers its collective keys from 1
   multi_worker_extended     MultiWorkerMirroredStrategy uses one CPU device per worker
@@ -23,6 +24,51 @@ import tempfile
 # --------------------------------------------------------------------------- tf.data iterator
 # deletion
 
+_replica_iterators_untuned = False
+
+
+def replica_iterators_untuned():
+    """Builds the per-replica iterators of distributed datasets without tf.data autotuning.
+
+    Why: deleting a tf.data iterator can stall for seconds (the mechanism is under
+    `batch_scheduling`). A distributed dataset reads its source through one per-replica iterator
+    for each local replica, and TensorFlow builds those with default options, whatever the
+    dataset's own options say: eight replicas mean eight autotuning threads, and a deletion that
+    waits for each in turn. These iterators only move finished batches into a fixed-size prefetch
+    buffer, so autotuning has nothing to tune there. With their autotuning off, only the source
+    iterator's own thread remains (the user's pipeline keeps its autotuned parallelism).
+
+    Measured with `python benchmarks/iterator_stall.py` (TF 2.21, Keras 3.15, 8 CPU replicas,
+    3-second iterators): 3 of 12 deletions stalled with this alone (2.1 s each), against 12 of 12
+    as TensorFlow comes (2.1-7.2 s each).
+
+    Upstream: no report found; seen with TF 2.21, whose `multi_device_iterator_ops.
+    _create_device_dataset` applies no options. How to tell it can go: the `default` mode of
+    `benchmarks/iterator_stall.py` shows no stalled deletion, or that function applies the source
+    dataset's options.
+
+    Applied once per process; idempotent.
+    """
+    global _replica_iterators_untuned
+    if _replica_iterators_untuned:
+        return
+    import tensorflow as tf
+    from tensorflow.python.data.ops import multi_device_iterator_ops
+
+    build = multi_device_iterator_ops._create_device_dataset
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    # Nothing to rewrite in a generator and a prefetch; this also drops TensorFlow's warning that
+    # the generator "will not be optimized", logged once per process.
+    options.experimental_optimization.apply_default_optimizations = False
+
+    def build_untuned(*args, **kwargs):
+        return build(*args, **kwargs).with_options(options)
+
+    multi_device_iterator_ops._create_device_dataset = build_untuned
+    _replica_iterators_untuned = True
+
+
 _batch_scheduling_applied = False
 
 
@@ -35,16 +81,19 @@ def batch_scheduling(enabled=True):
     TensorFlow's `CancellationManager` sets its "cancelled" flag only after the callbacks have run.
     A thread that wakes first sees no cancellation and sleeps for the rest of its period, and the
     deletion waits for it. So an iterator that lived for T seconds can stall for about T. A
-    distributed dataset holds one such iterator per replica, with TensorFlow's default options,
-    whatever the dataset's own options say. Keras 3.15 drops the validation iterator at every
-    `evaluate` (inside `fit` too) and the training iterator at the end of `fit`. Epochs that take
-    3.5 s in the example took 5-80 s now and then (`benchmarks/time_to_accuracy.py`).
+    distributed dataset holds one such iterator per replica besides its source iterator
+    (`replica_iterators_untuned` removes the per-replica ones' threads). Keras 3.15 drops the
+    validation iterator at every `evaluate` (inside `fit` too) and the training iterator at the
+    end of `fit`. Epochs that take 3.5 s in the example took 5-80 s now and then
+    (`benchmarks/time_to_accuracy.py`).
 
     Under SCHED_BATCH a woken thread does not preempt the deleting one. That made the race lost
     less often when this was written (0 of 24 deletions stalled, against 13 of 32). Measured later
     with `python benchmarks/iterator_stall.py` (TF 2.21, Keras 3.15, 8 CPU replicas, 3-second
-    iterators), it does much less: 7 of 12 deletions stalled (the longest took 38 s), against 12
-    of 12 without it (17.5 s). Threads that already run are switched too.
+    iterators), it does much less alone: 4 and 7 of 12 deletions stalled in two runs (the longest
+    took 38 s), against 12 of 12 without it. With `replica_iterators_untuned` too, as
+    `create_strategy` applies them, 1 of 12 stalled (2.1 s). Threads that already run are
+    switched too.
 
     Upstream: no report found; seen with TF 2.16 to 2.21 on 2-core Linux hosts with 8 CPU replicas.
     How to tell it can go: `python benchmarks/iterator_stall.py` shows no stalled deletion in its

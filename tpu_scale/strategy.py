@@ -317,6 +317,7 @@ def create_strategy(
     )
     if gradient_reduction == "torus":
         keras_hook.install(strategy, settings)
+    _workarounds.replica_iterators_untuned()
     if (
         tpu is None
         and strategy.num_replicas_in_sync > 1
