@@ -1,5 +1,5 @@
-"""Tests for `tpu_scale.data.image_ops`' scaled decode, on real photographs shipped with
-scikit-learn."""
+"""Tests for `tpu_scale.data.image_ops` (scaled decode, uint8 output), on real photographs shipped
+with scikit-learn."""
 
 import numpy as np
 import pytest
@@ -87,3 +87,34 @@ def test_training_crop_with_scaled_decode_keeps_the_window_and_the_flip(photo):
         scaled = image_ops.decode_and_random_crop(jpeg, 64, seed, scaled_decode=True).numpy()
         assert scaled.shape == plain.shape == (64, 64, 3)
         assert _psnr(scaled, plain) >= 20.0  # the same window and flip (mirrored: 7-14 dB)
+
+
+@pytest.mark.parametrize("method", ["bilinear", "bicubic"])
+def test_uint8_decode_is_the_rounded_float_decode(photo, method):
+    jpeg, _ = photo
+    rounded = lambda image: tf.saturate_cast(tf.round(image), tf.uint8).numpy()  # noqa: E731
+    for seed in range(6):
+        seed = tf.constant([seed, 11], tf.int64)
+        floats = image_ops.decode_and_random_crop(jpeg, 48, seed, resize_method=method)
+        pixels = image_ops.decode_and_random_crop(
+            jpeg, 48, seed, resize_method=method, dtype=tf.uint8
+        )
+        assert pixels.dtype == tf.uint8
+        np.testing.assert_array_equal(pixels.numpy(), rounded(floats))
+    center = image_ops.decode_and_center_crop(jpeg, 48, resize_method=method, dtype=tf.uint8)
+    np.testing.assert_array_equal(
+        center.numpy(), rounded(image_ops.decode_and_center_crop(jpeg, 48, resize_method=method))
+    )
+
+
+@pytest.mark.parametrize("method", image_ops._WITHIN_RANGE_RESIZES)
+@pytest.mark.parametrize("size", [7, 32, 301])
+def test_resizes_that_skip_the_clip_stay_within_0_255(method, size):
+    # Black and white noise is the worst case for overshoot; bicubic does leave the range on it.
+    noise = np.random.default_rng(size).integers(0, 2, (64, 48, 3)).astype(np.uint8) * 255
+    resized = tf.image.resize(noise, [size, size], method=method).numpy()
+    # Float error may pass 255 by a little (area: 255.005); what matters is the rounded value.
+    assert np.round(resized).min() >= 0 and np.round(resized).max() <= 255
+    if method == "bilinear" and size == 301:
+        cubic = tf.image.resize(noise, [size, size], method="bicubic").numpy()
+        assert cubic.min() < 0 and cubic.max() > 255

@@ -429,6 +429,9 @@ class ImageNetInput:
         return tf.constant([messages[code] for code in range(len(sources.FAULT_NAMES))])
 
     def _decode_example(self, image_bytes, label, crop_seed):
+        # uint8 comes straight from the decode functions (rounded before the flip); the other
+        # dtypes are normalized from their float32 pixels.
+        pixels = tf.uint8 if self.dtype == tf.uint8 else tf.float32
         if self.is_training:
             image = image_ops.decode_and_random_crop(
                 image_bytes,
@@ -436,6 +439,7 @@ class ImageNetInput:
                 crop_seed,
                 resize_method=self.resize_method,
                 scaled_decode=self.scaled_decode,
+                dtype=pixels,
             )
         else:
             image = image_ops.decode_and_center_crop(
@@ -443,9 +447,10 @@ class ImageNetInput:
                 self.image_size,
                 resize_method=self.resize_method,
                 scaled_decode=self.scaled_decode,
+                dtype=pixels,
             )
         if self.dtype == tf.uint8:
-            return image_ops.to_uint8(image), label
+            return image, label
         return image_ops.normalize_image(image, self.dtype), label
 
     def _decode_skipping_corrupt(self, records, seed):

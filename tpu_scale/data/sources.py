@@ -222,8 +222,12 @@ class TFRecordSource:
         origin, index, serialized, file_fault = record
         is_example = is_serialized_example(serialized)
         # A record that is not an Example is parsed as an empty one, so the parser cannot fail on
-        # it.
-        serialized = tf.where(is_example, serialized, "")
+        # it. Only then are the records copied: `tf.where` on strings copies every one.
+        serialized = tf.cond(
+            tf.reduce_all(is_example),
+            lambda: serialized,
+            lambda: tf.where(is_example, serialized, ""),
+        )
         features = tf.io.parse_example(
             serialized,
             {
