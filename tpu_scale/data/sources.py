@@ -208,9 +208,14 @@ class TFRecordSource:
             at_end = tf.equal(batch, _END_OF_FILE)
             file_fault = at_end & tf.not_equal(read_before, size)
             numbered = (tf.fill([count], filename), index + tf.range(count), batch, file_fault)
-            # The end marker stays only where it reports a truncated file.
+            # The end marker stays only where it reports a truncated file. Only the batch that holds
+            # it is masked: masking copies every record.
             kept = file_fault | tf.logical_not(at_end)
-            numbered = tuple(tf.boolean_mask(part, kept) for part in numbered)
+            numbered = tf.cond(
+                tf.reduce_all(kept),
+                lambda: numbered,
+                lambda: tuple(tf.boolean_mask(part, kept) for part in numbered),
+            )
             return (index + count, bytes_read + tf.reduce_sum(lengths)), numbered
 
         records = records.scan((tf.constant(0, tf.int64), tf.constant(0, tf.int64)), number)
