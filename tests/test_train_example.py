@@ -16,7 +16,11 @@ import train_imagenet  # noqa: E402
 
 
 def tiny_config(**overrides):
+    # Two replicas, not the default run's eight: tracing the step for each replica is most of a
+    # tiny run's time (65 s a run on 8, 28 s on 2). The README test runs the defaults as written.
     settings = dict(
+        num_cpu_replicas=2,
+        mesh_shape="1x2",
         epochs=3,
         image_size=32,
         global_batch_size=64,
@@ -82,8 +86,9 @@ def test_uint8_input_normalized_in_the_model_learns(tmp_path):
     ],
 )
 def test_bad_flags_fail_at_start(overrides, message):
+    default_run = {"num_cpu_replicas": 8, "mesh_shape": "2x4"}
     with pytest.raises(ValueError, match=message):
-        train_imagenet.train(tiny_config(**overrides))
+        train_imagenet.train(tiny_config(**{**default_run, **overrides}))
 
 
 def test_evaluation_passes_see_every_example_once(strategy, tmp_path):
