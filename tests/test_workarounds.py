@@ -115,3 +115,10 @@ def test_create_strategy_builds_replica_iterators_without_autotuning():
         local = strategy.experimental_local_results
         batches = [[t.numpy().tolist() for t in local(batch)] for batch in data]
         assert batches == [[[0, 1], [2, 3], [4, 5], [6, 7]], [[8, 9], [10, 11], [12, 13], [14, 15]]]
+
+
+def test_per_replica_datasets_take_options_on_cpus_and_gpus_only():
+    assert _workarounds.takes_dataset_options("/job:localhost/replica:0/task:0/device:CPU:3")
+    assert _workarounds.takes_dataset_options("/job:worker/replica:0/task:1/device:GPU:0")
+    assert _workarounds.takes_dataset_options("")  # no device scope: the host's CPU
+    assert not _workarounds.takes_dataset_options("/job:worker/replica:0/task:0/device:TPU:7")

@@ -36,7 +36,8 @@ def replica_iterators_untuned():
     dataset's own options say: eight replicas mean eight autotuning threads, and a deletion that
     waits for each in turn. These iterators only move finished batches into a fixed-size prefetch
     buffer, so autotuning has nothing to tune there. With their autotuning off, only the source
-    iterator's own thread remains (the user's pipeline keeps its autotuned parallelism).
+    iterator's own thread remains (the user's pipeline keeps its autotuned parallelism). Datasets
+    placed on a TPU keep their defaults (`takes_dataset_options`).
 
     Measured with `python benchmarks/iterator_stall.py` (TF 2.21, Keras 3.15, 8 CPU replicas,
     3-second iterators): 3 of 12 deletions stalled with this alone (2.1 s each), against 12 of 12
@@ -63,10 +64,21 @@ def replica_iterators_untuned():
     options.experimental_optimization.apply_default_optimizations = False
 
     def build_untuned(*args, **kwargs):
-        return build(*args, **kwargs).with_options(options)
+        dataset = build(*args, **kwargs)
+        if not takes_dataset_options(dataset._variant_tensor.device):
+            return dataset
+        return dataset.with_options(options)
 
     multi_device_iterator_ops._create_device_dataset = build_untuned
     _replica_iterators_untuned = True
+
+
+def takes_dataset_options(device_name):
+    """Whether a dataset placed on `device_name` can take options: TensorFlow registers the
+    `OptionsDataset` kernel for CPU and GPU devices only (a per-replica dataset on a TPU keeps its
+    defaults)."""
+    kind = (device_name or "").upper()
+    return "TPU" not in kind.rsplit("/", 1)[-1]
 
 
 _batch_scheduling_applied = False
