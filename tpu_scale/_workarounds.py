@@ -77,8 +77,9 @@ def takes_dataset_options(device_name):
     """Whether a dataset placed on `device_name` can take options: TensorFlow registers the
     `OptionsDataset` kernel for CPU and GPU devices only (a per-replica dataset on a TPU keeps its
     defaults)."""
-    kind = (device_name or "").upper()
-    return "TPU" not in kind.rsplit("/", 1)[-1]
+    import tensorflow as tf
+
+    return tf.DeviceSpec.from_string(device_name or "").device_type != "TPU"
 
 
 _batch_scheduling_applied = False
