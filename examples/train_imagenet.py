@@ -16,6 +16,9 @@ temporary folder (nothing is downloaded) and trains a small ResNet on 8 virtual 
 
     python examples/train_imagenet.py
 
+Eight replicas show the 2-D torus; on a machine with few cores, one replica per core trains
+faster (`--num_cpu_replicas 2` on 2 cores: the mesh defaults to the squarest one, 1x2).
+
 Your own images (a folder with one sub-folder of images per class): two commands, no other flags.
 The writer splits off a stratified validation set (10%), checks every image and writes a label map
 (labels.json) that this script reads for the classes, the label offset and the example counts:
@@ -107,7 +110,7 @@ class TrainConfig:
     label_smoothing: Optional[float] = None
     model_dir: Optional[str] = None
     num_cpu_replicas: int = 8
-    mesh_shape: Optional[str] = "2x4"
+    mesh_shape: Optional[str] = None
     deterministic: bool = False
     seed: int = 0
     progress: Optional[bool] = None
@@ -153,7 +156,8 @@ def define_flags():
         "label_smoothing": "Label smoothing. Default: the recipe's.",
         "model_dir": "Checkpoints, logs, the backup to resume from, the final model. Empty: none.",
         "num_cpu_replicas": "Virtual CPU replicas without an accelerator (per TF_CONFIG worker).",
-        "mesh_shape": "ROWSxCOLS mesh of a single host's replicas, e.g. 2x4.",
+        "mesh_shape": "ROWSxCOLS mesh of a single host's replicas. Default: the squarest one "
+        "(2x4 for 8 replicas, 1x2 for 2).",
         "deterministic": "Reproducible input order and crops (slower), for comparing runs.",
         "seed": "Random seed.",
         "progress": "Keras progress bar. Default: on when the output is a terminal.",
@@ -181,9 +185,13 @@ def define_flags():
 # --------------------------------------------------------------------------- set-up
 
 
-def _parse_mesh_shape(text):
-    if not text:
-        return None
+def _mesh_shape(config):
+    """The one-host mesh: `--mesh_shape` if given, else the squarest for the replicas."""
+    if not config.mesh_shape:
+        n = config.num_cpu_replicas
+        rows = max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)
+        return rows, n // rows
+    text = config.mesh_shape
     try:
         rows, cols = (int(v) for v in text.lower().split("x"))
     except ValueError:
@@ -205,8 +213,8 @@ def _check_config(config, strategy=None):
         )
     if config.input_dtype not in ("uint8", "float"):
         raise ValueError(f"--input_dtype={config.input_dtype!r}: choose uint8 or float.")
-    if config.epochs < 1 or config.global_batch_size < 1:
-        raise ValueError("--epochs and --global_batch_size must be at least 1.")
+    if config.epochs < 1 or config.global_batch_size < 1 or config.num_cpu_replicas < 1:
+        raise ValueError("--epochs, --global_batch_size and --num_cpu_replicas must be at least 1.")
     if strategy is None:
         return
     replicas = strategy.num_replicas_in_sync
@@ -622,9 +630,7 @@ def train(config, extra_callbacks=()):
     strategy = tpu_scale.create_strategy(
         config.tpu,
         num_cpu_replicas=config.num_cpu_replicas,
-        mesh_shape=None
-        if (config.tpu or os.environ.get("TF_CONFIG"))
-        else _parse_mesh_shape(config.mesh_shape),
+        mesh_shape=None if (config.tpu or os.environ.get("TF_CONFIG")) else _mesh_shape(config),
         gradient_reduction=config.gradient_reduction,
     )
     _check_config(config, strategy)

@@ -83,12 +83,28 @@ def test_uint8_input_normalized_in_the_model_learns(tmp_path):
         (dict(model="vgg"), "choose resnet50 or small_resnet"),
         (dict(mesh_shape="2by4"), "ROWSxCOLS"),
         (dict(input_dtype="float16"), "choose uint8 or float"),
+        (dict(num_cpu_replicas=0, mesh_shape=None), "num_cpu_replicas must be at least 1"),
     ],
 )
 def test_bad_flags_fail_at_start(overrides, message):
     default_run = {"num_cpu_replicas": 8, "mesh_shape": "2x4"}
     with pytest.raises(ValueError, match=message):
         train_imagenet.train(tiny_config(**{**default_run, **overrides}))
+
+
+@pytest.mark.parametrize(
+    "replicas,flag,shape",
+    [
+        (8, None, (2, 4)),
+        (2, None, (1, 2)),
+        (12, None, (3, 4)),
+        (7, None, (1, 7)),
+        (8, "4x2", (4, 2)),
+    ],
+)
+def test_the_mesh_is_the_flag_or_the_squarest(replicas, flag, shape):
+    config = train_imagenet.TrainConfig(num_cpu_replicas=replicas, mesh_shape=flag)
+    assert train_imagenet._mesh_shape(config) == shape
 
 
 def test_evaluation_passes_see_every_example_once(strategy, tmp_path):
