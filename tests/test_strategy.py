@@ -1,5 +1,6 @@
 """create_strategy: CPU replicas, errors, and a real two-process MultiWorkerMirroredStrategy."""
 
+import json
 import os
 
 import numpy as np
@@ -9,6 +10,7 @@ import tensorflow as tf
 import tpu_scale
 from tpu_scale import collectives
 from tpu_scale.testing import run_workers
+from tpu_scale.testing.multiworker import free_ports
 
 
 def test_cpu_strategy_has_a_mesh(cpu_devices):
@@ -86,6 +88,8 @@ def worker_all_reduce():
         "mesh": mesh.shape,
         "local_devices": list(strategy.extended.worker_devices),
         "values": [[float(v) for v in strategy.experimental_local_results(r)] for r in results],
+        "cluster": json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"],
+        "launched_under": os.environ.get("TPU_SCALE_TEST_PREFIX"),
     }
 
 
@@ -115,10 +119,19 @@ def worker_fit():
 
 @pytest.mark.multiprocess
 def test_two_workers_all_reduce():
+    # At given addresses, each worker started under a command that execs it (as `ip netns exec`
+    # does for workers in network namespaces of their own).
+    addresses = [f"127.0.0.1:{port}" for port in free_ports(2)]
     results = run_workers(
-        f"{__name__}:worker_all_reduce", num_workers=2, cpus_per_worker=2, timeout=240
+        f"{__name__}:worker_all_reduce",
+        num_workers=2,
+        cpus_per_worker=2,
+        timeout=240,
+        addresses=addresses,
+        launch_prefixes=[["env", f"TPU_SCALE_TEST_PREFIX={i}"] for i in range(2)],
     )
     for task, result in enumerate(results):
+        assert result["cluster"] == addresses and result["launched_under"] == str(task)
         assert result["num_replicas"] == 4 and result["mesh"] == (2, 2)
         assert len(result["local_devices"]) == 2
         total, rows, columns = result["values"]
@@ -134,6 +147,13 @@ def test_two_workers_keras_fit_agree():
     assert len(first["loss"]) == 2 and np.all(np.isfinite(first["loss"]))
     for a, b in zip(first["weights"], second["weights"]):
         np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_workers_given_addresses_or_prefixes_for_another_count_are_an_error():
+    with pytest.raises(ValueError, match="addresses has 1 entries for 2 workers"):
+        run_workers(f"{__name__}:worker_fit", num_workers=2, addresses=["127.0.0.1:1"])
+    with pytest.raises(ValueError, match="launch_prefixes has 3 entries for 2 workers"):
+        run_workers(f"{__name__}:worker_fit", num_workers=2, launch_prefixes=[[]] * 3)
 
 
 @pytest.mark.multiprocess

@@ -41,20 +41,25 @@ def free_ports(count):
 
 
 def tf_config(ports, index):
-    """The `TF_CONFIG` of worker `index` in a localhost cluster on `ports`."""
-    return json.dumps(
-        {
-            "cluster": {"worker": [f"localhost:{p}" for p in ports]},
-            "task": {"type": "worker", "index": index},
-        }
-    )
+    """The `TF_CONFIG` of worker `index` in a cluster on `ports`: localhost port numbers, or
+    `"address:port"` strings."""
+    workers = [p if isinstance(p, str) else f"localhost:{p}" for p in ports]
+    return json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})
 
 
 def _tail(text, lines=60):
     return "\n".join(text.splitlines()[-lines:])
 
 
-def run_workers(target, num_workers=2, cpus_per_worker=2, kwargs=None, timeout=300):
+def run_workers(
+    target,
+    num_workers=2,
+    cpus_per_worker=2,
+    kwargs=None,
+    timeout=300,
+    addresses=None,
+    launch_prefixes=None,
+):
     """Runs `target(**kwargs)` in `num_workers` localhost worker processes; returns their results.
 
     Args:
@@ -65,6 +70,10 @@ def run_workers(target, num_workers=2, cpus_per_worker=2, kwargs=None, timeout=3
         `TPU_SCALE_CPUS_PER_WORKER`).
       kwargs: keyword arguments for the target; must be picklable.
       timeout: seconds for the whole cluster; on expiry every worker is killed.
+      addresses: `"address:port"` of each worker, for workers that are not on localhost (e.g.
+        each in a network namespace of its own); default: free localhost ports.
+      launch_prefixes: per worker, the command its process starts under (e.g. `["ip", "netns",
+        "exec", NAME]`); it must exec the worker, so that killing the process kills the worker.
 
     Returns:
       The list of the workers' return values, in task order.
@@ -75,14 +84,19 @@ def run_workers(target, num_workers=2, cpus_per_worker=2, kwargs=None, timeout=3
     """
     if ":" not in target:
         raise ValueError(f"target must look like 'package.module:function', got {target!r}.")
+    for given, name in ((addresses, "addresses"), (launch_prefixes, "launch_prefixes")):
+        if given is not None and len(given) != num_workers:
+            raise ValueError(f"{name} has {len(given)} entries for {num_workers} workers.")
+    workers = addresses or [f"localhost:{p}" for p in free_ports(num_workers)]
+    prefixes = launch_prefixes or [[]] * num_workers
     # The workers' logs and results live only as long as the call: their text is in any error
     # raised.
     with tempfile.TemporaryDirectory(prefix="tpu_scale_workers_") as workdir:
-        return _run_in(workdir, target, num_workers, cpus_per_worker, kwargs, timeout)
+        return _run_in(workdir, target, workers, prefixes, cpus_per_worker, kwargs, timeout)
 
 
-def _run_in(workdir, target, num_workers, cpus_per_worker, kwargs, timeout):
-    ports = free_ports(num_workers)
+def _run_in(workdir, target, workers, prefixes, cpus_per_worker, kwargs, timeout):
+    num_workers = len(workers)
     with open(os.path.join(workdir, "kwargs.pkl"), "wb") as f:
         pickle.dump(kwargs or {}, f)
     env = dict(os.environ)
@@ -92,10 +106,11 @@ def _run_in(workdir, target, num_workers, cpus_per_worker, kwargs, timeout):
     procs, logs = [], []
     for i in range(num_workers):
         log = open(os.path.join(workdir, f"worker{i}.log"), "w+")
-        worker_env = dict(env, TF_CONFIG=tf_config(ports, i))
+        worker_env = dict(env, TF_CONFIG=tf_config(workers, i))
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "tpu_scale.testing.multiworker", target, workdir, str(i)],
+                list(prefixes[i])
+                + [sys.executable, "-m", "tpu_scale.testing.multiworker", target, workdir, str(i)],
                 env=worker_env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
