@@ -20,13 +20,24 @@ Every method runs the same `tf.function`-wrapped `strategy.run`, in interleaved 
 warm-up so that load from other users of the machine hits every method alike; figures are medians of
 the rounds, with min-max.
 
-Usage:
-    python benchmarks/all_reduce.py [--quick]
+Over loopback the two processes of (b) share two cores and one memory, so bytes between them cost
+little more than bytes inside one, and sending fewer of them gains little. `--link_gbit R` runs (b)
+as two "hosts" instead: each worker in a network namespace of its own, the two joined by a veth pair
+shaped with `tc` to R Gbit/s each way (`emulated_link.py`; needs root). The JSON then records the
+link (rate, tc commands, a socket throughput check across it, the bytes its queues passed) and, per
+method, the time its crossing bytes need at that rate. Such figures are an "emulated R Gbit/s link
+(tc)", not a real network: the cores and memory are still shared and no delay is added.
 
-Writes `benchmarks/results/all_reduce.json`.
+Usage:
+    python benchmarks/all_reduce.py [--quick] [--rounds N]
+    python benchmarks/all_reduce.py --part two_processes --link_gbit 1 [--rounds N]   # as root
+
+Writes `benchmarks/results/all_reduce.json`, or `all_reduce_link<R>gbit.json` with `--link_gbit`
+(`--output` to choose).
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -209,7 +220,8 @@ def single_host(rounds, warmup):
 
 
 def worker(rounds, warmup, shapes):
-    """Runs in each worker process (see `tpu_scale.multiworker.run_workers`)."""
+    """Runs in each worker process (`tpu_scale.testing.run_workers`, or
+    `emulated_link.EmulatedLink.run_workers` with `--link_gbit`)."""
     import tensorflow as tf
 
     import tpu_scale
@@ -248,20 +260,26 @@ def worker(rounds, warmup, shapes):
     }
 
 
-def two_processes(rounds, warmup, shapes):
+def two_processes(rounds, warmup, shapes, link=None):
+    """Part (b); over loopback, or over `link` (an `emulated_link.EmulatedLink`) when given."""
     import numpy as np
 
     from tpu_scale import torus
     from tpu_scale.mesh import ReplicaMesh
     from tpu_scale.testing import run_workers
 
-    results = run_workers(
-        "all_reduce:worker",
-        num_workers=2,
-        cpus_per_worker=4,
-        kwargs={"rounds": rounds, "warmup": warmup, "shapes": [list(s) for s in shapes]},
-        timeout=1800,
-    )
+    kwargs = {"rounds": rounds, "warmup": warmup, "shapes": [list(s) for s in shapes]}
+    if link is None:
+        results = run_workers(
+            "all_reduce:worker", num_workers=2, cpus_per_worker=4, kwargs=kwargs, timeout=1800
+        )
+    else:
+        # The link's real rate, measured just before the workers use it.
+        link_check = link.measure()
+        print(f"{link.settings['label']}: measured {link_check}", file=sys.stderr)
+        results = link.run_workers(
+            "all_reduce:worker", kwargs=kwargs, cpus_per_worker=4, timeout=1800
+        )
     # A round ends when the slower worker ends: take the max over workers.
     names = results[0]["times"].keys()
     times = {n: [max(r["times"][n][i] for r in results) for i in range(rounds)] for n in names}
@@ -292,7 +310,7 @@ def two_processes(rounds, warmup, shapes):
         )
     for name in ("torus_auto", "torus_2d_hierarchical", "torus_2d_bfloat16_between_hosts"):
         _with_ratio(summary, name, "tf_default_multi_worker", times)
-    return {
+    result = {
         "workers": 2,
         "replicas_per_worker": 4,
         "mesh": results[0]["mesh"],
@@ -301,6 +319,23 @@ def two_processes(rounds, warmup, shapes):
         "auto_bfloat16": results[0]["auto_bfloat16"],
         "methods": summary,
     }
+    if link is not None:
+        # Both hosts send the same amount (every schedule here is symmetric between the two), so
+        # each direction of the full-duplex link carries half the crossing bytes: at the link's
+        # rate that takes `link_bound_s`, a floor under the method's time; `link_share` near 1
+        # means the method is bound by the link.
+        for name in summary:
+            bound = crossing[name] / 2 / (link.gbit * 1e9 / 8)
+            summary[name]["link_bound_s"] = round(bound, 4)
+            summary[name]["link_share"] = round(bound / summary[name]["median_s"], 3)
+        result["link"] = dict(
+            link.settings,
+            check=link_check,
+            # Everything the two tbf queues passed during the run (warm-ups, checks and rounds of
+            # every method), packet headers included.
+            qdisc_counters=link.qdisc_counters(),
+        )
+    return result
 
 
 # --------------------------------------------------------------------------- main
@@ -310,31 +345,84 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (about 3 minutes)")
     parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--skip_multi_worker", action="store_true")
+    parser.add_argument(
+        "--part",
+        choices=["all", "single_host", "two_processes"],
+        default="all",
+        help="run only part (a) or (b) of the docstring",
+    )
+    parser.add_argument(
+        "--skip_multi_worker", action="store_true", help="the same as --part single_host"
+    )
+    parser.add_argument(
+        "--link_gbit",
+        type=float,
+        default=None,
+        help="run the two processes as two hosts joined by an emulated link of this many Gbit/s "
+        "each way (network namespaces + veth + tc; needs root); default: loopback",
+    )
+    parser.add_argument(
+        "--output",
+        default=None,
+        help="result JSON (default: benchmarks/results/all_reduce.json, or "
+        "all_reduce_link<R>gbit.json with --link_gbit)",
+    )
     args = parser.parse_args()
     rounds = args.rounds or (3 if args.quick else 9)
     warmup = 1 if args.quick else 2
+    part = "single_host" if args.skip_multi_worker else args.part
+    if args.link_gbit is not None:
+        from emulated_link import unavailable_reason
 
-    started = time.time()
-    # The single-host part runs in a child process: the workers' parent must not hold 8 logical
-    # CPUs' worth of buffers while they run, and each part then starts TensorFlow fresh.
-    single = _run_child("single", rounds, warmup)
-    result = {
-        "command": "python benchmarks/all_reduce.py" + (" --quick" if args.quick else ""),
-        "machine": machine_info(),
-        "single_host": single,
-    }
-    if not args.skip_multi_worker:
-        sys.path.insert(0, HERE)
-        result["two_processes"] = two_processes(rounds, warmup, _shapes_from(single))
+        if part == "single_host":
+            parser.error("--link_gbit applies to the two-process part only.")
+        if not args.link_gbit > 0:
+            parser.error(f"--link_gbit must be positive, got {args.link_gbit}.")
+        reason = unavailable_reason()
+        if reason:
+            parser.error(f"--link_gbit: {reason}")
+        output = os.path.join(RESULTS, f"all_reduce_link{args.link_gbit:g}gbit.json")
+    else:
+        output = os.path.join(RESULTS, "all_reduce.json")
+    output = args.output or output
+
+    with contextlib.ExitStack() as cleanup:
+        link = None
+        if args.link_gbit is not None:
+            from emulated_link import EmulatedLink
+
+            # Set up first, so a machine that cannot do it fails at the start, and deleted on
+            # leaving whatever happens: success, an error, Ctrl-C or SIGTERM.
+            link = cleanup.enter_context(EmulatedLink(args.link_gbit))
+        result = _run(args, part, rounds, warmup, link)
     import tensorflow as tf
 
     result["tensorflow"] = tf.__version__
-    result["seconds"] = round(time.time() - started, 1)
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "all_reduce.json"), "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    with open(output, "w") as f:
         json.dump(result, f, indent=2)
     print(json.dumps(result, indent=2))
+
+
+def _run(args, part, rounds, warmup, link):
+    started = time.time()
+    result = {
+        "command": " ".join(["python", "benchmarks/all_reduce.py", *sys.argv[1:]]),
+        "machine": machine_info(),
+    }
+    if part in ("all", "single_host"):
+        # The single-host part runs in a child process: the workers' parent must not hold 8
+        # logical CPUs' worth of buffers while they run, and each part then starts TensorFlow
+        # fresh.
+        result["single_host"] = _run_child("single", rounds, warmup)
+        shapes = _shapes_from(result["single_host"])
+    else:
+        shapes = _run_child("shapes", rounds, warmup)  # the same, without timing part (a)
+    if part in ("all", "two_processes"):
+        sys.path.insert(0, HERE)
+        result["two_processes"] = two_processes(rounds, warmup, shapes, link)
+    result["seconds"] = round(time.time() - started, 1)
+    return result
 
 
 def _shapes_from(single):
@@ -350,7 +438,12 @@ def _run_child(part, rounds, warmup):
 if __name__ == "__main__":
     if "--_child_output" in sys.argv:
         _, _, out, _, part, rounds, warmup = sys.argv
-        assert part == "single"
-        write_child_output(out, single_host(int(rounds), int(warmup)))
+        if part == "single":
+            write_child_output(out, single_host(int(rounds), int(warmup)))
+        else:
+            assert part == "shapes"
+            from tpu_scale.plan.calibrate import model_gradient_shapes
+
+            write_child_output(out, model_gradient_shapes("resnet50"))
     else:
         main()
