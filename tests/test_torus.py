@@ -21,9 +21,12 @@ RTOL = {tf.float32: 1e-6, tf.bfloat16: 2e-2, tf.float16: 4e-3}
 
 
 @functools.lru_cache(maxsize=None)
-def _strategy(shape, reduction="torus"):
+def _strategy(shape, reduction="torus", algorithm="auto"):
     return tpu_scale.create_strategy(
-        num_cpu_replicas=8, mesh_shape=shape, gradient_reduction=reduction
+        num_cpu_replicas=8,
+        mesh_shape=shape,
+        gradient_reduction=reduction,
+        gradient_algorithm=algorithm,
     )
 
 
@@ -310,17 +313,22 @@ def _native_weights():
     return model.get_weights()
 
 
-@pytest.mark.parametrize("shape", MESHES)
-def test_fit_matches_native_and_sums_in_the_step_graph(shape):
-    strategy = _strategy(shape)
+# "auto" on one CPU host is the planner's "flat" whatever the mesh (one sum per gradient on one
+# device), so one mesh runs it; the sharded forms run in the step graph as the mesh arranges them.
+# Every algorithm on every mesh equals the plain sum above.
+@pytest.mark.parametrize(
+    "shape,algorithm", [((2, 4), "auto"), ((4, 2), "torus_2d"), ((8, 1), "ring")]
+)
+def test_fit_matches_native_and_sums_in_the_step_graph(shape, algorithm):
+    strategy = _strategy(shape, algorithm=algorithm)
     model, initial = _fit(strategy)
     for w, native, w0 in zip(model.get_weights(), _native_weights(), initial):
         assert np.abs(w - w0).max() > 1e-3, "training changed nothing"
         np.testing.assert_allclose(w, native, atol=1e-5, rtol=0)
 
-    # "auto" on one CPU host is the planner's "flat": one sum per gradient on one device, as plain
-    # ops in the training graph; no collective op of the torus (nor of TensorFlow) remains.
-    assert set(strategy.gradient_planner.choices.values()) == {"flat"}
+    # Plain ops in the training graph; no collective op of the torus (nor of TensorFlow) remains.
+    if algorithm == "auto":
+        assert set(strategy.gradient_planner.choices.values()) == {"flat"}
     graphs = _train_graphs(model)
     assert not [op for g in graphs for op in _collective_ops(g)]
     assert sum(_graph_op_types(g).count("AddN") for g in graphs) >= len(model.trainable_weights)
