@@ -843,19 +843,32 @@ def worker_fit():
         .batch(16, drop_remainder=True)
         .with_options(options)
     )
+    from tpu_scale import collectives
+    from tpu_scale.testing import collective_ops, group_size, train_graphs
+
     results = {"mesh": strategy.mesh.shape}
-    for group_size in (1, 4):
+    for size in (1, 2, 4):
         with strategy.scope():
-            model = _conv_model(group_size)
+            model = _conv_model(size)
             model.compile(
                 keras.optimizers.SGD(0.1),
                 keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             )
         history = model.fit(dataset, epochs=1, verbose=0)
-        results[group_size] = {
+        results[size] = {
             "loss": history.history["loss"],
             "weights": [w.numpy() for w in model.trainable_weights],
             "moving_means": [np.asarray(v) for v in model.layers[1].moving_mean.value.values],
+            # The group sizes of the layer's own collective ops (private keys; Keras's loss sum
+            # and TensorFlow's gradient all-reduce use the strategy's keys).
+            "bn_collectives": sorted(
+                {
+                    group_size(op)
+                    for g in train_graphs(model)
+                    for op in collective_ops(g)
+                    if int(tf.get_static_value(op.inputs[2])) >= collectives._PRIVATE_KEY_BASE
+                }
+            ),
         }
     return results
 
@@ -875,3 +888,14 @@ def test_two_workers_fit_with_a_group_across_workers():
     for a, b in zip(first[4]["weights"], second[4]["weights"]):
         np.testing.assert_allclose(a, b, rtol=1e-6)
     assert np.all(np.isfinite(first[4]["loss"]))
+    assert first[4]["bn_collectives"] == [4]  # the group crosses the workers: collective ops
+    # Groups of 2 = each worker's own replicas: the statistics agree inside a worker, differ
+    # between workers, and are summed by plain ops in each worker's graph, no collective op.
+    np.testing.assert_allclose(first[2]["moving_means"][0], first[2]["moving_means"][1], rtol=1e-6)
+    np.testing.assert_allclose(
+        second[2]["moving_means"][0], second[2]["moving_means"][1], rtol=1e-6
+    )
+    assert not np.allclose(first[2]["moving_means"][0], second[2]["moving_means"][0])
+    assert first[2]["bn_collectives"] == second[2]["bn_collectives"] == []
+    for a, b in zip(first[2]["weights"], second[2]["weights"]):
+        np.testing.assert_allclose(a, b, rtol=1e-6)

@@ -14,9 +14,9 @@ One backend per platform, chosen here so that layers and the gradient aggregator
   token per device. Without the token, automatic control dependencies chain every replica's
   collective in one sequence and the replicas wait on each other forever; without private keys, our
   groups would collide with the strategy's own.
-* Latency-bound sums on one host (`group_sum(..., latency_bound=True)`, e.g. batch-norm statistics):
-  plain ops in the step's graph, summed on the group's first device; no ring of hand-offs for a few
-  kilobytes.
+* Latency-bound sums over groups inside one process (`group_sum(..., latency_bound=True)`, e.g.
+  batch-norm statistics): plain ops in the step's graph, summed on the group's first device; no ring
+  of hand-offs for a few kilobytes.
 * In-graph groups (`in_graph=True` on `group_sum`, `reduce_scatter`, `all_gather`): where every
   member of a group is a CPU device of this process, inside `tf.function`, the primitive is built
   from plain ops in the step's graph (`AddN`, `Split`, `ConcatV2` placed on the members' devices);
@@ -322,12 +322,12 @@ def group_sum(x, group_assignment, latency_bound=False, in_graph=False):
       x: a tensor, the same shape on every replica, or a list of them.
       group_assignment: int `[num_groups, group_size]` replica ids partitioning all replicas.
       latency_bound: True for a small tensor on the step's critical path, such as batch-norm
-        statistics. When every replica lives in this process (one host, inside `tf.function`), such
-        a sum is then built from plain ops in the step's graph: each member's value goes to the
-        group's first device, one `AddN` sums it there and each member reads the result back, two
-        hops in all. A collective op would pass the data around a ring in `2 * (group_size - 1)`
-        hand-offs, which for a few kilobytes costs far more than the data. Elsewhere (TPU, several
-        hosts, eager) it changes nothing.
+        statistics. When the group lives in this process (one host, or groups inside each host of
+        several, inside `tf.function`), such a sum is then built from plain ops in the step's
+        graph: each member's value goes to the group's first device, one `AddN` sums it there and
+        each member reads the result back, two hops in all. A collective op would pass the data
+        around a ring in `2 * (group_size - 1)` hand-offs, which for a few kilobytes costs far more
+        than the data. Elsewhere (TPU, groups across hosts, eager) it changes nothing.
       in_graph: True to build the sum from plain ops (summed on the group's first device, read back
         by every member) wherever `in_graph_groups(group_assignment)` holds, for any size: on CPU
         devices of one process this is `ReductionToOneDevice`'s form. Elsewhere it changes nothing.
@@ -350,7 +350,7 @@ def group_sum(x, group_assignment, latency_bound=False, in_graph=False):
     ctx = tf.distribute.get_replica_context()
     if backend == "eager":
         return _eager_group_sum(x, groups, ctx)
-    if latency_bound and _all_replicas_local(ctx):
+    if latency_bound and (_all_replicas_local(ctx) or groups_in_process(groups)):
         return _in_graph([x], groups, ctx, "sum")[0]
     _, members = _my_group(groups, _static_replica_id(ctx))
     return _collective_sum(x, _Launch(members))
