@@ -6,7 +6,8 @@ test module that needs it is imported; the numpy-only modules in `NUMPY_ONLY` ne
 
 Temporary files: the whole run writes them under one folder, removed at its end (nothing is left
 in /tmp). Shared fixtures: `cpu_devices` (the 8 device names), `strategy` (8 replicas in a 1x8 mesh,
-TensorFlow's gradient sum) and `strategy_2x4` (the same devices in a 2x4 mesh). Marker (declared in
+TensorFlow's gradient sum), `strategy_2x4` (the same devices in a 2x4 mesh) and `digits_records`
+(scikit-learn's digits written as TFRecords once for the whole run). Marker (declared in
 pyproject.toml): `multiprocess` for tests that start localhost worker processes (`-m "not
 multiprocess"` leaves them out of a quick run).
 """
@@ -82,3 +83,17 @@ def strategy_2x4():
     return tpu_scale.create_strategy(
         num_cpu_replicas=8, mesh_shape=(2, 4), gradient_reduction="native"
     )
+
+
+@pytest.fixture(scope="session")
+def digits_records(tmp_path_factory):
+    """scikit-learn's 1,797 digits as a folder of class folders, written by `write_tfrecords`:
+    the records' folder (read-only for the tests that share it)."""
+    from tpu_scale.data import write_tfrecords
+    from tpu_scale.testing.digits import write_digits_folder
+
+    images = str(tmp_path_factory.mktemp("digits"))
+    write_digits_folder(images)
+    out = str(tmp_path_factory.mktemp("digits_records")) + "/records"
+    write_tfrecords(images, out)
+    return out

@@ -818,18 +818,12 @@ def test_deterministic_stream_replays_from_every_new_iterator(records, cache):
 
 
 @pytest.fixture(scope="module")
-def digits(tmp_path_factory):
+def digits(digits_records):
     """scikit-learn's digits as TFRecords; every record's digit index read back without the
     pipeline (from the file name the writer stores), in the evaluation order."""
     from sklearn.datasets import load_digits
 
-    from tpu_scale.data import write_tfrecords
-    from tpu_scale.testing.digits import write_digits_folder
-
-    folder = str(tmp_path_factory.mktemp("digits"))
-    write_digits_folder(folder)
-    out = str(tmp_path_factory.mktemp("digits_records")) + "/records"
-    write_tfrecords(folder, out)
+    out = digits_records
     order = {}
     for split in ("train", "validation"):
         files = sorted(tf.io.gfile.glob(os.path.join(out, f"{split}-*")))

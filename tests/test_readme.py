@@ -21,22 +21,12 @@ def quickstart_code():
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
-@pytest.fixture(scope="module")
-def digits_records(tmp_path_factory):
-    from tpu_scale.data import read_label_map, write_tfrecords
-    from tpu_scale.testing.digits import write_digits_folder
-
-    images = str(tmp_path_factory.mktemp("digits"))
-    write_digits_folder(images)
-    out = str(tmp_path_factory.mktemp("records")) + "/records"
-    write_tfrecords(images, out)
-    return out, read_label_map(out)
-
-
 def test_quickstart_as_written_trains_and_evaluates_every_example(digits_records, capsys):
     import keras
 
-    records, label_map = digits_records
+    from tpu_scale.data import read_label_map
+
+    records, label_map = digits_records, read_label_map(digits_records)
     code = quickstart_code()
     replacements = [
         ('"/data/train-*"', repr(records + "/train-*")),
