@@ -16,7 +16,15 @@ setup(
     # The Keras range is the one tpu_scale.keras_hook supports (it hooks one private method).
     install_requires=["tensorflow>=2.16", "keras>=3.3,<4", "numpy", "absl-py", "tensorboard"],
     extras_require={
-        "test": ["pytest", "ruff", "tensorflow-datasets", "pillow", "matplotlib", "scikit-learn"],
+        "test": [
+            "pytest",
+            "pytest-xdist",
+            "ruff",
+            "tensorflow-datasets",
+            "pillow",
+            "matplotlib",
+            "scikit-learn",
+        ],
         "tfds": ["tensorflow-datasets"],
         # tf-models-official pins its own TensorFlow: install it in a separate environment.
         "benchmarks": ["tf-models-official", "matplotlib"],
