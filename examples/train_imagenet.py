@@ -75,6 +75,12 @@ from absl import app, flags, logging
 # pass over the data ends, one per start-up probe) would drown the progress lines; errors still
 # show, and so do Python warnings.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# TensorFlow's default CPU allocator gives large buffers back to the system when they are freed,
+# so every step faults its activations in again: on a 2-core machine 88 of the default run's 234
+# CPU seconds went to the kernel, mostly page faults. Its BFC allocator keeps them for reuse (the
+# default run: 148-153 -> 272-312 images/s, 6% more peak memory). Read once, when TensorFlow starts;
+# TF_CPU_ALLOCATOR_USE_BFC=0 in the environment turns it off.
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "1")
 
 # Runnable from a checkout without installing: the package sits next to this folder.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

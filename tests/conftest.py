@@ -20,6 +20,8 @@ import tempfile
 import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The allocator the example sets (see its comment); the worker processes inherit it.
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "1")
 
 # Everything the suite writes to a temporary folder, TensorFlow's AutoGraph files and the worker
 # processes' files included, goes to one folder that is removed when the run ends.
