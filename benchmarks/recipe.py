@@ -621,15 +621,14 @@ def plot_transport(summary, path):
         ]
         xs = [b * (1 + 0.05 * (i - (len(dtypes) - 1) / 2)) for b in shown]
         ax.errorbar(xs, means, yerr=err, marker="o", capsize=3, label=f"{dtype} between hosts")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(batches, [str(b) for b in batches])
-    ax.set_xlabel("global batch size (2 workers x 4 replicas)")
-    ax.set_ylabel("test top-1 (mean, min-max over seeds)")
-    ax.set_title("digits, small_resnet, default recipe: gradient dtype between hosts")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _save_top_1_plot(
+        fig,
+        ax,
+        batches,
+        "global batch size (2 workers x 4 replicas)",
+        "digits, small_resnet, default recipe: gradient dtype between hosts",
+        path,
+    )
 
 
 # --------------------------------------------------------------------------- results
@@ -719,11 +718,23 @@ def plot(summary, path):
             [v["max"] - m for m, v in zip(means, vals)],
         ]
         ax.errorbar(xs, means, yerr=err, marker="o", capsize=3, label=label)
+    _save_top_1_plot(
+        fig,
+        ax,
+        batches,
+        "global batch size (8 replicas)",
+        "digits, small_resnet, fixed epoch budget",
+        path,
+    )
+
+
+def _save_top_1_plot(fig, ax, batches, xlabel, title, path):
+    """The axes both plots share (batches on a log scale, top-1 with its seed range), saved."""
     ax.set_xscale("log", base=2)
     ax.set_xticks(batches, [str(b) for b in batches])
-    ax.set_xlabel("global batch size (8 replicas)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("test top-1 (mean, min-max over seeds)")
-    ax.set_title("digits, small_resnet, fixed epoch budget")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
