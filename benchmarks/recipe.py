@@ -549,18 +549,11 @@ def summarize_transport(runs):
     each dtype's difference of means against float32 next to float32's seed spread (max - min),
     and its difference seed by seed."""
     table = {}
-    for batch in sorted({r["batch"] for r in runs}):
-        dtypes = {}
-        for r in sorted(runs, key=lambda r: r["seed"]):
-            if r["batch"] == batch:
-                dtypes.setdefault(r["gradient_dtype"], []).append(r)
+    for batch, dtypes in _by_batch(sorted(runs, key=lambda r: r["seed"]), "gradient_dtype"):
         row = {}
         for dtype, rs in dtypes.items():
-            accs = [r["top_1"] for r in rs]
             row[dtype] = {
-                "mean": statistics.mean(accs),
-                "min": min(accs),
-                "max": max(accs),
+                **_top_1_range(rs),
                 "seeds": [r["seed"] for r in rs],
                 "mean_final_loss": statistics.mean(r["final_loss"] for r in rs),
                 "mean_test_cross_entropy": statistics.mean(r["test_cross_entropy"] for r in rs),
@@ -666,24 +659,32 @@ def save(out, path):
         json.dump(out, f, indent=1)
 
 
+def _by_batch(runs, key):
+    """`(batch, {run[key]: [runs]})` for each batch in increasing order, runs in their order."""
+    for batch in sorted({r["batch"] for r in runs}):
+        groups = {}
+        for r in runs:
+            if r["batch"] == batch:
+                groups.setdefault(r[key], []).append(r)
+        yield batch, groups
+
+
+def _top_1_range(runs):
+    accs = [r["top_1"] for r in runs]
+    return {"mean": statistics.mean(accs), "min": min(accs), "max": max(accs)}
+
+
 def summarize(runs):
     """Per batch: mean, min and max top-1 of every variant, the best sweep point per family."""
     table = {}
-    for batch in sorted({r["batch"] for r in runs}):
-        rows = {}
-        for r in runs:
-            if r["batch"] == batch:
-                rows.setdefault(r["variant"], []).append(r)
+    for batch, rows in _by_batch(runs, "variant"):
         variants = {}
         for name, rs in rows.items():
-            accs = [r["top_1"] for r in rs]
             variants[name] = {
                 "family": rs[0]["family"],
                 "peak_learning_rate": rs[0]["peak_learning_rate"],
-                "mean": statistics.mean(accs),
-                "min": min(accs),
-                "max": max(accs),
-                "seeds": len(accs),
+                **_top_1_range(rs),
+                "seeds": len(rs),
             }
         best = {}
         for family in ("sgd", "lars"):
