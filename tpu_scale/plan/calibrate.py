@@ -4,6 +4,7 @@ The only part of the planner that starts TensorFlow; `python -m tpu_scale.plan -
 """
 
 import math
+import os
 import time
 
 import numpy as np
@@ -183,6 +184,9 @@ def calibrate(sizes=(2**12, 2**18, 2**21, 2**23), repeats=5, model="resnet50", l
     )
     return {
         "machine": "8 virtual CPU replicas (mesh 2x4) on this host, float32",
+        "allocator": "bfc"
+        if os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower() in ("1", "true")
+        else "default",
         "model": model,
         "gradient_bytes": int(sum(b for b, _ in tensors)),
         "num_tensors": len(shapes),

@@ -510,27 +510,26 @@ def uniform_cluster(
     )
 
 
-# CPU hosts: fitted on this machine (2-core x86_64 VM, 8 virtual CPU replicas, TensorFlow 2.21) by
-# `python -m tpu_scale.plan --calibrate`; see benchmarks/README.md (planner calibration). The
-# loopback figures between two worker processes are fitted from `benchmarks/all_reduce.py`'s
-# two-process part.
+# CPU hosts: fitted on this machine (2-core x86_64 VM, 8 virtual CPU replicas, TensorFlow 2.21, its
+# BFC CPU allocator) by `python -m tpu_scale.plan --calibrate`; see benchmarks/README.md (planner
+# calibration). The loopback figures between two worker processes are fitted from
+# `benchmarks/all_reduce.py`'s two-process part.
 CPU_FIGURES = {
-    "call_seconds": 0.00492,
-    "collective_launch_seconds": 0.000335,
+    "call_seconds": 0.00501,
+    "collective_launch_seconds": 0.000647,
     "collective_alpha": 0.0,
-    "collective_bandwidth": 386000000.0,
-    "handoff_seconds": 1.56e-05,
-    "memory_bandwidth": 6580000000.0,
+    "collective_bandwidth": 616000000.0,
+    "handoff_seconds": 1.36e-05,
+    "memory_bandwidth": 14700000000.0,
     "network_alpha": 1.0e-3,
     "network_bandwidth": 0.35e9,
     "sources": (
         "CPU collective ops (per launch, bandwidth) and in-graph sums (per hand-off between CPU "
         "devices, memory bandwidth): fitted on the development machine by "
-        "tpu_scale.plan.calibrate (2-core VM, 8 virtual CPU replicas); another machine needs its "
-        "own calibration.",
+        "tpu_scale.plan.calibrate (2-core VM, 8 virtual CPU replicas, TensorFlow's BFC CPU "
+        "allocator); another machine needs its own calibration.",
         "CPU between worker processes: gRPC over loopback, fitted from benchmarks/all_reduce.py's "
-        "two-"
-        "process run on the same machine: assumption for real networks.",
+        "two-process run on the same machine: assumption for real networks.",
     ),
 }
 
