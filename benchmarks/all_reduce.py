@@ -2,19 +2,20 @@
 gradients.
 
 (a) One host, 8 virtual CPU replicas, one process: the time to sum ResNet-50's trainable gradients
-(the shapes
-    of `keras.applications.ResNet50(weights=None)`: 161 float32 tensors, 25.6 M values, 102 MB per
-    replica) with `tpu_scale.torus.all_reduce_sum` on a 2x4 mesh (each algorithm) against
+    (the shapes of `keras.applications.ResNet50(weights=None)`: 214 float32 tensors, 25.6 M values,
+    102 MB per replica) with `tpu_scale.torus.all_reduce_sum` on a 2x4 mesh (each algorithm) against
     TensorFlow's default (`ReplicaContext.all_reduce` under a plain `MirroredStrategy`, which uses
     `CollectiveAllReduce`, a ring) and `ReductionToOneDevice`.
 (b) Two localhost worker processes x 4 replicas over gRPC (`MultiWorkerMirroredStrategy`, mesh 2x4
-with one
-    row per worker): the hierarchical torus (`torus_2d`, what `"auto"` picks across hosts) and the
-    bidirectional one against the default multi-worker all-reduce of the same strategy; with the
-    bytes each one sends across the process boundary, computed from the schedule
+    with one row per worker): the hierarchical torus (`torus_2d`, what `"auto"` picks across
+    hosts) and the bidirectional one against the default multi-worker all-reduce of the same
+    strategy; with the bytes each one sends across the process boundary, computed from the schedule
     (`torus.bytes_sent_between`) and, for TensorFlow's single ring over 8 replicas in task order,
     from the ring algorithm (`torus.ring_bytes_sent_between`: 2 of the 8 ring edges cross, each
     carrying 2 (n-1)/n of the buffer).
+
+Every benchmark runs TensorFlow's BFC CPU allocator, as the example does (`common.py`); the JSON
+records it.
 
 Every method runs the same `tf.function`-wrapped `strategy.run`, in interleaved rounds after a
 warm-up so that load from other users of the machine hits every method alike; figures are medians of

@@ -20,9 +20,22 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 
+# The CPU allocator the example and the tests run with (see examples/train_imagenet.py):
+# TensorFlow's default one returns large buffers to the system and faults them in again on every
+# step. The benchmarks import this module before TensorFlow starts, their child processes inherit
+# the setting, and `machine_info` records it. TF_CPU_ALLOCATOR_USE_BFC=0 measures the default.
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "1")
+
+
+def cpu_allocator():
+    """The CPU allocator TensorFlow starts with in this process: "bfc" or "default"."""
+    use_bfc = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower() in ("1", "true")
+    return "bfc" if use_bfc else "default"
+
 
 def machine_info():
-    """The machine, Python, TensorFlow and Keras versions, and the load average (no TF import)."""
+    """The machine, Python, TensorFlow and Keras versions, the CPU allocator and the load average
+    (no TF import)."""
 
     def version(package):
         try:
@@ -37,6 +50,7 @@ def machine_info():
         "python": platform.python_version(),
         "tensorflow": version("tensorflow"),
         "keras": version("keras"),
+        "cpu_allocator": cpu_allocator(),
         "load_average": [round(x, 2) for x in os.getloadavg()],
     }
 

@@ -1,7 +1,7 @@
 """Runs every benchmark of the package and collects the results in `benchmarks/results/all.json`.
 
-    python benchmarks/run_all.py --quick        # every benchmark, in under 10 minutes on a 2-core
-    machine python benchmarks/run_all.py --only plan_scaling plan_calibration
+    python benchmarks/run_all.py --quick        # every benchmark (target: 10 minutes on 2 cores)
+    python benchmarks/run_all.py --only plan_scaling plan_calibration
 
 Each benchmark runs as its own subprocess (TensorFlow fixes its logical devices at start-up, and one
 benchmark's crash must not take the others down), one after another so they do not compete for the
