@@ -172,7 +172,7 @@ def single_host(rounds, warmup):
         cpu, [tf.config.LogicalDeviceConfiguration()] * NUM_REPLICAS
     )
     import tpu_scale
-    from tpu_scale.plan.calibrate import model_gradient_shapes
+    from tpu_scale.plan.calibration import model_gradient_shapes
 
     shapes = [tuple(s) for s in model_gradient_shapes("resnet50")]
     devices = [d.name for d in tf.config.list_logical_devices("CPU")][:NUM_REPLICAS]
@@ -443,7 +443,7 @@ if __name__ == "__main__":
             write_child_output(out, single_host(int(rounds), int(warmup)))
         else:
             assert part == "shapes"
-            from tpu_scale.plan.calibrate import model_gradient_shapes
+            from tpu_scale.plan.calibration import model_gradient_shapes
 
             write_child_output(out, model_gradient_shapes("resnet50"))
     else:

@@ -35,7 +35,7 @@ Every hardware figure is listed with its source, or labelled as an assumption, i
 and `GPU_TYPES`; a cluster's `sources` lists the ones it uses, and the plan prints them.
 
 The parts: `catalog` (models, hardware, cluster builders), `cost` (the pricing), `sizing` (input
-rate, BN groups), `report` (the plan and its table), `cli`; `plot` (matplotlib) and `calibrate`
+rate, BN groups), `report` (the plan and its table), `cli`; `plot` (matplotlib) and `calibration`
 (TensorFlow) are imported only when used, so `import tpu_scale.plan` needs neither.
 
 Reference:
@@ -72,7 +72,7 @@ def __getattr__(name):
 
         return getattr(plot, name)
     if name == "calibrate":
-        from tpu_scale.plan.calibrate import calibrate
+        from tpu_scale.plan.calibration import calibrate
 
         return calibrate
     raise AttributeError(f"module 'tpu_scale.plan' has no attribute {name!r}")

@@ -526,7 +526,7 @@ CPU_FIGURES = {
     "sources": (
         "CPU collective ops (per launch, bandwidth) and in-graph sums (per hand-off between CPU "
         "devices, memory bandwidth): fitted on the development machine by "
-        "tpu_scale.plan.calibrate (2-core VM, 8 virtual CPU replicas, TensorFlow's BFC CPU "
+        "tpu_scale.plan.calibration (2-core VM, 8 virtual CPU replicas, TensorFlow's BFC CPU "
         "allocator); another machine needs its own calibration.",
         "CPU between worker processes: gRPC over loopback, fitted from benchmarks/all_reduce.py's "
         "two-process run on the same machine: assumption for real networks.",

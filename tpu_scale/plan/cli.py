@@ -92,7 +92,7 @@ def main(argv=None):
             # them in again on every call, which doubles a collective all-reduce's time here.
             # Calibrating under another allocator than the training's would price another machine.
             os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "1")
-            from tpu_scale.plan.calibrate import calibrate  # starts TensorFlow
+            from tpu_scale.plan.calibration import calibrate  # starts TensorFlow
 
             sizes = (2**12, 2**20, 2**23) if args.quick else (2**12, 2**18, 2**21, 2**23)
             result = calibrate(
