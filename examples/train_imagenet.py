@@ -677,7 +677,7 @@ class TrainingDiverged(RuntimeError):
 def _run(config, strategy, start, extra_callbacks, temporary):
     """Data, model, `fit` and the final evaluation, under the strategy and the precision policy."""
     from tpu_scale import checkpointing
-    from tpu_scale.callbacks import LossGuard
+    from tpu_scale.callbacks import AverageMovingStatistics, LossGuard
 
     config = dataclasses.replace(config)
     synthetic = not (config.data_dir or config.tfds_name)
@@ -742,7 +742,14 @@ def _run(config, strategy, start, extra_callbacks, temporary):
         optimizer_flag="--optimizer",
         suggested_learning_rate=recipe.peak_learning_rate / 4,
     )
-    callbacks = [guard] + _callbacks(config, strategy, progress, temporary) + list(extra_callbacks)
+    # First: every replica on the same batch-norm statistics before each validation, each epoch's
+    # checkpoints and the final evaluation and save, so the top-1 the run reports is the saved
+    # model's.
+    callbacks = (
+        [AverageMovingStatistics(), guard]
+        + _callbacks(config, strategy, progress, temporary)
+        + list(extra_callbacks)
+    )
     logging.info(
         "Training %d epochs x %d steps of %d images on %d replicas (mesh %s); model_dir %s",
         config.epochs,

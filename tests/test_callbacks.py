@@ -1,11 +1,12 @@
-"""Tests for `tpu_scale.callbacks.LossGuard`."""
+"""Tests for `tpu_scale.callbacks`: `LossGuard` and `AverageMovingStatistics`."""
 
 import keras
 import numpy as np
 import pytest
 
 from tpu_scale import optimizers, schedules
-from tpu_scale.callbacks import LossGuard
+from tpu_scale.callbacks import AverageMovingStatistics, LossGuard
+from tpu_scale.layers import DistributedBatchNormalization
 
 
 def _data(n=256, seed=0):
@@ -133,3 +134,73 @@ def test_one_noisy_step_does_not_stop():
 def test_bad_arguments(kwargs):
     with pytest.raises(ValueError):
         LossGuard(**kwargs)
+
+
+# ------------------------------------------------------------------ AverageMovingStatistics
+
+
+def _grouped_model(strategy):
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = keras.Sequential(
+            [
+                keras.Input((6, 6, 2)),
+                keras.layers.Conv2D(4, 3, padding="same", use_bias=False),
+                DistributedBatchNormalization(group_size=2, momentum=0.5),
+                keras.layers.ReLU(),
+                keras.layers.GlobalAveragePooling2D(),
+                keras.layers.Dense(3),
+            ]
+        )
+        model.compile(
+            keras.optimizers.SGD(0.1),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    return model
+
+
+def _grouped_data():
+    rng = np.random.default_rng(1)
+    # Batches of 16 give each of the 8 replicas 2 examples; replica r's are scaled by 1 + r, so
+    # the groups' statistics differ.
+    scale = 1 + (np.arange(64) % 16) // 2
+    x = rng.normal(size=(64, 6, 6, 2)) * scale[:, None, None, None]
+    x = x.astype("float32")
+    y = rng.integers(0, 3, size=64)
+    return x, y
+
+
+def _copies_agree(variable):
+    copies = [np.asarray(v) for v in variable.value.values]
+    return all(np.array_equal(c, copies[0]) for c in copies)
+
+
+@pytest.mark.parametrize("average", [True, False])
+def test_average_moving_statistics_makes_evaluation_the_saved_models(strategy, average):
+    import tensorflow as tf
+
+    x, y = _grouped_data()
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    model = _grouped_model(strategy)
+    bn = model.layers[1]
+    agreed_at_validation = []
+
+    class Watch(keras.callbacks.Callback):
+        def on_test_begin(self, logs=None):
+            agreed_at_validation.append(_copies_agree(bn.moving_mean))
+
+    callbacks = ([AverageMovingStatistics()] if average else []) + [Watch()]
+    model.fit(data, validation_data=data, epochs=2, verbose=0, callbacks=callbacks)
+    # The strategy's evaluation against the model called outside it (as saved, replica 0's
+    # statistics without the callback).
+    evaluated = model.evaluate(data, verbose=0)
+    outside = float(
+        np.mean(keras.losses.sparse_categorical_crossentropy(y, model(x, training=False), True))
+    )
+    if average:
+        assert agreed_at_validation == [True, True]
+        assert _copies_agree(bn.moving_mean) and _copies_agree(bn.moving_variance)
+        assert evaluated == pytest.approx(outside, rel=1e-5)
+    else:
+        assert agreed_at_validation == [False, False]
+        assert evaluated != pytest.approx(outside, rel=1e-3)

@@ -9,7 +9,11 @@ import tensorflow as tf
 
 import tpu_scale
 from tpu_scale import context
-from tpu_scale.layers import DistributedBatchNormalization, convert_batch_normalization
+from tpu_scale.layers import (
+    DistributedBatchNormalization,
+    average_moving_statistics,
+    convert_batch_normalization,
+)
 from tpu_scale.mesh import ReplicaMesh
 from tpu_scale.testing import run_workers
 
@@ -674,6 +678,28 @@ def test_default_group_in_fit(strategy):
     _, _, moving = _fit(strategy, group_size=None, run_eagerly=False)
     for r in range(NUM_REPLICAS):
         np.testing.assert_array_equal(moving[r], moving[0])
+
+
+def test_average_moving_statistics_gives_every_replica_the_mean(strategy):
+    model, _, _ = _fit(strategy, group_size=4, run_eagerly=False)
+    bn = model.layers[1]
+    before = {
+        name: np.stack([np.asarray(v) for v in getattr(bn, name).value.values])
+        for name in ("moving_mean", "moving_variance")
+    }
+    assert not np.allclose(before["moving_mean"][0], before["moving_mean"][4])
+    assert average_moving_statistics(model) == 2
+    for name, copies in before.items():
+        expected = copies.mean(axis=0)
+        for value in getattr(bn, name).value.values:
+            np.testing.assert_allclose(np.asarray(value), expected, rtol=1e-6)
+    # What is saved and what the model computes outside the strategy are that mean too.
+    np.testing.assert_allclose(bn.moving_mean.numpy(), before["moving_mean"].mean(axis=0), 1e-6)
+    # Averaging again changes nothing, and a model on one replica has nothing to average.
+    assert average_moving_statistics(model) == 2
+    for value in bn.moving_mean.value.values:
+        np.testing.assert_allclose(np.asarray(value), before["moving_mean"].mean(axis=0), 1e-6)
+    assert average_moving_statistics(_conv_model(4)) == 0
 
 
 def _partial_last_batch_dataset():

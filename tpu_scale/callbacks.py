@@ -1,5 +1,6 @@
 """Keras callbacks of the recipe: `LossGuard` stops a diverging run and says which setting to
-change."""
+change; `AverageMovingStatistics` keeps evaluation, checkpoints and the saved model on one set of
+batch-norm statistics."""
 
 import logging
 import math
@@ -8,6 +9,7 @@ import keras
 import numpy as np
 
 from tpu_scale import keras_hook
+from tpu_scale.layers.batch_normalization import average_moving_statistics
 
 _logger = logging.getLogger("tpu_scale")
 
@@ -225,3 +227,32 @@ class LossGuard(keras.callbacks.Callback):
             f"{self._advice()}."
         )
         _logger.warning("%s", self.message)
+
+
+class AverageMovingStatistics(keras.callbacks.Callback):
+    """Puts every replica on the mean of the batch-norm moving statistics wherever `fit` hands the
+    model on.
+
+    Each replica keeps its own copy of a batch-norm layer's moving statistics and updates it from
+    its own group's batch (see `tpu_scale.layers.average_moving_statistics`), so without this a
+    strategy's `evaluate`, fit's validation metrics, the checkpoints and the saved model each see
+    other statistics, and the top-1 a run reports is not the saved model's. This callback averages
+    them over the replicas before every evaluation (fit's validation included) and prediction, at
+    the end of every epoch and at the end of training. Place it ahead of the callbacks that save
+    (`ModelCheckpoint`, `BackupAndRestore`): Keras calls callbacks in list order.
+
+    The cost is one all-reduce of the moving statistics at each of those points (ResNet-50: 53
+    layers, 106 vectors, 0.2 MB), none in the training steps. On one replica it does nothing.
+    """
+
+    def on_test_begin(self, logs=None):
+        average_moving_statistics(self.model)
+
+    def on_predict_begin(self, logs=None):
+        average_moving_statistics(self.model)
+
+    def on_epoch_end(self, epoch, logs=None):
+        average_moving_statistics(self.model)
+
+    def on_train_end(self, logs=None):
+        average_moving_statistics(self.model)

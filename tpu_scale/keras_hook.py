@@ -10,9 +10,10 @@ other one. `create_strategy` registers the strategies it makes with `gradient_re
 users never call this module themselves.
 
 It also holds the package's other uses of Keras internals: `is_functional_or_sequential(model)`
-(Keras exports no name for its functional model class), `set_initial_epoch(model, epoch)` (how a
-backup callback tells `fit` where to resume, as Keras's own BackupAndRestore does) and
-`learning_rate_of(optimizer)` (the schedule itself, not its current value).
+(Keras exports no name for its functional model class), `all_layers(model)` (every nested layer),
+`set_initial_epoch(model, epoch)` (how a backup callback tells `fit` where to resume, as Keras's
+own BackupAndRestore does) and `learning_rate_of(optimizer)` (the schedule itself, not its current
+value).
 
 Keras versions: the hook needs `TFOptimizer._all_reduce_sum_gradients` and the module function
 `filter_empty_gradients`; `check_keras()` fails with the versions that have them when they are
@@ -191,6 +192,11 @@ def is_functional_or_sequential(model):
     from keras.src.models.functional import Functional
 
     return isinstance(model, (keras.Sequential, Functional))
+
+
+def all_layers(model):
+    """Every layer inside `model`, at any depth (nested models and layers that hold layers)."""
+    return model._flatten_layers(include_self=False, recursive=True)
 
 
 def set_initial_epoch(model, epoch):

@@ -2,6 +2,7 @@
 
 DistributedBatchNormalization   batch norm over groups of replicas (batch_normalization.py)
 convert_batch_normalization     an existing model's batch norms made grouped, weights kept
+average_moving_statistics       every replica on the mean of the batch norms' moving statistics
 ImageNormalization              uint8 (or float) pixels -> normalized values, on the device
 SpaceToDepth                    2x2 pixel blocks into channels (the space-to-depth stem's input)
 """
@@ -9,6 +10,7 @@ SpaceToDepth                    2x2 pixel blocks into channels (the space-to-dep
 from tpu_scale.layers.batch_normalization import (
     DEFAULT_SPAN,
     DistributedBatchNormalization,
+    average_moving_statistics,
     convert_batch_normalization,
 )
 from tpu_scale.layers.image_normalization import ImageNormalization
@@ -19,5 +21,6 @@ __all__ = [
     "DistributedBatchNormalization",
     "ImageNormalization",
     "SpaceToDepth",
+    "average_moving_statistics",
     "convert_batch_normalization",
 ]

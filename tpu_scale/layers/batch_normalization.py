@@ -10,6 +10,8 @@ Reference:
   Ying et al., "Image Classification at Supercomputer Scale", 2018 (arXiv:1811.06992), section 3.
 """
 
+import weakref
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -64,9 +66,11 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
     Moving statistics are updated from the group statistics, so all members of a group hold the same
     values (which the shift relies on). As with Keras's own layer under a mirrored strategy, each
     replica keeps its own copy; different groups may differ, and saving or reading the weights
-    outside `strategy.run` gives replica 0's group. Batch renormalization (`renorm=True`) runs
-    Keras's algorithm unchanged on the group statistics: its `r`/`d` corrections and all its moving
-    statistics use the group mean and deviation.
+    outside `strategy.run` gives replica 0's group. `average_moving_statistics(model)`, or the
+    `tpu_scale.callbacks.AverageMovingStatistics` callback in `fit`, gives every replica their
+    mean, so that evaluation, checkpoints and the saved model agree. Batch renormalization
+    (`renorm=True`) runs Keras's algorithm unchanged on the group statistics: its `r`/`d`
+    corrections and all its moving statistics use the group mean and deviation.
 
     Args:
       group_size: replicas per group. `1` gives local statistics, `strategy.num_replicas_in_sync`
@@ -473,3 +477,67 @@ def _copy_weights(source, target):
                 f"{tuple(dst.shape)}."
             )
         dst.assign(src.value)
+
+
+# Per model: the variables averaged last time and the compiled step that averages them.
+_AVERAGING_STEPS = weakref.WeakKeyDictionary()
+
+
+def average_moving_statistics(model):
+    """Gives every replica the mean over all replicas of the model's batch-norm moving statistics.
+
+    Under a strategy every replica keeps its own copy of a batch-norm layer's moving mean and
+    variance, updated from its own group's batch statistics (from its own batch, for Keras's
+    layer), so the copies drift apart. The strategy's `evaluate` normalizes each example with the
+    statistics of the replica it lands on, while the saved model, the checkpoints and the model
+    called outside `strategy.run` read replica 0's: the same weights would report different
+    metrics. After this call every replica holds the mean of the copies, every group weighted by
+    its number of replicas (what `tf.keras` read back from its moving statistics). The
+    `tpu_scale.callbacks.AverageMovingStatistics` callback calls it wherever `fit` hands the model
+    on.
+
+    One all-reduce of every layer's moving statistics, made by the strategy. Under several workers
+    every worker must call it at the same point (callbacks do).
+
+    Args:
+      model: a Keras model; every built `keras.layers.BatchNormalization` inside it (this
+        package's `DistributedBatchNormalization` included) at any depth is averaged.
+
+    Returns:
+      The number of variables averaged: 0 on one replica or without batch normalization.
+    """
+    strategy = model.distribute_strategy
+    if strategy.num_replicas_in_sync == 1:
+        return 0
+    variables = [
+        variable
+        for layer in keras_hook.all_layers(model)
+        if isinstance(layer, keras.layers.BatchNormalization) and layer.built
+        for variable in layer.non_trainable_variables
+    ]
+    if not variables:
+        return 0
+    key = (strategy, tuple(id(v) for v in variables))
+    cached = _AVERAGING_STEPS.get(model)
+    if cached is None or cached[0] != key:
+        cached = (key, _averaging_step(strategy, variables))
+        _AVERAGING_STEPS[model] = cached
+    cached[1]()
+    return len(variables)
+
+
+def _averaging_step(strategy, variables):
+    def average():
+        replica = tf.distribute.get_replica_context()
+        means = replica.all_reduce(
+            tf.distribute.ReduceOp.MEAN, [tf.identity(v.value) for v in variables]
+        )
+        for variable, mean in zip(variables, means):
+            # A mirrored variable updated in replica context: each replica writes its own copy.
+            variable.assign(mean)
+
+    @tf.function
+    def step():
+        strategy.run(average)
+
+    return step
