@@ -29,6 +29,27 @@ def _env():
     return env
 
 
+# What a user runs on the example's final.keras: load it, and count the validation records it gets
+# right (prints "correct total").
+EVALUATE_SAVED_MODEL = """
+import os, sys
+import numpy as np
+from tpu_scale import data, models
+model_path, records = sys.argv[1:]
+model = models.load_model(model_path)
+label_map = data.read_label_map(records)
+validation = data.ImageNetInput(os.path.join(records, "validation-*"), is_training=False,
+                                image_size=16, global_batch_size=64,
+                                label_offset=label_map.label_offset,
+                                num_classes=label_map.num_classes)
+correct = total = 0
+for images, labels in validation.dataset():
+    correct += int((np.argmax(model(images, training=False), -1) == labels.numpy()).sum())
+    total += len(labels)
+print(correct, total)
+"""
+
+
 def _train_command(records, model_dir):
     return [
         sys.executable,
@@ -131,6 +152,22 @@ def test_interrupted_training_resumes_and_learns(records, tmp_path):
     # stayed near 0.17.)
     assert top_1 > 0.3, text[-3000:]
     assert os.path.exists(os.path.join(model_dir, "final.keras"))
+    # The saved model is the one whose top-1 the run reported: a user's own evaluation of
+    # final.keras on the validation records, in a fresh process, gives it, up to one example
+    # whose top two logits round the other way on one device.
+    evaluation = subprocess.run(
+        [sys.executable, "-c", EVALUATE_SAVED_MODEL, os.path.join(model_dir, "final.keras"), out],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+    )
+    assert evaluation.returncode == 0, evaluation.stdout + evaluation.stderr
+    correct, total = map(int, evaluation.stdout.split()[-2:])
+    from tpu_scale.data import read_label_map
+
+    assert total == read_label_map(out).counts["validation"]
+    assert abs(correct / total - top_1) <= 1 / total + 1e-4, (correct, total, top_1)
     assert f"final model: {os.path.join(model_dir, 'final.keras')}" in text
     assert len(os.listdir(os.path.join(model_dir, "checkpoints"))) == 3
     for noise in ("failed call to cuInit", "ran out of data", "Local rendezvous"):
