@@ -896,6 +896,12 @@ def worker_fit():
                 }
             ),
         }
+        if size == 2:
+            # The workers' groups differ; averaging is one all-reduce across both workers.
+            average_moving_statistics(model)
+            results["averaged_means"] = [
+                np.asarray(v) for v in model.layers[1].moving_mean.value.values
+            ]
     return results
 
 
@@ -925,3 +931,7 @@ def test_two_workers_fit_with_a_group_across_workers():
     assert first[2]["bn_collectives"] == second[2]["bn_collectives"] == []
     for a, b in zip(first[2]["weights"], second[2]["weights"]):
         np.testing.assert_allclose(a, b, rtol=1e-6)
+    # average_moving_statistics on both workers: all four replicas hold the mean of the four.
+    expected = np.mean(first[2]["moving_means"] + second[2]["moving_means"], axis=0)
+    for mean in first["averaged_means"] + second["averaged_means"]:
+        np.testing.assert_allclose(mean, expected, rtol=1e-5)
