@@ -30,11 +30,11 @@ Give --model_dir DIR to keep what a run writes: checkpoints of the last --keep_c
 TensorBoard logs, a backup to resume from, the final model (final.keras; read it back with
 `tpu_scale.models.load_model`) and run.json. The same command after an interruption resumes from
 the last finished epoch (it says so); on a finished run it says so and stops, and a larger --epochs
-continues it. Backups are written atomically, so a kill
-at any moment loses at most the epoch in progress; a SIGTERM (a scheduler's preemption notice)
-makes every worker save at the same step and exit with code 143, and the same command resumes
-there. Without --model_dir everything goes to a temporary folder that is removed at the end. A
-progress bar shows in a terminal (--noprogress turns it off).
+continues it. Backups are written atomically, so a kill at any moment loses at most the epoch in
+progress; a SIGTERM (a scheduler's preemption notice) makes every worker save at the same step and
+exit with code 143, and the same command resumes there. Without --model_dir everything goes to a
+temporary folder that is removed at the end. A progress bar shows in a terminal (--noprogress turns
+it off).
 
 A Cloud TPU v3-8 (ImageNet in the classic layout: train-* and validation-* files):
 
