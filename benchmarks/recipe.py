@@ -364,8 +364,7 @@ def _transport_plan(strategy, tensors):
     wires = {"float32": itemsize, info["transport_dtype"]: 2 if settings.gradient_dtype else 4}
     crossing = dict.fromkeys(wires, 0)
     for pack in torus.pack_indices(sizes, settings.pack_bytes):
-        length = torus.padded_length(sum(sizes[i] for i in pack) // itemsize, mesh, algorithm)
-        schedule = torus.build_schedule(mesh, length * itemsize, algorithm)
+        schedule = torus.buffer_schedule(mesh, sum(sizes[i] for i in pack), itemsize, algorithm)
         for name, wire in wires.items():
             crossing[name] += torus.bytes_sent_between(
                 torus.transport_schedule(schedule, host_of, itemsize, wire), host_of

@@ -49,6 +49,10 @@ def test_padded_length_splits_every_stream_into_shards(algorithm):
         padded = torus.padded_length(length, mesh, algorithm)
         assert length <= padded < length + 8 * 2
         schedule = torus.build_schedule(mesh, padded * 4, algorithm)
+        buffered = torus.buffer_schedule(mesh, length * 4, 4, algorithm)
+        assert [[(p.kind, p.bytes_in) for p in s] for s in buffered.streams] == [
+            [(p.kind, p.bytes_in) for p in s] for s in schedule.streams
+        ]
         for stream in schedule.streams:
             for phase in stream:
                 if phase.kind == torus.REDUCE_SCATTER:  # the only phase that cuts its input

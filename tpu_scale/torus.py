@@ -40,6 +40,7 @@ from tpu_scale.torus_schedule import (  # noqa: F401  (re-exported: the public t
     REDUCE_SCATTER,
     Phase,
     Schedule,
+    buffer_schedule,
     build_schedule,
     bytes_sent_between,
     pack_indices,

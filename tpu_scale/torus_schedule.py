@@ -10,7 +10,8 @@ only a 1/C shard crosses the host boundary: it is a hierarchical all-reduce.
 A `Schedule` is data: the executor (`tpu_scale.torus.all_reduce_sum`) runs it with the
 `tpu_scale.collectives` primitives and the planner (`tpu_scale.plan`) prices the same objects. The
 rules both must agree on live here too: how gradients are fused into buffers (`pack_indices`), how a
-buffer is padded (`padded_length`) and which algorithm "auto" means (`resolve_algorithm`).
+buffer is padded (`padded_length`, and `buffer_schedule`: the padded buffer's schedule) and which
+algorithm "auto" means (`resolve_algorithm`).
 
 Reference:
   Ying et al., "Image Classification at Supercomputer Scale", 2018 (arXiv:1811.06992), section 3.3.
@@ -295,3 +296,10 @@ def padded_length(length, mesh, algorithm):
         return length  # an all-reduce splits nothing
     quantum = mesh.num_replicas * len(build_schedule(mesh, 0, algorithm).streams)
     return -(-length // quantum) * quantum
+
+
+def buffer_schedule(mesh, num_bytes, itemsize, algorithm):
+    """The schedule the executor runs for one fused buffer of `num_bytes` (values of `itemsize`
+    bytes), padded by `padded_length`: what the planner prices and the benchmarks count."""
+    length = padded_length(num_bytes // itemsize, mesh, algorithm)
+    return build_schedule(mesh, length * itemsize, algorithm)

@@ -113,8 +113,7 @@ def price_option(
         )
         transport = ITEMSIZE.get(transport_dtype, itemsize) if transport_dtype else itemsize
         for pack in packs:
-            length = torus_schedule.padded_length(sum(pack) // itemsize, mesh, algorithm)
-            schedule = torus_schedule.build_schedule(mesh, length * itemsize, algorithm)
+            schedule = torus_schedule.buffer_schedule(mesh, sum(pack), itemsize, algorithm)
             schedule = torus_schedule.transport_schedule(schedule, host_of, itemsize, transport)
             total += price_schedule(schedule, cluster)["seconds"]
             if transport < itemsize and cluster.host_memory is not None:
