@@ -2,6 +2,7 @@
 
 import os
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -122,3 +123,84 @@ def test_per_replica_datasets_take_options_on_cpus_and_gpus_only():
     assert _workarounds.takes_dataset_options("/job:worker/replica:0/task:1/device:GPU:0")
     assert _workarounds.takes_dataset_options("")  # no device scope: the host's CPU
     assert not _workarounds.takes_dataset_options("/job:worker/replica:0/task:0/device:TPU:7")
+
+
+def test_empty_batch_guard_gives_the_layers_shape_where_the_kernel_does_not():
+    # A stand-in for the faulty kernel, on any CPU: an empty batch keeps the input's shape.
+    def faulty_call(layer, inputs):
+        output = tf.nn.conv2d(inputs, tf.ones([3, 3, 3, 4]), 2, "SAME")
+        return tf.cond(tf.shape(inputs)[0] > 0, lambda: output, lambda: tf.identity(inputs))
+
+    guarded = _workarounds._guard_empty_batch(faulty_call)
+    assert guarded._empty_batch_guard
+    images = tf.random.stateless_uniform([3, 16, 16, 3], [0, 1])
+    assert tuple(guarded(None, images[:0]).shape) == (0, 8, 8, 4)
+    traced = tf.function(
+        lambda x: guarded(None, x), input_signature=[tf.TensorSpec([None, 16, 16, 3])]
+    )
+    assert tuple(traced(images[:0]).shape) == (0, 8, 8, 4)
+    # Non-empty batches run the call as it is.
+    np.testing.assert_array_equal(traced(images).numpy(), faulty_call(None, images).numpy())
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [
+        lambda keras: keras.layers.Conv2D(4, 3, strides=2, padding="same", activation="relu"),
+        lambda keras: keras.layers.Conv1D(4, 3),
+        lambda keras: keras.layers.DepthwiseConv2D(3),
+        lambda keras: keras.layers.SeparableConv2D(4, 3),
+    ],
+)
+def test_empty_batch_convolutions_keep_their_output_shape(strategy, layer):
+    import keras
+
+    # Applied by create_strategy (the fixture): guarded exactly where this CPU's kernel is faulty.
+    assert _workarounds.empty_batch_convolutions_guarded() == (
+        _workarounds.convolution_drops_empty_batches()
+    )
+    layer = layer(keras)
+    images = tf.random.stateless_uniform([2, 12, 12, 3], [0, 1])
+    if isinstance(layer, keras.layers.Conv1D):
+        images = images[:, 0]
+    expected = (0,) + tuple(layer.compute_output_shape(images.shape))[1:]
+    assert tuple(layer(images[:0]).shape) == expected
+    traced = tf.function(layer, input_signature=[tf.TensorSpec([None, *images.shape[1:]])])
+    assert tuple(traced(images[:0]).shape) == expected
+    np.testing.assert_allclose(traced(images).numpy(), layer(images).numpy(), rtol=1e-6)
+
+
+def test_evaluate_a_validation_set_smaller_than_the_batch(strategy):
+    """14 examples, a global batch of 128 on 8 replicas: replica 0 gets them all, the others empty
+    batches. evaluate counts each example once and equals the model outside the strategy."""
+    import keras
+
+    images = tf.random.stateless_uniform([14, 12, 12, 3], [2, 3])
+    labels = tf.constant([i % 3 for i in range(14)])
+    with strategy.scope():
+        model = keras.Sequential(
+            [
+                keras.Input([12, 12, 3]),
+                keras.layers.Conv2D(4, 3, strides=2, padding="same"),
+                keras.layers.GlobalAveragePooling2D(),
+                keras.layers.Dense(3),
+            ]
+        )
+        model.compile(
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+
+    def dataset(context):
+        batch = context.get_per_replica_batch_size(128)
+        return (
+            tf.data.Dataset.from_tensor_slices((images, labels))
+            .shard(context.num_input_pipelines, context.input_pipeline_id)
+            .batch(batch)
+        )
+
+    result = model.evaluate(
+        strategy.distribute_datasets_from_function(dataset), return_dict=True, verbose=0
+    )
+    expected = np.mean(np.argmax(model(images).numpy(), -1) == labels.numpy())
+    assert result["accuracy"] == pytest.approx(expected)

@@ -10,9 +10,12 @@ to tell it can go. Users never call these: `create_strategy` and the strategy cl
   reduce_nested             Keras 3 `fit` asks a multi-worker `reduce` for nested, scalar values
   local_device_type         which kind of device a multi-worker strategy's replicas run on
   quiet_cuda_probe          the spurious "failed call to cuInit" error on machines without a GPU
+  empty_batch_convolutions  oneDNN convolutions give an empty batch the wrong shape on some CPUs
+  build_from_one_replica    Keras 3 `evaluate` fails when replicas' first batches differ in size
 """
 
 import contextlib
+import functools
 import itertools
 import os
 import sys
@@ -300,3 +303,153 @@ def quiet_cuda_probe():
             ]
             sys.stderr.write("".join(kept))
             sys.stderr.flush()
+
+
+# --------------------------------------------------------------------------- empty batches
+
+
+# The Keras layers whose TensorFlow kernels mishandle an empty batch (see below).
+_CONVOLUTIONS = (
+    "Conv1D",
+    "Conv2D",
+    "Conv3D",
+    "DepthwiseConv1D",
+    "DepthwiseConv2D",
+    "SeparableConv1D",
+    "SeparableConv2D",
+)
+_empty_batch_guarded = False
+
+
+def convolution_drops_empty_batches():
+    """Whether this process's CPU convolution gives an empty batch the wrong output shape.
+
+    Runs one tiny convolution eagerly on the CPU (the runtime must be initialized: call it after the
+    devices are configured). True where the kernel hands back its input's shape.
+    """
+    import tensorflow as tf
+
+    with tf.init_scope(), tf.device("/CPU:0"):
+        output = tf.nn.conv2d(tf.zeros([0, 2, 2, 1]), tf.zeros([1, 1, 1, 2]), 1, "VALID")
+    return tuple(output.shape) != (0, 2, 2, 2)
+
+
+def empty_batch_convolutions():
+    """Gives Keras's convolution layers the right output shape for an empty batch.
+
+    Why: an evaluation or prediction pass whose last global batch is partial hands some replicas
+    an empty batch (TensorFlow does so for a partial batch; the example tops up its passes with
+    empty batches). On some CPUs, TensorFlow's oneDNN convolution kernels (`Conv2D` and the 1-D,
+    3-D, depthwise and separable convolutions built on them) return a tensor of the *input's*
+    shape for an empty batch: `tf.nn.conv2d(tf.zeros([0, 64, 64, 3]), tf.zeros([3, 3, 3, 16]), 2,
+    "SAME")` has shape `(0, 64, 64, 3)`, not `(0, 32, 32, 16)`. The next layer then fails
+    ("Incompatible shapes: [16] vs. [0,64,64,3]"), or a later op broadcasts it silently. With
+    `TF_ENABLE_ONEDNN_OPTS=0` the shape is right.
+
+    The guard: where `convolution_drops_empty_batches()` finds the fault, each listed Keras layer
+    class runs its `call` under a `tf.cond` on the batch size, and an empty batch gets the layer's
+    output for one all-zero example, sliced to zero rows (right shape and dtype, no data). A batch
+    whose size is known and non-zero when the step is traced (TPU, `drop_remainder=True`) adds
+    nothing. Subclasses of these layers inherit the guard. Elsewhere nothing is changed.
+
+    Upstream: no report found; seen with TF 2.21.0 (oneDNN on) on an AMD EPYC CPU with AVX-512 (the
+    same TF on another x86-64 CPU gave the right shape). How to tell it can go:
+    `convolution_drops_empty_batches()` is False on such a CPU
+    (`tests/test_workarounds.py::test_empty_batch_convolutions_keep_their_output_shape` says which
+    case ran).
+
+    Applied once per process by `create_strategy` for CPU replicas; idempotent.
+    """
+    global _empty_batch_guarded
+    if _empty_batch_guarded:
+        return
+    _empty_batch_guarded = True
+    if not convolution_drops_empty_batches():
+        return
+    import keras
+
+    for name in _CONVOLUTIONS:
+        layer_class = getattr(keras.layers, name, None)
+        if layer_class is not None:
+            layer_class.call = _guard_empty_batch(layer_class.call)
+
+
+def empty_batch_convolutions_guarded():
+    """Whether `empty_batch_convolutions` has changed the convolution layers in this process."""
+    import keras
+
+    return getattr(keras.layers.Conv2D.call, "_empty_batch_guard", False)
+
+
+def _guard_empty_batch(call):
+    @functools.wraps(call)
+    def guarded(self, inputs, *args, **kwargs):
+        import tensorflow as tf
+
+        if not tf.is_tensor(inputs) or (inputs.shape.rank and inputs.shape[0]):
+            return call(self, inputs, *args, **kwargs)
+
+        def one_example():
+            zeros = tf.zeros(tf.concat([[1], tf.shape(inputs)[1:]], 0), inputs.dtype)
+            return call(self, zeros, *args, **kwargs)[:0]
+
+        return tf.cond(
+            tf.shape(inputs)[0] > 0, lambda: call(self, inputs, *args, **kwargs), one_example
+        )
+
+    guarded._empty_batch_guard = True
+    return guarded
+
+
+# --------------------------------------------------------------------------- Keras evaluate,
+# partial first batch
+
+_build_from_one_replica_applied = False
+
+
+def build_from_one_replica():
+    """Lets Keras build a model for `evaluate`/`predict` from one replica's first batch.
+
+    Why: before evaluating or predicting under a strategy, Keras 3 takes the first distributed
+    batch and asks the strategy for its mean over the replicas (`strategy.reduce("MEAN", batch,
+    axis=None)`), only to learn the input shapes. When the data end within the first global batch
+    (a validation set smaller than the global batch), the replicas' batches differ in size, some
+    empty, and the mean fails: "Inputs to operation AddN of type AddN must have the same size and
+    shape. Input 0: [14,64,64,3] != input 1: [0,64,64,3]". The replacement reads the same first
+    batch and takes the largest of this process's replica batches instead of their mean; the
+    build itself is Keras's own.
+
+    Upstream: keras-team/keras#19246; seen with Keras 3.15.1 on TF 2.21. How to tell it can go:
+    `tests/test_workarounds.py::test_evaluate_a_validation_set_smaller_than_the_batch` passes
+    with Keras's own `_maybe_symbolic_build`.
+
+    Applied once per process by `create_strategy`; idempotent.
+    """
+    global _build_from_one_replica_applied
+    if _build_from_one_replica_applied:
+        return
+    import tensorflow as tf
+    from keras.src.backend.tensorflow import trainer
+
+    def maybe_symbolic_build(self, iterator=None, data_batch=None):
+        strategy = self._distribute_strategy
+        if strategy is None:
+            return  # Keras defers the build to the first traced step
+        if iterator is not None:
+            for _, _, it in iterator:
+                data_batch = _largest_replica_batch(strategy, next(it))
+                break
+        with strategy.scope():
+            self._symbolic_build(data_batch=data_batch)
+
+    def _largest_replica_batch(strategy, batch):
+        flat = tf.nest.flatten(batch)
+        if not flat or not all(isinstance(v, tf.distribute.DistributedValues) for v in flat):
+            return batch
+        local = [strategy.experimental_local_results(v) for v in flat]
+        sizes = [int(tf.shape(value)[0]) if value.shape.rank else 1 for value in local[0]]
+        largest = sizes.index(max(sizes))
+        return tf.nest.pack_sequence_as(batch, [values[largest] for values in local])
+
+    trainer.TensorFlowTrainer._maybe_symbolic_build = maybe_symbolic_build
+    _build_from_one_replica_applied = True

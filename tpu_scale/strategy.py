@@ -318,11 +318,11 @@ def create_strategy(
     if gradient_reduction == "torus":
         keras_hook.install(strategy, settings)
     _workarounds.replica_iterators_untuned()
-    if (
-        tpu is None
-        and strategy.num_replicas_in_sync > 1
-        and _workarounds.local_device_type(strategy) == "CPU"
-    ):
+    _workarounds.build_from_one_replica()
+    on_cpus = tpu is None and _workarounds.local_device_type(strategy) == "CPU"
+    if on_cpus:
+        _workarounds.empty_batch_convolutions()
+    if on_cpus and strategy.num_replicas_in_sync > 1:
         _workarounds.batch_scheduling()
     logging.info(
         "tpu_scale: %s, %d replicas, mesh %dx%d, gradient reduction %s",
