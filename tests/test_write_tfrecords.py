@@ -360,8 +360,9 @@ def test_command_line(tmp_path):
 
     done = run("--output_dir", str(tmp_path / "out"))
     assert done.returncode == 0, done.stderr
-    assert re.search(r"train: 3\d images in \d shards", done.stdout)
-    assert re.search(r"validation: \d images in \d shards", done.stdout)
+    # Four of each digit: one of each class goes to validation.
+    assert re.search(r"train: 30 images in \d shards", done.stdout)
+    assert re.search(r"validation: 10 images in \d shards", done.stdout)
     for name in ["cut_in_half.jpg", "text_named.jpg", "notes.txt", "scan.tiff", "empty_class"]:
         assert name in done.stdout
     assert read_label_map(str(tmp_path / "out")).num_classes == 10
@@ -376,3 +377,19 @@ def test_command_line(tmp_path):
 
     with pytest.raises(SystemExit):
         write_module.main(["--image_dir", str(tmp_path / "nothing"), "--output_dir", str(tmp_path)])
+
+
+def test_small_classes_still_give_validation_and_one_class_is_refused(tmp_path):
+    # Three digits per class: 10% rounds to none, yet every class keeps one for validation.
+    write_digit_folders(str(tmp_path / "small"), indices=range(30), bad_files=False)
+    summary = write_tfrecords(str(tmp_path / "small"), str(tmp_path / "out"))
+    assert summary.split_counts == {"train": 20, "validation": 10}
+    labels = [label for _, label, _, _ in read_records(str(tmp_path / "out" / "validation-*"))]
+    assert sorted(labels) == list(range(1, 11))  # one of each class (label_offset 1)
+    # A single class folder cannot train a classifier: refused, naming the class.
+    os.makedirs(tmp_path / "one")
+    first_class = sorted(os.listdir(tmp_path / "small"))[0]
+    os.rename(tmp_path / "small" / first_class, tmp_path / "one" / "a")
+    with pytest.raises(ValueError, match="one class folder only.*'a'.*at least two classes"):
+        write_tfrecords(str(tmp_path / "one"), str(tmp_path / "out_one"))
+    assert not os.path.exists(tmp_path / "out_one")

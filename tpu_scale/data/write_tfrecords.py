@@ -5,11 +5,12 @@ layout.
 
 `photos/<class name>/<image>` becomes `records/train-00000-of-00008` ... and
 `records/validation-00000-of-00002` ...: a seeded split, stratified by class
-(`--validation_fraction`, 10% by default; 0 for none, or `--validation_dir` for a folder that
-already holds the validation images). Each record is one `tf.train.Example`: `image/encoded` (JPEG
-bytes), `image/class/label` (int64, the class id + `label_offset`, so 1-based by default like the
-ImageNet files), `image/class/synset` (the folder name), `image/filename`, `image/height`,
-`image/width`, `image/format`.
+(`--validation_fraction`, 10% by default, at least one image of every class of two or more; 0
+for none, or `--validation_dir` for a folder that already holds the validation images). Each
+record is one `tf.train.Example`: `image/encoded` (JPEG bytes), `image/class/label` (int64, the
+class id + `label_offset`, so 1-based by default like the ImageNet files), `image/class/synset`
+(the folder name), `image/filename`, `image/height`, `image/width`, `image/format`. A folder with
+a single class is refused: a classifier needs two.
 
 Beside the shards, `labels.json` (see `tpu_scale.data.schema`) records the class names, their ids,
 the label offset and the counts per split; `ImageNetInput` reads it, so the reader's `label_offset`
@@ -253,10 +254,12 @@ def _list_class_folders(image_dir, flag):
 
 
 def _validation_count(num_images, fraction):
-    # Rounded per class, and every class keeps at least one training image.
+    # Rounded per class; every class keeps at least one training image, and a class of two or more
+    # images gives at least one to validation (10% of a small class would round to none, leaving
+    # the class, or a whole small dataset, unevaluated).
     if num_images < 2 or fraction <= 0:
         return 0
-    return min(num_images - 1, math.floor(num_images * fraction + 0.5))
+    return min(num_images - 1, max(1, math.floor(num_images * fraction + 0.5)))
 
 
 def _stratified_split(files_by_class, class_ids, fraction, seed):
@@ -391,6 +394,12 @@ def write_tfrecords(
         raise ValueError(
             f"No images ({', '.join(IMAGE_EXTENSIONS)}) in the class folders of {image_dir!r}"
             + (f"; {_error_listing('skipped', skipped)}" if skipped else ".")
+        )
+    if len(class_names) < 2:
+        raise ValueError(
+            f"{image_dir!r} has images in one class folder only ({class_names[0]!r}): a classifier "
+            "needs at least two classes, one sub-folder of images each (image_dir/<class>/<image>)."
+            + (f" Skipped: {', '.join(empty_classes)} (no images)." if empty_classes else "")
         )
     train, validation = _stratified_split(
         listing.files_by_class, class_ids, validation_fraction, seed
@@ -537,6 +546,10 @@ def main(argv: Sequence[str] | None = None) -> TFRecordSummary:
         "--num_threads", type=int, help="shards written at once (default: the CPU count)"
     )
     args = parser.parse_args(argv)
+    from tpu_scale import _workarounds
+
+    with _workarounds.quiet_cuda_probe():  # TensorFlow's first device listing, before any image
+        tf.config.list_physical_devices()
     try:
         summary = write_tfrecords(
             args.image_dir,
