@@ -1,6 +1,7 @@
 """The training example end to end: a tiny run that an interrupted and resumed run matches, a
 diverging run, and bad flags."""
 
+import json
 import os
 import sys
 
@@ -164,3 +165,26 @@ def test_the_recipe_decides_the_optimizer_unless_a_flag_does():
     assert forced.optimizer == "sgd" and forced.peak_learning_rate == pytest.approx(0.8)
     given = train_imagenet._recipe(tiny_config(global_batch_size=64, peak_learning_rate=0.05))
     assert given.peak_learning_rate == 0.05 and given.optimizer == "sgd"
+
+
+def test_data_dir_mistakes_name_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(ValueError, match=f"--data_dir {tmp_path}/missing does not exist"):
+        train_imagenet.train(tiny_config(data_dir="~/missing"))  # `--data_dir=~/x` is not expanded
+    images = tmp_path / "photos"
+    (images / "cat").mkdir(parents=True)
+    (images / "cat" / "a.JPG").write_bytes(b"")
+    with pytest.raises(ValueError, match="holds folders of images.*write_tfrecords --image_dir"):
+        train_imagenet.train(tiny_config(data_dir=str(images)))
+
+
+def test_one_step_epochs_report_a_rate_and_a_valid_run_record(tmp_path):
+    # A training set smaller than the global batch: one step per epoch.
+    summary = train_imagenet.train(
+        tiny_config(synthetic_train_examples=48, epochs=3, model_dir=str(tmp_path / "run"))
+    )
+    assert summary["images_per_second"] > 0
+    assert "nan" not in train_imagenet.summary_line(summary)
+    with open(tmp_path / "run" / train_imagenet.RUN_FILE) as f:
+        record = json.loads(f.read(), parse_constant=lambda name: pytest.fail(f"{name} in JSON"))
+    assert record["images_per_second"] > 0 and record["wall_seconds"] > 0
