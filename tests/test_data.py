@@ -896,3 +896,13 @@ def test_real_digits_training_epoch_holds_every_label_once(digits):
     expected = data.target[order["train"]]
     np.testing.assert_array_equal(np.sort(labels), np.sort(expected))
     assert not np.array_equal(labels, expected)
+
+
+def test_file_patterns_expand_the_home_folder(digits_records, monkeypatch):
+    home, name = os.path.split(digits_records)
+    monkeypatch.setenv("HOME", home)
+    here = ImageNetInput(
+        f"~/{name}/validation-*", is_training=False, image_size=16, global_batch_size=64
+    )
+    assert here.source.patterns == [os.path.join(digits_records, "validation-*")]
+    assert here.num_classes == 10  # the label map was found through the expanded path

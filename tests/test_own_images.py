@@ -29,25 +29,20 @@ def _env():
     return env
 
 
-# What a user runs on the example's final.keras: load it, and count the validation records it gets
-# right (prints "correct total").
-EVALUATE_SAVED_MODEL = """
-import os, sys
-import numpy as np
-from tpu_scale import data, models
-model_path, records = sys.argv[1:]
-model = models.load_model(model_path)
-label_map = data.read_label_map(records)
-validation = data.ImageNetInput(os.path.join(records, "validation-*"), is_training=False,
-                                image_size=16, global_batch_size=64,
-                                label_offset=label_map.label_offset,
-                                num_classes=label_map.num_classes)
-correct = total = 0
-for images, labels in validation.dataset():
-    correct += int((np.argmax(model(images, training=False), -1) == labels.numpy()).sum())
-    total += len(labels)
-print(correct, total)
-"""
+def readme_evaluation(model_path, records, image_size):
+    """The README's evaluation of a saved model, with its paths and image size replaced (prints
+    "top-1 X on N validation images")."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    section = text[text.index("## Your own images") : text.index("## Quickstart")]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    for old, new in [
+        ('"~/flowers_run/final.keras"', repr(model_path)),
+        ('"~/flowers_records/validation-*"', repr(os.path.join(records, "validation-*"))),
+        ("image_size=64", f"image_size={image_size}"),
+    ]:
+        assert old in code, f"the README's evaluation no longer contains {old!r}"
+        code = code.replace(old, new)
+    return code
 
 
 def _train_command(records, model_dir):
@@ -156,18 +151,20 @@ def test_interrupted_training_resumes_and_learns(records, tmp_path):
     # final.keras on the validation records, in a fresh process, gives it, up to one example
     # whose top two logits round the other way on one device.
     evaluation = subprocess.run(
-        [sys.executable, "-c", EVALUATE_SAVED_MODEL, os.path.join(model_dir, "final.keras"), out],
+        [sys.executable, "-c", readme_evaluation(os.path.join(model_dir, "final.keras"), out, 16)],
         capture_output=True,
         text=True,
         env=_env(),
         timeout=300,
     )
     assert evaluation.returncode == 0, evaluation.stdout + evaluation.stderr
-    correct, total = map(int, evaluation.stdout.split()[-2:])
+    found = re.search(r"top-1 ([0-9.]+) on (\d+) validation images", evaluation.stdout)
+    assert found, evaluation.stdout
+    evaluated, total = float(found.group(1)), int(found.group(2))
     from tpu_scale.data import read_label_map
 
     assert total == read_label_map(out).counts["validation"]
-    assert abs(correct / total - top_1) <= 1 / total + 1e-4, (correct, total, top_1)
+    assert abs(evaluated - top_1) <= 1 / total + 1e-4, (evaluated, total, top_1)
     assert f"final model: {os.path.join(model_dir, 'final.keras')}" in text
     assert len(os.listdir(os.path.join(model_dir, "checkpoints"))) == 3
     for noise in ("failed call to cuInit", "ran out of data", "Local rendezvous"):

@@ -9,6 +9,7 @@ out with their fault code, and the pipeline fails naming them or skips and count
 
 import concurrent.futures
 import dataclasses
+import os
 import warnings
 
 import tensorflow as tf
@@ -78,9 +79,12 @@ class TFRecordSource:
     ImageNet layout)."""
 
     def __init__(self, file_pattern, image_key, label_key, read_buffer_bytes, cycle_length):
-        self.patterns = (
-            [file_pattern] if isinstance(file_pattern, (str, bytes)) else list(file_pattern)
-        )
+        patterns = [file_pattern] if isinstance(file_pattern, (str, bytes)) else list(file_pattern)
+        # `~` as a shell would (gfile does not); `gs://...` and other URLs are left as they are.
+        self.patterns = [
+            os.path.expanduser(p) if isinstance(p, str) and p.startswith("~") else p
+            for p in patterns
+        ]
         if not self.patterns:
             raise ValueError("file_pattern is empty: give a glob such as '/data/imagenet/train-*'.")
         self.image_key = image_key
