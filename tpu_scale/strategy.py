@@ -324,12 +324,18 @@ def create_strategy(
         _workarounds.empty_batch_convolutions()
     if on_cpus and strategy.num_replicas_in_sync > 1:
         _workarounds.batch_scheduling()
+    if gradient_reduction == "torus":
+        # "torus" names the package's gradient sum; which algorithm it runs ("auto": the planner's
+        # cheapest for this mesh, e.g. one flat sum on one host) is logged at the first sum.
+        reduction = f"tpu_scale's, algorithm {settings.algorithm!r}"
+    else:
+        reduction = "TensorFlow's own"
     logging.info(
-        "tpu_scale: %s, %d replicas, mesh %dx%d, gradient reduction %s",
+        "tpu_scale: %s, %d replicas, mesh %dx%d, gradient sum %s",
         kind,
         strategy.num_replicas_in_sync,
         mesh.shape[0],
         mesh.shape[1],
-        gradient_reduction,
+        reduction,
     )
     return strategy
