@@ -927,8 +927,7 @@ def main(argv):
     try:
         summary = train(config)
     except (ValueError, TrainingDiverged) as e:
-        logging.error("%s", e)
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)  # once: absl's logging.error would repeat it
         return 2
     print(summary_line(summary))
     for line in outputs_lines(summary):

@@ -152,7 +152,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             raise ValueError(
                 f"Backup {backup.path} (epoch {backup.epoch + 1}, step {backup.step}) is complete "
                 f"but does not fit this model: {type(e).__name__}: {e}. The model or its optimizer "
-                f"changed since it was written: use another backup_dir, or delete "
+                f"changed since it was written (another model, number of classes or optimizer): "
+                f"train with the settings it was written with, write to another folder, or delete "
                 f"{self.backup_dir} to start over."
             ) from e
 
