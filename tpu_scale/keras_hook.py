@@ -12,8 +12,9 @@ users never call this module themselves.
 It also holds the package's other uses of Keras internals: `is_functional_or_sequential(model)`
 (Keras exports no name for its functional model class), `all_layers(model)` (every nested layer),
 `set_initial_epoch(model, epoch)` (how a backup callback tells `fit` where to resume, as Keras's
-own BackupAndRestore does) and `learning_rate_of(optimizer)` (the schedule itself, not its current
-value).
+own BackupAndRestore does), `learning_rate_of(optimizer)` (the schedule itself, not its current
+value) and one workaround, `build_from_one_replica` (keras-team/keras#19246; indexed with the others
+in `_workarounds.py`).
 
 Keras versions: the hook needs `TFOptimizer._all_reduce_sum_gradients` and the module function
 `filter_empty_gradients`; `check_keras()` fails with the versions that have them when they are
@@ -24,6 +25,7 @@ import threading
 import weakref
 
 import keras
+import tensorflow as tf
 
 from tpu_scale import torus
 
@@ -211,3 +213,57 @@ def set_initial_epoch(model, epoch):
 def learning_rate_of(optimizer):
     """The optimizer's learning rate as it was given (a float or a schedule), or None."""
     return getattr(optimizer, "_learning_rate", None)
+
+
+# --------------------------------------------------------------------------- a workaround: Keras
+# evaluate with a partial first batch (indexed in _workarounds.py)
+
+_build_from_one_replica_applied = False
+
+
+def build_from_one_replica():
+    """Lets Keras build a model for `evaluate`/`predict` from one replica's first batch.
+
+    Why: before evaluating or predicting under a strategy, Keras 3 takes the first distributed
+    batch and asks the strategy for its mean over the replicas (`strategy.reduce("MEAN", batch,
+    axis=None)`), only to learn the input shapes. When the data end within the first global batch
+    (a validation set smaller than the global batch), the replicas' batches differ in size, some
+    empty, and the mean fails: "Inputs to operation AddN of type AddN must have the same size and
+    shape. Input 0: [14,64,64,3] != input 1: [0,64,64,3]". The replacement reads the same first
+    batch and takes the largest of this process's replica batches instead of their mean; the
+    build itself is Keras's own.
+
+    Upstream: keras-team/keras#19246; seen with Keras 3.15.1 on TF 2.21. How to tell it can go:
+    `tests/test_workarounds.py::test_evaluate_a_validation_set_smaller_than_the_batch` passes
+    with Keras's own `_maybe_symbolic_build`.
+
+    Applied once per process by `create_strategy`; idempotent. Here rather than in
+    `_workarounds.py` because it replaces a private Keras method.
+    """
+    global _build_from_one_replica_applied
+    if _build_from_one_replica_applied:
+        return
+    from keras.src.backend.tensorflow import trainer
+
+    def maybe_symbolic_build(self, iterator=None, data_batch=None):
+        strategy = self._distribute_strategy
+        if strategy is None:
+            return  # Keras defers the build to the first traced step
+        if iterator is not None:
+            for _, _, it in iterator:
+                data_batch = _largest_replica_batch(strategy, next(it))
+                break
+        with strategy.scope():
+            self._symbolic_build(data_batch=data_batch)
+
+    def _largest_replica_batch(strategy, batch):
+        flat = tf.nest.flatten(batch)
+        if not flat or not all(isinstance(v, tf.distribute.DistributedValues) for v in flat):
+            return batch
+        local = [strategy.experimental_local_results(v) for v in flat]
+        sizes = [int(tf.shape(value)[0]) if value.shape.rank else 1 for value in local[0]]
+        largest = sizes.index(max(sizes))
+        return tf.nest.pack_sequence_as(batch, [values[largest] for values in local])
+
+    trainer.TensorFlowTrainer._maybe_symbolic_build = maybe_symbolic_build
+    _build_from_one_replica_applied = True

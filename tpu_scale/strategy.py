@@ -318,7 +318,7 @@ def create_strategy(
     if gradient_reduction == "torus":
         keras_hook.install(strategy, settings)
     _workarounds.replica_iterators_untuned()
-    _workarounds.build_from_one_replica()
+    keras_hook.build_from_one_replica()
     on_cpus = tpu is None and _workarounds.local_device_type(strategy) == "CPU"
     if on_cpus:
         _workarounds.empty_batch_convolutions()
