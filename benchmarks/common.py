@@ -33,6 +33,18 @@ def cpu_allocator():
     return "bfc" if use_bfc else "default"
 
 
+def _cpu_model():
+    """The CPU's model name from /proc/cpuinfo (Linux), else None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def machine_info():
     """The machine, Python, TensorFlow and Keras versions, the CPU allocator and the load average
     (no TF import)."""
@@ -46,6 +58,8 @@ def machine_info():
     return {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        # Figures move with the CPU model (one machine kind here has had several): name it.
+        "cpu_model": _cpu_model(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "tensorflow": version("tensorflow"),

@@ -28,10 +28,14 @@ Each pipeline runs in its own process (own thread pools, own peak RSS), in inter
 that load from other users of the machine hits every pipeline alike; each process times several
 windows after a warm-up. Figures are medians over all windows, with min-max.
 
-Usage:
-    python benchmarks/input_pipeline.py [--quick] [--tfm_python /path/to/venv/bin/python]
+`--images photos` runs the same on views of real photographs (scikit-learn's two sample photos, cut
+into ImageNet-sized windows, rescaled, mirrored, JPEG quality 90) instead of the generated images.
 
-Writes `benchmarks/results/input_pipeline.json`.
+Usage:
+    python benchmarks/input_pipeline.py [--quick] [--tfm_python /path/to/venv/bin/python] \
+        [--images photos]
+
+Writes `benchmarks/results/input_pipeline.json` (`input_pipeline_photos.json` with photos).
 """
 
 import argparse
@@ -70,8 +74,38 @@ def _natural_image(rng, height, width):
     return np.clip(image, 0, 255).astype(np.uint8)
 
 
-def generate_records(directory, num_images, num_shards, seed=0):
-    """Writes `num_images` ImageNet-like JPEGs as classic-layout TFRecords (once; reused)."""
+def _photo_crops(rng, shapes):
+    """Real photographs (scikit-learn's two sample photos, 427x640) cut into ImageNet-sized views:
+    a random window of each shape, resized by up to 20% either way and maybe mirrored, so that no
+    two images are alike. Yields uint8 arrays."""
+    import numpy as np
+    import tensorflow as tf
+    from sklearn.datasets import load_sample_images
+
+    photos = load_sample_images().images
+    while True:
+        photo = photos[rng.integers(len(photos))]
+        height, width = shapes[rng.integers(len(shapes))]
+        scale = rng.uniform(0.8, 1.2)
+        # A window of the photo that, resized by `scale`, gives (height, width) (capped to fit).
+        window_h = min(photo.shape[0], round(height / scale))
+        window_w = min(photo.shape[1], round(width / scale))
+        top = rng.integers(photo.shape[0] - window_h + 1)
+        left = rng.integers(photo.shape[1] - window_w + 1)
+        view = photo[top : top + window_h, left : left + window_w]
+        view = tf.image.resize(view, (height, width), antialias=True).numpy()
+        if rng.integers(2):
+            view = view[:, ::-1]
+        yield np.clip(np.round(view), 0, 255).astype(np.uint8)
+
+
+def generate_records(directory, num_images, num_shards, seed=0, images="noise"):
+    """Writes `num_images` ImageNet-like JPEGs as classic-layout TFRecords (once; reused).
+
+    Args:
+      images: "noise" (generated multi-scale noise that compresses like a photograph) or "photos"
+        (views of real photographs, `_photo_crops`).
+    """
     import numpy as np
     import tensorflow as tf
 
@@ -85,14 +119,20 @@ def generate_records(directory, num_images, num_shards, seed=0):
     rng = np.random.default_rng(seed)
     # Mostly landscape 500x375, as in ImageNet; some portrait and other aspect ratios.
     shapes = [(375, 500)] * 6 + [(500, 375), (333, 500), (400, 500), (375, 450)]
+    photos = _photo_crops(rng, shapes) if images == "photos" else None
     sizes = []
     writers = [
         tf.io.TFRecordWriter(os.path.join(directory, f"train-{i:05d}-of-{num_shards:05d}"))
         for i in range(num_shards)
     ]
     for index in range(num_images):
-        height, width = shapes[rng.integers(len(shapes))]
-        jpeg = tf.io.encode_jpeg(_natural_image(rng, height, width), quality=90).numpy()
+        if photos is None:
+            height, width = shapes[rng.integers(len(shapes))]
+            pixels = _natural_image(rng, height, width)
+        else:
+            pixels = next(photos)
+            height, width = pixels.shape[:2]
+        jpeg = tf.io.encode_jpeg(pixels, quality=90).numpy()
         sizes.append(len(jpeg))
         example = make_example(jpeg, 1 + index % 1000, height=height, width=width)
         writers[index % num_shards].write(example.SerializeToString())
@@ -104,6 +144,7 @@ def generate_records(directory, num_images, num_shards, seed=0):
         "num_shards": num_shards,
         "mean_jpeg_kb": round(sum(sizes) / len(sizes) / 1000, 1),
         "quality": 90,
+        "images": images,
     }
     with open(done, "w") as f:
         json.dump(info, f)
@@ -455,7 +496,16 @@ def main(argv=None):
         help="python of an environment with tf-models-official (default: $TFM_PYTHON)",
     )
     parser.add_argument("--data_dir", default=None, help="where the generated TFRecords are kept")
-    parser.add_argument("--output", default=os.path.join(RESULTS, "input_pipeline.json"))
+    parser.add_argument(
+        "--images",
+        choices=("noise", "photos"),
+        default="noise",
+        help="generated noise that compresses like photographs, or views of real photographs "
+        "(scikit-learn's sample images)",
+    )
+    parser.add_argument(
+        "--output", help="default: benchmarks/results/input_pipeline.json (_photos with photos)"
+    )
     parser.add_argument("--batch_size", type=int, default=64)
     # Worker-process flags.
     parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
@@ -472,9 +522,11 @@ def main(argv=None):
         (2, 2, 3.0, 2.0) if args.quick else (3, 3, 8.0, 5.0)
     )
     num_images = 256 if args.quick else 1024
-    data_dir = args.data_dir or os.path.join("/tmp", f"tpu_scale_input_bench_{num_images}")
+    suffix = "" if args.images == "noise" else f"_{args.images}"
+    args.output = args.output or os.path.join(RESULTS, f"input_pipeline{suffix}.json")
+    data_dir = args.data_dir or os.path.join("/tmp", f"tpu_scale_input_bench_{num_images}{suffix}")
     started = time.time()
-    info = generate_records(data_dir, num_images, num_shards=16)
+    info = generate_records(data_dir, num_images, num_shards=16, images=args.images)
     print(
         f"data: {info['num_images']} JPEGs, mean {info['mean_jpeg_kb']} KB, in {data_dir}",
         flush=True,
@@ -606,6 +658,7 @@ def main(argv=None):
     command = (
         "python benchmarks/input_pipeline.py"
         + (" --quick" if args.quick else "")
+        + (f" --images {args.images}" if args.images != "noise" else "")
         + (" --tfm_python " + args.tfm_python if args.tfm_python else "")
     )
     result = {
