@@ -357,9 +357,9 @@ def empty_batch_convolutions():
 
     Upstream: no report found; seen with TF 2.21.0 (oneDNN on) on an AMD EPYC CPU with AVX-512 (the
     same TF on another x86-64 CPU gave the right shape). How to tell it can go:
-    `convolution_drops_empty_batches()` is False on such a CPU
-    (`tests/test_workarounds.py::test_empty_batch_convolutions_keep_their_output_shape` says which
-    case ran).
+    `convolution_drops_empty_batches()` is False on such a CPU (on every CPU,
+    `tests/test_workarounds.py::test_empty_batch_convolutions_keep_their_output_shape` checks that
+    the guard is there exactly where the fault is, and that the layers give the right shape).
 
     Applied once per process by `create_strategy` for CPU replicas; idempotent.
     """
@@ -385,6 +385,8 @@ def empty_batch_convolutions_guarded():
 
 
 def _guard_empty_batch(call):
+    """`call` of a layer class, giving an empty batch the output shape of a non-empty one."""
+
     @functools.wraps(call)
     def guarded(self, inputs, *args, **kwargs):
         import tensorflow as tf
