@@ -28,7 +28,8 @@ The writer splits off a stratified validation set (10%), checks every image and 
 
 Give --model_dir DIR to keep what a run writes: checkpoints of the last --keep_checkpoints epochs,
 TensorBoard logs, a backup to resume from, the final model (final.keras; read it back with
-`tpu_scale.models.load_model`) and run.json. The same command after an interruption resumes from
+`tpu_scale.models.load_model`), run.json and the settings it started with (settings.json: a
+resumed run names every setting that differs). The same command after an interruption resumes from
 the last finished epoch (it says so); on a finished run it says so and stops, and a larger --epochs
 continues it. Backups are written atomically, so a kill at any moment loses at most the epoch in
 progress; a SIGTERM (a scheduler's preemption notice) makes every worker save at the same step and
@@ -669,6 +670,53 @@ def _is_chief(strategy):
 
 RUN_FILE = "run.json"
 FINAL_MODEL = "final.keras"
+# The settings a run started with, kept so that a resumed run can say what changed.
+SETTINGS_FILE = "settings.json"
+# What decides how a run trains: changed on resuming, the rest of the run trains differently.
+_TRAINING_SETTINGS = (
+    "data_dir",
+    "tfds_name",
+    "model",
+    "image_size",
+    "num_classes",
+    "global_batch_size",
+    "mixed_precision",
+    "input_dtype",
+    "num_cpu_replicas",
+    "mesh_shape",
+    "bn_group_size",
+    "optimizer",
+    "peak_learning_rate",
+    "warmup_epochs",
+    "weight_decay",
+    "label_smoothing",
+)
+
+
+def _compare_settings(config, resuming, chief):
+    """Keeps the settings a run starts with; on resuming, warns about every one that changed."""
+    import tensorflow as tf
+
+    path = os.path.join(config.model_dir, SETTINGS_FILE)
+    now = {name: getattr(config, name) for name in _TRAINING_SETTINGS}
+    if resuming and tf.io.gfile.exists(path):
+        with tf.io.gfile.GFile(path) as f:
+            before = json.load(f)
+        changed = [
+            f"--{name} {before[name]} -> {now[name]}"
+            for name in _TRAINING_SETTINGS
+            if name in before and before[name] != now[name]
+        ]
+        if changed:
+            logging.warning(
+                "Resuming a run that started with other settings: %s. The rest of the run trains "
+                "with the new ones; give the old values to go on as it began.",
+                ", ".join(changed),
+            )
+    elif not resuming and chief:
+        tf.io.gfile.makedirs(config.model_dir)
+        with tf.io.gfile.GFile(path, "w") as f:
+            json.dump(now, f, indent=2)
 
 
 def _finished_run(model_dir, epochs):
@@ -793,6 +841,8 @@ def _run(config, strategy, start, extra_callbacks, temporary):
             f" and {backup.step} steps" if backup.step else "",
             backup.path,
         )
+    if keep_outputs:
+        _compare_settings(config, resuming=backup is not None, chief=_is_chief(strategy))
     # Whole epochs are skipped here; the backup callback drops the steps of a part-done one.
     steps_done = initial_epoch * config.steps_per_epoch if config.deterministic else 0
 
@@ -881,6 +931,7 @@ def _save_outputs(config, model, summary):
         "backup": os.path.join(config.model_dir, "backup"),
         "TensorBoard logs": os.path.join(config.model_dir, "logs"),
         "run record": os.path.join(config.model_dir, RUN_FILE),
+        "settings it started with": os.path.join(config.model_dir, SETTINGS_FILE),
     }
     model.save(outputs["final model"])
     record = {

@@ -188,3 +188,17 @@ def test_one_step_epochs_report_a_rate_and_a_valid_run_record(tmp_path):
     with open(tmp_path / "run" / train_imagenet.RUN_FILE) as f:
         record = json.loads(f.read(), parse_constant=lambda name: pytest.fail(f"{name} in JSON"))
     assert record["images_per_second"] > 0 and record["wall_seconds"] > 0
+
+
+def test_resuming_with_other_settings_names_them(tmp_path, caplog):
+    model_dir = str(tmp_path / "run")
+    with pytest.raises(KeyboardInterrupt):
+        train_imagenet.train(
+            tiny_config(epochs=2, model_dir=model_dir), extra_callbacks=[Interrupt(after_epochs=1)]
+        )
+    with open(os.path.join(model_dir, train_imagenet.SETTINGS_FILE)) as f:
+        assert json.load(f)["image_size"] == 32
+    with caplog.at_level("WARNING"):
+        train_imagenet.train(tiny_config(epochs=2, image_size=24, model_dir=model_dir))
+    assert "started with other settings: --image_size 32 -> 24." in caplog.text
+    assert "--global_batch_size" not in caplog.text  # only what changed
