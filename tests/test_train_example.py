@@ -202,3 +202,12 @@ def test_resuming_with_other_settings_names_them(tmp_path, caplog):
         train_imagenet.train(tiny_config(epochs=2, image_size=24, model_dir=model_dir))
     assert "started with other settings: --image_size 32 -> 24." in caplog.text
     assert "--global_batch_size" not in caplog.text  # only what changed
+
+
+def test_a_validation_set_smaller_than_the_batch_is_evaluated_example_by_example():
+    # 5 validation images, a global batch of 64 on 2 replicas: one replica gets them all, the other
+    # an empty batch (a newcomer's small folder crashed here: keras-team/keras#19246 and oneDNN's
+    # empty-batch convolutions, see tpu_scale/_workarounds.py).
+    summary = train_imagenet.train(tiny_config(epochs=1, synthetic_eval_examples=5))
+    assert summary["eval_examples"] == 5
+    assert round(summary["top_1"] * 5, 6) == round(summary["top_1"] * 5)  # a count of 5 examples
