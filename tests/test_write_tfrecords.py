@@ -393,3 +393,32 @@ def test_small_classes_still_give_validation_and_one_class_is_refused(tmp_path):
     with pytest.raises(ValueError, match="one class folder only.*'a'.*at least two classes"):
         write_tfrecords(str(tmp_path / "one"), str(tmp_path / "out_one"))
     assert not os.path.exists(tmp_path / "out_one")
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_exif_rotated_photos_are_stored_upright(tmp_path, orientation):
+    """A camera JPEG with an EXIF orientation tag is stored as a viewer shows it (pillow's
+    `ImageOps.exif_transpose` is the reference), on a real photograph."""
+    from PIL import ImageOps
+    from sklearn.datasets import load_sample_image
+
+    photo = Image.fromarray(load_sample_image("flower.jpg")[100:196, 200:328])  # 96 x 128
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    buffer = io.BytesIO()
+    photo.save(buffer, "JPEG", quality=95, exif=exif.tobytes())
+    jpeg = buffer.getvalue()
+    assert write_module.exif_orientation(jpeg) == orientation
+
+    stored, height, width, reencoded = write_module.as_rgb_jpeg(jpeg)
+    expected = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(jpeg))).convert("RGB"))
+    got = tf.io.decode_jpeg(stored).numpy()
+    assert got.shape == expected.shape == (height, width, 3)
+    assert reencoded == (orientation != 1)
+    # Within one JPEG re-encoding (and the two decoders' chroma upsampling) of the reference...
+    assert np.abs(got.astype(int) - expected.astype(int)).mean() < 5.0
+    if orientation == 1:
+        assert stored == jpeg  # stored byte for byte
+    elif got.shape == np.asarray(photo).shape:
+        # ...and far from the pixels as stored (a mirror or a half turn of a photograph).
+        assert np.abs(got.astype(int) - np.asarray(photo).astype(int)).mean() > 20.0

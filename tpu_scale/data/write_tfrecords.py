@@ -19,7 +19,9 @@ and `num_classes` come from the writer. `labels.txt` lists the class names in id
 What is checked, so that training never meets a bad image:
   - Every image is decoded in full before it is stored. JPEGs are stored byte for byte; other
     formats (PNG, GIF, BMP, WebP) and CMYK JPEGs are re-encoded as RGB JPEGs, because the input
-    pipeline's fused decode reads JPEG only. Undecodable or truncated files are skipped, counted and
+    pipeline's fused decode reads JPEG only. A JPEG whose EXIF orientation tag says it is rotated
+    or mirrored (phone and camera photos) is turned upright and re-encoded, as a viewer shows it;
+    the decoder alone ignores the tag. Undecodable or truncated files are skipped, counted and
     named in the summary.
   - Files of other types (`.txt`, `.tiff`, ...) are skipped, counted and named.
   - Class folders without images are skipped with a warning and get no id: the ids are those of the
@@ -84,7 +86,8 @@ class TFRecordSummary:
       split_paths: the shard paths of each split (`"train"`, `"validation"`).
       split_counts: the examples of each split.
       class_counts: the examples of each class (in id order), per split.
-      num_reencoded: images stored re-encoded as JPEG (other formats, CMYK JPEGs).
+      num_reencoded: images stored re-encoded as JPEG (other formats, CMYK JPEGs, JPEGs turned
+        upright by their EXIF orientation).
       skipped: the skipped files by reason (`UNSUPPORTED_TYPE`, `UNDECODABLE`, `CORRUPT_JPEG`, ...).
       empty_classes: class folders without images, skipped (they get no id).
       label_map_path: the `labels.json` written.
@@ -190,20 +193,71 @@ def as_rgb_jpeg(image_bytes, path=""):
         raise ValueError(f"{path!r} is not usable: {skip.reason}.") from None
 
 
+# How to turn decoded pixels upright, by EXIF orientation (1: as stored; 2-8: mirrored and/or
+# rotated, as the EXIF standard numbers them).
+_ORIENTATIONS = {
+    1: lambda image: image,
+    2: tf.image.flip_left_right,
+    3: lambda image: tf.image.rot90(image, 2),
+    4: tf.image.flip_up_down,
+    5: tf.image.transpose,
+    6: lambda image: tf.image.rot90(image, 3),  # 90 degrees clockwise
+    7: lambda image: tf.image.rot90(tf.image.transpose(image), 2),
+    8: lambda image: tf.image.rot90(image, 1),  # 90 degrees counter-clockwise
+}
+
+
+def exif_orientation(jpeg_bytes: bytes) -> int:
+    """The EXIF orientation tag of a JPEG file (1-8), 1 when it has none or it cannot be read.
+
+    Walks the JPEG's marker segments up to the image data, finds the APP1 "Exif" segment and reads
+    tag 0x0112 of its first image directory (TIFF layout, either byte order). Never raises.
+    """
+    data = bytes(jpeg_bytes)
+    position = 2  # past the start-of-image marker
+    while position + 4 <= len(data) and data[position] == 0xFF:
+        marker = data[position + 1]
+        if marker in (0xD9, 0xDA):  # end of image, start of the compressed data
+            break
+        length = int.from_bytes(data[position + 2 : position + 4], "big")
+        segment = data[position + 4 : position + 2 + length]
+        if marker == 0xE1 and segment.startswith(b"Exif\x00\x00"):
+            return _tiff_orientation(segment[6:])
+        position += 2 + length
+    return 1
+
+
+def _tiff_orientation(tiff):
+    order = {b"II": "little", b"MM": "big"}.get(tiff[:2])
+    if order is None or len(tiff) < 8:
+        return 1
+    directory = int.from_bytes(tiff[4:8], order)
+    count = int.from_bytes(tiff[directory : directory + 2], order)
+    for entry in range(directory + 2, directory + 2 + 12 * count, 12):
+        if int.from_bytes(tiff[entry : entry + 2], order) == 0x0112:
+            value = int.from_bytes(tiff[entry + 8 : entry + 10], order)
+            return value if value in _ORIENTATIONS else 1
+    return 1
+
+
 def _as_rgb_jpeg(image_bytes):
     if tf.io.is_jpeg(image_bytes):
         # The reader's structural check must accept what is stored: a JPEG without its end-of-image
         # marker is truncated even when libjpeg decodes the part that is there.
         if not bool(image_ops.is_complete_jpeg(image_bytes)):
             raise _Skip(CORRUPT_JPEG)
+        orientation = exif_orientation(image_bytes)
         try:
             height, width, channels = tf.image.extract_jpeg_shape(image_bytes).numpy().tolist()
-            if channels in (1, 3):
+            if channels in (1, 3) and orientation == 1:
                 tf.io.decode_jpeg(image_bytes, channels=3)
                 return image_bytes, height, width, False
             image = tf.io.decode_image(image_bytes, channels=3, expand_animations=False)
         except tf.errors.InvalidArgumentError:
             raise _Skip(CORRUPT_JPEG) from None
+        # Cameras store the sensor's pixels and a tag saying how to turn them; the decoder ignores
+        # the tag, so the pixels are turned here, as a viewer shows them.
+        image = _ORIENTATIONS[orientation](image)
     else:
         try:
             image = tf.io.decode_image(image_bytes, channels=3, expand_animations=False)
