@@ -18,7 +18,7 @@ import pytest
 import tensorflow as tf
 from PIL import Image  # noqa: E402  (pillow is a test requirement)
 
-from tpu_scale.data import ImageNetInput, write_tfrecords
+from tpu_scale.data import ImageNetInput, exif, write_tfrecords
 from tpu_scale.data.schema import read_label_map
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -403,12 +403,12 @@ def test_exif_rotated_photos_are_stored_upright(tmp_path, orientation):
     from sklearn.datasets import load_sample_image
 
     photo = Image.fromarray(load_sample_image("flower.jpg")[100:196, 200:328])  # 96 x 128
-    exif = Image.Exif()
-    exif[0x0112] = orientation
+    tags = Image.Exif()
+    tags[0x0112] = orientation
     buffer = io.BytesIO()
-    photo.save(buffer, "JPEG", quality=95, exif=exif.tobytes())
+    photo.save(buffer, "JPEG", quality=95, exif=tags.tobytes())
     jpeg = buffer.getvalue()
-    assert write_module.exif_orientation(jpeg) == orientation
+    assert exif.orientation(jpeg) == orientation
 
     stored, height, width, reencoded = write_module.as_rgb_jpeg(jpeg)
     expected = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(jpeg))).convert("RGB"))

@@ -6,6 +6,7 @@ write_tfrecords          class folders of images -> train/validation TFRecords +
 read_label_map           the label map next to the shards: classes, label offset, counts
 make_synthetic_imagenet  a small, learnable dataset of real JPEGs in that layout
 image_ops                fused decode-and-crop, scaled decode, center crop, normalization
+exif                     a JPEG's EXIF orientation, and the pixels turned upright (the writer's)
 """
 
 import importlib

@@ -48,7 +48,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from tpu_scale.data import image_ops
+from tpu_scale.data import exif, image_ops
 from tpu_scale.data.output_dir import (
     _check_output_dir,
     _make_staging_dir,
@@ -193,60 +193,13 @@ def as_rgb_jpeg(image_bytes, path=""):
         raise ValueError(f"{path!r} is not usable: {skip.reason}.") from None
 
 
-# How to turn decoded pixels upright, by EXIF orientation (1: as stored; 2-8: mirrored and/or
-# rotated, as the EXIF standard numbers them).
-_ORIENTATIONS = {
-    1: lambda image: image,
-    2: tf.image.flip_left_right,
-    3: lambda image: tf.image.rot90(image, 2),
-    4: tf.image.flip_up_down,
-    5: tf.image.transpose,
-    6: lambda image: tf.image.rot90(image, 3),  # 90 degrees clockwise
-    7: lambda image: tf.image.rot90(tf.image.transpose(image), 2),
-    8: lambda image: tf.image.rot90(image, 1),  # 90 degrees counter-clockwise
-}
-
-
-def exif_orientation(jpeg_bytes: bytes) -> int:
-    """The EXIF orientation tag of a JPEG file (1-8), 1 when it has none or it cannot be read.
-
-    Walks the JPEG's marker segments up to the image data, finds the APP1 "Exif" segment and reads
-    tag 0x0112 of its first image directory (TIFF layout, either byte order). Never raises.
-    """
-    data = bytes(jpeg_bytes)
-    position = 2  # past the start-of-image marker
-    while position + 4 <= len(data) and data[position] == 0xFF:
-        marker = data[position + 1]
-        if marker in (0xD9, 0xDA):  # end of image, start of the compressed data
-            break
-        length = int.from_bytes(data[position + 2 : position + 4], "big")
-        segment = data[position + 4 : position + 2 + length]
-        if marker == 0xE1 and segment.startswith(b"Exif\x00\x00"):
-            return _tiff_orientation(segment[6:])
-        position += 2 + length
-    return 1
-
-
-def _tiff_orientation(tiff):
-    order = {b"II": "little", b"MM": "big"}.get(tiff[:2])
-    if order is None or len(tiff) < 8:
-        return 1
-    directory = int.from_bytes(tiff[4:8], order)
-    count = int.from_bytes(tiff[directory : directory + 2], order)
-    for entry in range(directory + 2, directory + 2 + 12 * count, 12):
-        if int.from_bytes(tiff[entry : entry + 2], order) == 0x0112:
-            value = int.from_bytes(tiff[entry + 8 : entry + 10], order)
-            return value if value in _ORIENTATIONS else 1
-    return 1
-
-
 def _as_rgb_jpeg(image_bytes):
     if tf.io.is_jpeg(image_bytes):
         # The reader's structural check must accept what is stored: a JPEG without its end-of-image
         # marker is truncated even when libjpeg decodes the part that is there.
         if not bool(image_ops.is_complete_jpeg(image_bytes)):
             raise _Skip(CORRUPT_JPEG)
-        orientation = exif_orientation(image_bytes)
+        orientation = exif.orientation(image_bytes)
         try:
             height, width, channels = tf.image.extract_jpeg_shape(image_bytes).numpy().tolist()
             if channels in (1, 3) and orientation == 1:
@@ -257,7 +210,7 @@ def _as_rgb_jpeg(image_bytes):
             raise _Skip(CORRUPT_JPEG) from None
         # Cameras store the sensor's pixels and a tag saying how to turn them; the decoder ignores
         # the tag, so the pixels are turned here, as a viewer shows them.
-        image = _ORIENTATIONS[orientation](image)
+        image = exif.upright(image, orientation)
     else:
         try:
             image = tf.io.decode_image(image_bytes, channels=3, expand_animations=False)
