@@ -339,7 +339,7 @@ def _resolve_records(config, data_dir):
         )
     if train == 0:
         raise ValueError(f"No training records match {train_pattern}.")
-    if evaluation == 0 and label_map is not None and tf.io.gfile.glob(train_pattern):
+    if evaluation == 0 and label_map is not None:
         raise ValueError(
             f"The records in {data_dir} hold no validation split (its label map counts 0 "
             "validation images). Write them again with a validation set: python -m "
