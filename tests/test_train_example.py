@@ -211,3 +211,13 @@ def test_a_validation_set_smaller_than_the_batch_is_evaluated_example_by_example
     summary = train_imagenet.train(tiny_config(epochs=1, synthetic_eval_examples=5))
     assert summary["eval_examples"] == 5
     assert round(summary["top_1"] * 5, 6) == round(summary["top_1"] * 5)  # a count of 5 examples
+
+
+def test_records_without_a_validation_split_name_the_command_that_makes_one(tmp_path):
+    from tpu_scale.data import write_tfrecords
+    from tpu_scale.testing.digits import write_digits_folder
+
+    write_digits_folder(str(tmp_path / "digits"))
+    write_tfrecords(str(tmp_path / "digits"), str(tmp_path / "records"), validation_fraction=0)
+    with pytest.raises(ValueError, match="hold no validation split.*write_tfrecords --image_dir"):
+        train_imagenet.train(tiny_config(data_dir=str(tmp_path / "records")))
