@@ -10,11 +10,17 @@ TensorFlow's gradient sum), `strategy_2x4` (the same devices in a 2x4 mesh) and 
 (scikit-learn's digits written as TFRecords once for the whole run). Marker (declared in
 pyproject.toml): `multiprocess` for tests that start localhost worker processes (`-m "not
 multiprocess"` leaves them out of a quick run).
+
+A watchdog bounds every test: one that runs longer than `TEST_TIMEOUT` seconds (environment
+variable `TPU_SCALE_TEST_TIMEOUT` to change it) gets the Python stack of every thread printed to
+the terminal and its process ended, so a hang is named and the run goes on instead of stalling.
 """
 
 import atexit
+import faulthandler
 import os
 import shutil
+import sys
 import tempfile
 
 import pytest
@@ -33,6 +39,31 @@ NUM_CPU_REPLICAS = 8
 NUMPY_ONLY = {"test_mesh.py", "test_plan.py", "test_torus_schedule.py"}
 
 _tensorflow_ready = False
+
+# The slowest test takes about 2 minutes here (a training run killed and resumed, in subprocesses).
+TEST_TIMEOUT = float(os.environ.get("TPU_SCALE_TEST_TIMEOUT", 900))
+_terminal = None  # the run's real stderr, which pytest's output capturing does not swallow
+
+
+def pytest_configure(config):
+    global _terminal
+    capture = config.pluginmanager.getplugin("capturemanager")  # None under -p no:capture
+    if capture is None:
+        _terminal = sys.stderr
+        return
+    with capture.global_and_fixture_disabled():
+        _terminal = os.fdopen(os.dup(sys.stderr.fileno()), "w")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    # faulthandler's timer is a C thread: it fires even while the test is blocked in TensorFlow.
+    # The report starts with "Timeout (0:15:00)!"; xdist then names the test its worker ran.
+    faulthandler.dump_traceback_later(TEST_TIMEOUT, exit=True, file=_terminal)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def _start_tensorflow():
