@@ -65,32 +65,28 @@ def _train_command(records, model_dir):
     ]
 
 
-def _kill_after(command, pattern, timeout):
-    """Starts `command`, SIGKILLs it once a line matching `pattern` is printed.
+def _kill_after(command, pattern, timeout, log_path):
+    """Starts `command`, SIGKILLs it once its output has a line matching `pattern`, or after
+    `timeout` seconds whether or not it prints anything.
 
     Returns the output."""
-    proc = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=_env(),
-        stdin=subprocess.DEVNULL,
-    )
-    lines, deadline = [], time.monotonic() + timeout
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=_env(), stdin=subprocess.DEVNULL
+        )
+    deadline = time.monotonic() + timeout
     try:
-        for line in proc.stdout:
-            lines.append(line)
-            if re.search(pattern, line):
-                proc.send_signal(signal.SIGKILL)
-                break
-            if time.monotonic() > deadline:
-                break
+        while proc.poll() is None and time.monotonic() < deadline:
+            with open(log_path, errors="replace") as f:
+                if re.search(pattern, f.read(), re.MULTILINE):
+                    break
+            time.sleep(0.05)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            proc.send_signal(signal.SIGKILL)
         proc.wait()
-    return "".join(lines)
+    with open(log_path, errors="replace") as f:
+        return f.read()
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +129,7 @@ def test_interrupted_training_resumes_and_learns(records, tmp_path):
     out, _, _ = records
     model_dir = str(tmp_path / "run")
     command = _train_command(out, model_dir)
-    first = _kill_after(command, r"epoch 2/10:", timeout=600)
+    first = _kill_after(command, r"epoch 2/10:", 600, str(tmp_path / "first.log"))
     assert "epoch 2/10:" in first, first[-3000:]
 
     second = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=900)
