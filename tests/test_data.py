@@ -560,12 +560,26 @@ def write_records_with(directory, bad, *, num_files=2, per_file=6, cut_last_file
     return os.path.join(directory, "train-*"), good
 
 
-@pytest.mark.parametrize("kind", sorted(RECORD_FAULTS) + ["truncated file"])
+def write_record_counts(directory, counts):
+    """A label map for `write_records_with`'s files that gives each file's record count, as
+    `write_tfrecords` writes one."""
+    from tpu_scale.data.schema import write_label_map
+
+    names = [f"class_{i}" for i in range(NUM_CLASSES)]
+    files = {f"train-{i:05d}-of-{len(counts):05d}": n for i, n in enumerate(counts)}
+    write_label_map(directory, names, 1, record_counts=files)
+
+
+@pytest.mark.parametrize(
+    "kind", sorted(RECORD_FAULTS) + ["truncated file", "truncated file of known count"]
+)
 def test_bad_record_fails_naming_file_and_record(tmp_path, kind):
-    if kind == "truncated file":
+    if kind.startswith("truncated file"):
         # The last record of the second file loses its end: it is record 5 of that file.
         pattern, _ = write_records_with(str(tmp_path), {}, cut_last_file_bytes=30)
         words, index = "truncated or corrupted", 5
+        if kind.endswith("known count"):
+            write_record_counts(str(tmp_path), [6, 6])
     else:
         make_bad, words, _ = RECORD_FAULTS[kind]
         pattern, _ = write_records_with(str(tmp_path), {8: make_bad})  # record 2 of the second file
@@ -595,6 +609,47 @@ def test_bad_record_is_skipped_and_counted(tmp_path, kind):
     assert labels == [i % NUM_CLASSES for i in ids]
     expected = 12 - len(good)
     assert inp.skipped_records == expected and inp.skipped_by_reason == {reason: expected}
+
+
+@pytest.mark.parametrize("is_training", [False, True])
+def test_files_of_known_count_are_read_without_counting_bytes(tmp_path, monkeypatch, is_training):
+    # Files whose record counts the label map gives: every example once, with its own label, and
+    # no file read by the byte-counting reader.
+    from tpu_scale.data.sources import TFRecordSource
+
+    def byte_counting_reader(*args):
+        raise AssertionError("the byte-counting reader ran")
+
+    monkeypatch.setattr(TFRecordSource, "_read_file", byte_counting_reader)
+    pattern, good = write_records_with(str(tmp_path), {}, num_files=3, per_file=7)
+    write_record_counts(str(tmp_path), [7, 7, 7])
+    inp = make_input(
+        pattern,
+        is_training=is_training,
+        global_batch_size=3,
+        shuffle_buffer_size=4,
+        num_classes=NUM_CLASSES,
+    )
+    ids, labels, _ = collect(inp.dataset(), num_batches=21 if is_training else None)
+    assert labels == [i % NUM_CLASSES for i in ids]
+    if is_training:  # three passes; the shuffle buffer of 4 holds back at most 4 of the third
+        assert set(ids) == good and len(ids) == 63
+    else:
+        assert sorted(ids) == sorted(good)
+
+
+@pytest.mark.parametrize("written,counted", [(6, 7), (7, 6)])
+def test_a_file_whose_count_disagrees_with_the_label_map_is_named(tmp_path, written, counted):
+    # A file with fewer or more records than its count in labels.json (a file replaced after the
+    # conversion) fails at its end, naming it and where its records ran out.
+    pattern, _ = write_records_with(str(tmp_path), {}, num_files=2, per_file=written)
+    write_record_counts(str(tmp_path), [written, counted])
+    inp = make_input(pattern, is_training=False, global_batch_size=4, num_classes=NUM_CLASSES)
+    with pytest.raises(
+        tf.errors.InvalidArgumentError,
+        match=rf"(?s)Record\] \[{written}\] \[of\] \[\S*train-00001-of-00002\].*labels\.json",
+    ):
+        list(inp.dataset())
 
 
 def test_first_record_not_an_example_fails_when_the_pipeline_is_built(tmp_path):

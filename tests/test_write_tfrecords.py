@@ -170,6 +170,11 @@ def test_label_map_and_labels_txt(converted):
     with open(os.path.join(output_dir, "labels.json")) as f:
         content = json.load(f)
     assert content["classes"][3] == {"id": 3, "name": "3", "stored_label": 4}
+    # Each shard's record count, as the reader counts its records.
+    shards = sorted(tf.io.gfile.glob(os.path.join(output_dir, "*-of-*")))
+    assert label_map.record_counts == {
+        os.path.basename(path): sum(1 for _ in tf.data.TFRecordDataset(path)) for path in shards
+    }
     with open(os.path.join(output_dir, "labels.txt")) as f:
         assert f.read() == "".join(f"{digit}\n" for digit in range(10))
 

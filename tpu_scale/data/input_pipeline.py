@@ -23,7 +23,13 @@ import tensorflow as tf
 
 from tpu_scale.data import image_ops, sources
 from tpu_scale.data.schema import IMAGE_KEY, LABEL_KEY, LABEL_MAP_FILE, read_label_map
-from tpu_scale.data.sources import Shard, TFDSSource, TFRecordSource, shuffle_each_epoch
+from tpu_scale.data.sources import (
+    Shard,
+    TFDSSource,
+    TFRecordSource,
+    expand_patterns,
+    shuffle_each_epoch,
+)
 
 AUTOTUNE = tf.data.AUTOTUNE
 
@@ -172,10 +178,15 @@ class ImageNetInput:
         self.threadpool_size = threadpool_size
         self.resize_method = resize_method
         self.scaled_decode = scaled_decode
+        self.label_map = read_label_map(expand_patterns(file_pattern)) if _source is None else None
         self.source = _source or TFRecordSource(
-            file_pattern, image_key, label_key, read_buffer_bytes, cycle_length
+            file_pattern,
+            image_key,
+            label_key,
+            read_buffer_bytes,
+            cycle_length,
+            record_counts=self.label_map and self.label_map.record_counts_by_path(),
         )
-        self.label_map = read_label_map(self.source.patterns) if _source is None else None
         self.label_offset, self.num_classes = _resolve_labels(
             self.label_map, label_offset, num_classes
         )
@@ -412,7 +423,8 @@ class ImageNetInput:
         messages = {
             sources.OK: "",
             sources.TRUNCATED_FILE: "is where the file stops being readable: it is truncated or "
-            "corrupted (its size does not match its records). Copy or write the file again." + skip,
+            "corrupted (its records do not add up to its size, or to its count in "
+            f"{LABEL_MAP_FILE}). Copy or write the file again." + skip,
             sources.NOT_AN_EXAMPLE: "is not a serialized tf.train.Example. Check that the file "
             "pattern "
             "names TFRecord files of Examples only." + skip,

@@ -14,12 +14,14 @@ The label map, `labels.json` next to the shards, says what the stored labels mea
       "num_classes": 3,
       "classes": [{"id": 0, "name": "cat", "stored_label": 1}, ...],
       "examples": {"train": 540, "validation": 60},
-      "examples_per_class": {"train": [180, 180, 180], "validation": [20, 20, 20]}
+      "examples_per_class": {"train": [180, 180, 180], "validation": [20, 20, 20]},
+      "records_per_file": {"train-00000-of-00004": 135, ...}
     }
 
 A class's id is its index in `classes` (the label a model sees, 0-based); the record stores `id +
 label_offset`. `ImageNetInput` reads the map to learn `label_offset` and `num_classes`, so the
-reader cannot be configured with an offset the writer did not use. `labels.txt` (one class name a
+reader cannot be configured with an offset the writer did not use, and each file's record count, so
+that a file that stops early is found at no cost per record. `labels.txt` (one class name a
 line, in id order) is written beside it for tools that expect the classic file.
 """
 
@@ -122,6 +124,7 @@ class LabelMap:
       counts: examples per split, e.g. `{"train": 1617, "validation": 180}`.
       class_counts: examples per class, per split.
       path: the `labels.json` file read (empty for a map not read from a file).
+      record_counts: records per file, by file name (in the folder of `labels.json`).
     """
 
     class_names: tuple[str, ...]
@@ -129,6 +132,12 @@ class LabelMap:
     counts: Mapping[str, int] = dataclasses.field(default_factory=dict)
     class_counts: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     path: str = ""
+    record_counts: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    def record_counts_by_path(self) -> dict[str, int]:
+        """`record_counts` keyed by each file's path (as a glob in that folder names it)."""
+        directory = os.path.dirname(self.path)
+        return {os.path.join(directory, name): n for name, n in self.record_counts.items()}
 
     @property
     def num_classes(self) -> int:
@@ -142,6 +151,7 @@ def write_label_map(
     label_offset: int,
     counts: Mapping[str, int] | None = None,
     class_counts: Mapping[str, Sequence[int]] | None = None,
+    record_counts: Mapping[str, int] | None = None,
 ) -> str:
     """Writes `labels.json` (and the classic `labels.txt`) into `output_dir`.
 
@@ -151,6 +161,7 @@ def write_label_map(
       label_offset: the stored label of class 0.
       counts: examples per split (`{"train": n, "validation": m}`).
       class_counts: examples per class per split, each a list in id order.
+      record_counts: records per file, by file name.
 
     Returns:
       The path of `labels.json`.
@@ -169,6 +180,7 @@ def write_label_map(
         "examples_per_class": {
             split: [int(n) for n in per_class] for split, per_class in (class_counts or {}).items()
         },
+        "records_per_file": {str(name): int(n) for name, n in (record_counts or {}).items()},
     }
     path = os.path.join(output_dir, LABEL_MAP_FILE)
     with tf.io.gfile.GFile(os.path.join(output_dir, LABELS_TXT_FILE), "w") as f:
@@ -207,7 +219,8 @@ def _parse_label_map(path, text):
     class_counts = {
         str(k): tuple(int(n) for n in v) for k, v in content.get("examples_per_class", {}).items()
     }
-    return LabelMap(class_names, label_offset, counts, class_counts, path)
+    record_counts = {str(k): int(v) for k, v in content.get("records_per_file", {}).items()}
+    return LabelMap(class_names, label_offset, counts, class_counts, path, record_counts)
 
 
 def read_label_map(

@@ -44,6 +44,11 @@ _MISSING_IMAGE = b"\x00tpu_scale: missing image feature"
 _MISSING_LABEL = -(2**63)
 # Stands for the end of a file in the record stream; see `TFRecordSource._read_file`.
 _END_OF_FILE = b"\x00tpu_scale: end of file"
+# Stands for the end of a file whose record count is known, followed by that count in 20 digits;
+# see `TFRecordSource._read_counted_file`. Every such marker has the same length, so a batch of
+# records finds its markers by their lengths alone.
+_COUNTED_END = b"\x00tpu_scale: end of file; records: "
+_COUNT_DIGITS = 20
 # Bytes a TFRecord adds to each record: its length, the length's CRC and the data's CRC.
 _RECORD_OVERHEAD_BYTES = 16
 _PROBE_RECORDS = 16
@@ -74,17 +79,36 @@ class Shard:
     count: int = 1
 
 
+def expand_patterns(file_pattern):
+    """The list of globs in `file_pattern` (one glob or several), with `~` expanded as a shell would
+    (gfile does not); `gs://...` and other URLs are left as they are."""
+    patterns = [file_pattern] if isinstance(file_pattern, (str, bytes)) else list(file_pattern)
+    return [
+        os.path.expanduser(p) if isinstance(p, str) and p.startswith("~") else p for p in patterns
+    ]
+
+
 class TFRecordSource:
     """TFRecord files of `tf.train.Example`s with JPEG bytes and an int64 label (the classic
-    ImageNet layout)."""
+    ImageNet layout).
 
-    def __init__(self, file_pattern, image_key, label_key, read_buffer_bytes, cycle_length):
-        patterns = [file_pattern] if isinstance(file_pattern, (str, bytes)) else list(file_pattern)
-        # `~` as a shell would (gfile does not); `gs://...` and other URLs are left as they are.
-        self.patterns = [
-            os.path.expanduser(p) if isinstance(p, str) and p.startswith("~") else p
-            for p in patterns
-        ]
+    `record_counts` maps a file's path to the number of records written to it (`write_tfrecords`
+    keeps them in `labels.json`). When every file's count is known, a file that stops early is
+    found by comparing the records read with its count, which costs nothing per record; otherwise
+    by adding up the bytes of its records (see `_read_file`).
+    """
+
+    def __init__(
+        self,
+        file_pattern,
+        image_key,
+        label_key,
+        read_buffer_bytes,
+        cycle_length,
+        record_counts=None,
+    ):
+        self.patterns = expand_patterns(file_pattern)
+        self.record_counts = dict(record_counts or {})
         if not self.patterns:
             raise ValueError("file_pattern is empty: give a glob such as '/data/imagenet/train-*'.")
         self.image_key = image_key
@@ -149,8 +173,10 @@ class TFRecordSource:
             )
 
     def records(self, shard, *, repeat, shuffle_files, deterministic, seed, skip_corrupt=False):
-        """A dataset of `(origin, record_index, serialized_example, file_fault)` for this shard,
-        plus whether the shard still has to be cut at record level."""
+        """A dataset of `(origin, record_index, serialized_example, file_fault)` for this shard
+        (`(origin, record_index, serialized_example)` with end markers where every file's record
+        count is known; `parse` takes either), plus whether the shard still has to be cut at
+        record level."""
         files = self.list_files()
         with tf.init_scope():
             self.check_features(files[0], skip_corrupt)
@@ -167,10 +193,17 @@ class TFRecordSource:
             # Strided, deterministic assignment: pipeline i reads files i, i+n, i+2n, ... (balanced
             # shards).
             files = files[shard.index :: shard.count]
-        # The sizes let each file's reader tell a complete file from one that stops early.
-        with concurrent.futures.ThreadPoolExecutor(16) as pool:
-            sizes = list(pool.map(lambda path: tf.io.gfile.stat(path).length, files))
-        dataset = tf.data.Dataset.from_tensor_slices((files, tf.constant(sizes, tf.int64)))
+        # Each file's record count, or else its size, lets its reader tell a complete file from one
+        # that stops early. The skipping path parses records one at a time and needs the sizes.
+        counts = [self.record_counts.get(path) for path in files]
+        if None in counts or skip_corrupt:
+            with concurrent.futures.ThreadPoolExecutor(16) as pool:
+                sizes = list(pool.map(lambda path: tf.io.gfile.stat(path).length, files))
+            dataset = tf.data.Dataset.from_tensor_slices((files, tf.constant(sizes, tf.int64)))
+            read_file = self._read_file
+        else:
+            dataset = tf.data.Dataset.from_tensor_slices((files, tf.constant(counts, tf.int64)))
+            read_file = self._read_counted_file
         # Record-level sharding needs every pipeline to see the same record order, so nothing is
         # shuffled before the cut.
         if shuffle_files and not record_level and deterministic and repeat:
@@ -183,7 +216,7 @@ class TFRecordSource:
             # boundaries.
             dataset = dataset.repeat()
         dataset = dataset.interleave(
-            self._read_file,
+            read_file,
             cycle_length=min(self.cycle_length, len(files)),
             block_length=1,
             num_parallel_calls=AUTOTUNE,
@@ -225,9 +258,53 @@ class TFRecordSource:
         records = records.scan((tf.constant(0, tf.int64), tf.constant(0, tf.int64)), number)
         return records.unbatch()
 
+    def _read_counted_file(self, filename, count):
+        """The records of a file whose record count is known, numbered, and then an end marker that
+        carries the count.
+
+        Only TensorFlow's own datasets run per record (no function call): `parse` drops the marker
+        where the records before it add up to the count, and reports the file where they do not.
+        """
+        records = tf.data.TFRecordDataset(filename, buffer_size=self.read_buffer_bytes)
+        digits = tf.strings.as_string(count, width=_COUNT_DIGITS, fill="0")
+        end = tf.strings.join([_COUNTED_END, digits])
+        records = records.ignore_errors().concatenate(tf.data.Dataset.from_tensors(end))
+        return tf.data.Dataset.zip(
+            (tf.data.Dataset.from_tensors(filename).repeat(), tf.data.Dataset.range(2**62), records)
+        )
+
+    @staticmethod
+    def _check_counted_ends(origin, index, serialized):
+        """A batch of `_read_counted_file` records with its end markers checked: a marker whose
+        file gave as many records as its count is dropped; one that did not stays, as the record
+        where the file stopped, with its fault flag set."""
+        may_end = tf.equal(tf.strings.length(serialized), len(_COUNTED_END) + _COUNT_DIGITS)
+
+        def check():
+            at_end = may_end & tf.equal(
+                tf.strings.substr(serialized, 0, len(_COUNTED_END)), _COUNTED_END
+            )
+            digits = tf.strings.substr(serialized, len(_COUNTED_END), _COUNT_DIGITS)
+            count = tf.strings.to_number(tf.where(at_end, digits, "0"), tf.int64)
+            file_fault = at_end & tf.not_equal(index, count)
+            kept = file_fault | tf.logical_not(at_end)
+            return tuple(
+                tf.boolean_mask(part, kept) for part in (origin, index, serialized, file_fault)
+            )
+
+        # Only a batch that holds a marker is masked: masking copies every record.
+        return tf.cond(
+            tf.reduce_any(may_end),
+            check,
+            lambda: (origin, index, serialized, tf.zeros_like(may_end)),
+        )
+
     def parse(self, record):
         """`(origin, index, image_bytes, label, fault)` of one record, or of a batch of them (each
-        part then a vector)."""
+        part then a vector; a batch of records from files of known counts comes out without its
+        end markers, but for a file that stopped early)."""
+        if len(record) == 3:
+            record = self._check_counted_ends(*record)
         origin, index, serialized, file_fault = record
         is_example = is_serialized_example(serialized)
         # A record that is not an Example is parsed as an empty one, so the parser cannot fail on

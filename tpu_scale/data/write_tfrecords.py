@@ -471,7 +471,7 @@ def write_tfrecords(
             for reason, paths in shard_skipped.items():
                 skipped.setdefault(reason, []).extend(sorted(paths))
             if written:
-                written_shards[split].append(path)
+                written_shards[split].append((path, written))
             else:
                 tf.io.gfile.remove(path)  # every image of the shard was skipped
         failed = {r: p for r, p in skipped.items() if r in (UNDECODABLE, CORRUPT_JPEG, UNREADABLE)}
@@ -484,16 +484,19 @@ def write_tfrecords(
             raise ValueError(
                 f"No usable image in {image_dir!r}; {_error_listing('skipped', skipped)}."
             )
-        split_paths = {}
-        for split, paths in written_shards.items():
+        split_paths, record_counts = {}, {}
+        for split, shards in written_shards.items():
             split_paths[split] = []
-            for index, path in enumerate(paths):
-                final = f"{split}-{index:05d}-of-{len(paths):05d}"
+            for index, (path, written) in enumerate(shards):
+                final = f"{split}-{index:05d}-of-{len(shards):05d}"
                 tf.io.gfile.rename(path, os.path.join(staging_dir, final))
                 split_paths[split].append(os.path.join(output_dir, final))
+                record_counts[final] = written
         split_counts = {split: n for split, n in split_counts.items() if n}
         class_counts = {split: class_counts[split] for split in split_counts}
-        write_label_map(staging_dir, class_names, label_offset, split_counts, class_counts)
+        write_label_map(
+            staging_dir, class_names, label_offset, split_counts, class_counts, record_counts
+        )
         _publish(staging_dir, output_dir, replace)
     except BaseException:
         _remove(staging_dir)
