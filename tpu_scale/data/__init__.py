@@ -11,22 +11,33 @@ exif                     a JPEG's EXIF orientation, and the pixels turned uprigh
 
 import importlib
 
-from tpu_scale.data import image_ops
-from tpu_scale.data.input_pipeline import ImageNetInput
-from tpu_scale.data.schema import LabelMap, read_label_map
-from tpu_scale.data.synthetic import SyntheticImageNetInput, make_synthetic_imagenet
+# Each public name and the module that defines it, imported on first use: `python -m
+# tpu_scale.data.write_tfrecords` then reaches its own module before anything imports TensorFlow
+# (so that the command line can quiet TensorFlow's start-up lines), and a module that `-m` runs is
+# not already imported.
+_PUBLIC = {
+    "ImageNetInput": "tpu_scale.data.input_pipeline",
+    "LabelMap": "tpu_scale.data.schema",
+    "read_label_map": "tpu_scale.data.schema",
+    "SyntheticImageNetInput": "tpu_scale.data.synthetic",
+    "make_synthetic_imagenet": "tpu_scale.data.synthetic",
+    "write_tfrecords": "tpu_scale.data.write_tfrecords",
+    "TFRecordSummary": "tpu_scale.data.write_tfrecords",
+}
+_SUBMODULES = ("image_ops", "exif")
 
 
 def __getattr__(name):
-    # `write_tfrecords` is both a function and the module `python -m tpu_scale.data.write_tfrecords`
-    # runs. Importing the module lazily keeps `-m` from finding it already imported; the public name
-    # stays the function (importing a submodule would otherwise bind the module to it).
-    if name in ("write_tfrecords", "TFRecordSummary"):
-        module = importlib.import_module("tpu_scale.data.write_tfrecords")
-        globals()["write_tfrecords"] = module.write_tfrecords
-        globals()["TFRecordSummary"] = module.TFRecordSummary
-        return globals()[name]
-    raise AttributeError(f"module 'tpu_scale.data' has no attribute {name!r}")
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"tpu_scale.data.{name}")
+    else:
+        raise AttributeError(f"module 'tpu_scale.data' has no attribute {name!r}")
+    # The public name `write_tfrecords` stays the function, though importing the submodule of that
+    # name binds the module to it.
+    globals()[name] = value
+    return value
 
 
 __all__ = [

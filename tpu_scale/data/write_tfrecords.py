@@ -46,16 +46,21 @@ import random
 import sys
 from collections.abc import Sequence
 
-import tensorflow as tf
+if __name__ == "__main__":
+    # The command line, before TensorFlow loads: its C++ start-up lines, and the warning it logs
+    # for each image that fails to decode, are noise here (the summary names every skipped file).
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from tpu_scale.data import exif, image_ops
-from tpu_scale.data.output_dir import (
+import tensorflow as tf  # noqa: E402
+
+from tpu_scale.data import exif, image_ops  # noqa: E402
+from tpu_scale.data.output_dir import (  # noqa: E402
     _check_output_dir,
     _make_staging_dir,
     _publish,
     _remove,
 )
-from tpu_scale.data.schema import LABEL_MAP_FILE, make_example, write_label_map
+from tpu_scale.data.schema import LABEL_MAP_FILE, make_example, write_label_map  # noqa: E402
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".gif", ".bmp", ".webp")
 DEFAULT_VALIDATION_FRACTION = 0.1
