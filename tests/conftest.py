@@ -40,8 +40,8 @@ NUMPY_ONLY = {"test_mesh.py", "test_plan.py", "test_torus_schedule.py"}
 
 _tensorflow_ready = False
 
-# The slowest test takes about 2 minutes here (a training run killed and resumed, in subprocesses).
-TEST_TIMEOUT = float(os.environ.get("TPU_SCALE_TEST_TIMEOUT", 900))
+# The slowest test takes under a minute here (a training run killed and resumed, in subprocesses).
+TEST_TIMEOUT = float(os.environ.get("TPU_SCALE_TEST_TIMEOUT", 600))
 _terminal = None  # the run's real stderr, which pytest's output capturing does not swallow
 
 
@@ -58,7 +58,7 @@ def pytest_configure(config):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     # faulthandler's timer is a C thread: it fires even while the test is blocked in TensorFlow.
-    # The report starts with "Timeout (0:15:00)!"; xdist then names the test its worker ran.
+    # The report starts with "Timeout (0:10:00)!"; xdist then names the test its worker ran.
     faulthandler.dump_traceback_later(TEST_TIMEOUT, exit=True, file=_terminal)
     try:
         yield
