@@ -367,7 +367,7 @@ def _refuse_image_folder(data_dir):
     than records."""
     import tensorflow as tf
 
-    from tpu_scale.data.write_tfrecords import IMAGE_EXTENSIONS
+    from tpu_scale.data.image_folder import IMAGE_EXTENSIONS
 
     if tf.io.gfile.glob(os.path.join(data_dir, "train-*")):
         return

@@ -7,6 +7,7 @@ read_label_map           the label map next to the shards: classes, label offset
 make_synthetic_imagenet  a small, learnable dataset of real JPEGs in that layout
 image_ops                fused decode-and-crop, scaled decode, center crop, normalization
 exif                     a JPEG's EXIF orientation, and the pixels turned upright (the writer's)
+image_folder             which files of a folder of class folders the writer converts, and which not
 """
 
 import importlib
@@ -24,7 +25,7 @@ _PUBLIC = {
     "write_tfrecords": "tpu_scale.data.write_tfrecords",
     "TFRecordSummary": "tpu_scale.data.write_tfrecords",
 }
-_SUBMODULES = ("image_ops", "exif")
+_SUBMODULES = ("image_ops", "exif", "image_folder")
 
 
 def __getattr__(name):

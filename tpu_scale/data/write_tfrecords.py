@@ -23,7 +23,9 @@ What is checked, so that training never meets a bad image:
     or mirrored (phone and camera photos) is turned upright and re-encoded, as a viewer shows it;
     the decoder alone ignores the tag. Undecodable or truncated files are skipped, counted and
     named in the summary.
-  - Files of other types (`.txt`, `.tiff`, ...) are skipped, counted and named.
+  - Images in folders nested inside a class folder belong to that class (as Keras's
+    `image_dataset_from_directory` reads them); hidden folders are not searched. Files of other
+    types (`.txt`, `.tiff`, ...) are skipped, counted and named (`tpu_scale.data.image_folder`).
   - Class folders without images are skipped with a warning and get no id: the ids are those of the
     non-empty classes in sorted folder order, and the summary lists the skipped folders.
   - `--strict` turns every skipped file and empty class folder into an error naming them.
@@ -54,6 +56,10 @@ if __name__ == "__main__":
 import tensorflow as tf  # noqa: E402
 
 from tpu_scale.data import exif, image_ops  # noqa: E402
+from tpu_scale.data.image_folder import (  # noqa: E402
+    IMAGE_EXTENSIONS,
+    list_class_folders,
+)
 from tpu_scale.data.output_dir import (  # noqa: E402
     _check_output_dir,
     _make_staging_dir,
@@ -62,7 +68,6 @@ from tpu_scale.data.output_dir import (  # noqa: E402
 )
 from tpu_scale.data.schema import LABEL_MAP_FILE, make_example, write_label_map  # noqa: E402
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".gif", ".bmp", ".webp")
 DEFAULT_VALIDATION_FRACTION = 0.1
 # About 110 MB of ImageNet-sized JPEGs per shard; at least `_MIN_SHARDS` files so that several hosts
 # and the reader's parallel interleave have files to share.
@@ -72,12 +77,10 @@ _REENCODE_QUALITY = 95
 _MAX_NAMES = 10
 
 # Why a file was skipped (the keys of `TFRecordSummary.skipped`).
-UNSUPPORTED_TYPE = "unsupported file type"
 UNDECODABLE = "not a decodable image"
 CORRUPT_JPEG = "truncated or corrupt JPEG"
 UNREADABLE = "unreadable file"
-NOT_IN_CLASS_FOLDER = "not in a class folder"
-NESTED_FOLDER = "folder inside a class folder (not searched)"
+# ... and those of the folders' listing (`image_folder`: unsupported type, hidden folder, ...).
 
 
 @dataclasses.dataclass
@@ -225,46 +228,6 @@ def _as_rgb_jpeg(image_bytes):
     return jpeg, int(image.shape[0]), int(image.shape[1]), True
 
 
-@dataclasses.dataclass
-class _Listing:
-    files_by_class: dict[str, list[str]]
-    empty_classes: list[str]
-    skipped: dict[str, list[str]]
-
-
-def _list_class_folders(image_dir, flag):
-    if not tf.io.gfile.isdir(image_dir):
-        raise ValueError(f"{flag} {image_dir!r} is not a directory.")
-    entries = sorted(name.rstrip("/") for name in tf.io.gfile.listdir(image_dir))
-    class_names = [name for name in entries if tf.io.gfile.isdir(os.path.join(image_dir, name))]
-    if not class_names:
-        raise ValueError(
-            f"{image_dir!r} has no sub-folders: put each class's images in their own sub-folder "
-            f"({image_dir}/<class name>/<image>.jpg)."
-        )
-    skipped = {}
-    for name in entries:
-        if name not in class_names:
-            skipped.setdefault(NOT_IN_CLASS_FOLDER, []).append(os.path.join(image_dir, name))
-    files_by_class, empty_classes = {}, []
-    for class_name in class_names:
-        class_dir = os.path.join(image_dir, class_name)
-        images = []
-        for name in sorted(n.rstrip("/") for n in tf.io.gfile.listdir(class_dir)):
-            path = os.path.join(class_dir, name)
-            if tf.io.gfile.isdir(path):
-                skipped.setdefault(NESTED_FOLDER, []).append(path)
-            elif name.lower().endswith(IMAGE_EXTENSIONS):
-                images.append(path)
-            else:
-                skipped.setdefault(UNSUPPORTED_TYPE, []).append(path)
-        if images:
-            files_by_class[class_name] = images
-        else:
-            empty_classes.append(class_name)
-    return _Listing(files_by_class, empty_classes, skipped)
-
-
 def _validation_count(num_images, fraction):
     # Rounded per class; every class keeps at least one training image, and a class of two or more
     # images gives at least one to validation (10% of a small class would round to none, leaving
@@ -397,7 +360,7 @@ def write_tfrecords(
             raise ValueError(f"{flag} must be at least 1, got {value}.")
     output_dir = os.fspath(output_dir).rstrip("/") or "/"
 
-    listing = _list_class_folders(image_dir, "image_dir")
+    listing = list_class_folders(image_dir, "image_dir")
     class_names = list(listing.files_by_class)
     class_ids = {name: index for index, name in enumerate(class_names)}
     skipped = {reason: list(paths) for reason, paths in listing.skipped.items()}
@@ -417,7 +380,7 @@ def write_tfrecords(
         listing.files_by_class, class_ids, validation_fraction, seed
     )
     if validation_dir is not None:
-        val_listing = _list_class_folders(validation_dir, "validation_dir")
+        val_listing = list_class_folders(validation_dir, "validation_dir")
         unknown = sorted(set(val_listing.files_by_class) - set(class_ids))
         if unknown:
             raise ValueError(
