@@ -1,10 +1,15 @@
 """Input pipeline throughput: `ImageNetInput` against the decode limit and two other pipelines.
 
 On generated ImageNet-like JPEG TFRecords (about 500x375, quality 90, about 100 KB each, multi-scale
-noise so the files compress like photographs), in one run, images per second of:
+noise so the files compress like photographs), with the `labels.json` that `write_tfrecords` puts
+beside its shards (each file's record count among its contents), in one run, images per second of:
 
   ours          `tpu_scale.data.ImageNetInput(..., is_training=True)`: the full training path
                 (fused decode-and-crop, resize, flip, normalize, batch), default options.
+  ours_uint8_classic
+                the uint8 path on the same files without `labels.json`, as the classic ImageNet
+                conversion leaves them: the reader then adds up each file's bytes to find a file
+                that stops early, instead of comparing its record count.
   tfm           tf-models-official's ImageNet classification input (`classification_input.Decoder`
                 and `Parser` under its `InputReader`, as its image classification task builds them)
                 on the same files; it pins its own TensorFlow, so it runs with another environment's
@@ -114,7 +119,8 @@ def generate_records(directory, num_images, num_shards, seed=0, images="noise"):
     done = os.path.join(directory, "DONE")
     if os.path.exists(done):
         with open(done) as f:
-            return json.load(f)
+            info = json.load(f)
+        return _with_label_map(directory, info)
     os.makedirs(directory, exist_ok=True)
     rng = np.random.default_rng(seed)
     # Mostly landscape 500x375, as in ImageNet; some portrait and other aspect ratios.
@@ -148,7 +154,30 @@ def generate_records(directory, num_images, num_shards, seed=0, images="noise"):
     }
     with open(done, "w") as f:
         json.dump(info, f)
-    return info
+    return _with_label_map(directory, info)
+
+
+def _with_label_map(directory, info):
+    """Adds what `write_tfrecords` writes beside its shards (`labels.json`, with each file's record
+    count) and a `classic/` folder that links the same shards without it, as the classic ImageNet
+    conversion leaves them (the reader then counts each file's bytes). Returns `info` with the
+    pattern of the classic files."""
+    from tpu_scale.data.schema import LABEL_MAP_FILE, write_label_map
+
+    num_images, num_shards = info["num_images"], info["num_shards"]
+    names = [f"train-{i:05d}-of-{num_shards:05d}" for i in range(num_shards)]
+    if not os.path.exists(os.path.join(directory, LABEL_MAP_FILE)):
+        # Example i went to shard i % num_shards.
+        counts = {name: len(range(i, num_images, num_shards)) for i, name in enumerate(names)}
+        write_label_map(
+            directory, [f"class_{i}" for i in range(1000)], 1, {"train": num_images}, None, counts
+        )
+    classic = os.path.join(directory, "classic")
+    os.makedirs(classic, exist_ok=True)
+    for name in names:
+        if not os.path.lexists(os.path.join(classic, name)):
+            os.symlink(os.path.join(directory, name), os.path.join(classic, name))
+    return dict(info, classic_pattern=os.path.join(classic, "train-*"))
 
 
 # --------------------------------------------------------------------------- workers (one per
@@ -452,6 +481,7 @@ def markdown_table(result):
         "ours": "ours: `ImageNetInput` training path",
         "ours_bfloat16": "ours, dtype='bfloat16'",
         "ours_uint8": "ours, dtype='uint8' (normalized on the device)",
+        "ours_uint8_classic": "ours, dtype='uint8', classic files (no labels.json: bytes counted)",
         "tfm": "tf-models-official classification input",
         "naive": "naive: sequential read, full decode, resize",
         "decode_limit": f"decode limit: {pipelines['decode_limit']['cores']} cores x one-core "
@@ -463,7 +493,15 @@ def markdown_table(result):
         "| ours / this (CPU time) |",
         "|---|---|---|---|---|---|",
     ]
-    for name in ("ours", "ours_bfloat16", "ours_uint8", "tfm", "naive", "decode_limit"):
+    for name in (
+        "ours",
+        "ours_bfloat16",
+        "ours_uint8",
+        "ours_uint8_classic",
+        "tfm",
+        "naive",
+        "decode_limit",
+    ):
         entry = pipelines[name]
         if "skipped" in entry:
             lines.append(f"| {labels[name]} | skipped: {entry['skipped']} | | | | |")
@@ -533,7 +571,8 @@ def main(argv=None):
     )
 
     cores = len(os.sched_getaffinity(0))
-    names = ["ours", "ours_bfloat16", "ours_uint8", "naive", "decode_one_core"]
+    names = ["ours", "ours_bfloat16", "ours_uint8", "ours_uint8_classic", "naive"]
+    names += ["decode_one_core"]
     names += ["tfm"] if args.tfm_python else []
     # Like for like: the uint8 path and the floor on one core each, and the floor on every core.
     names += ["ours_uint8_one_core", "floor", "floor_every_core"]
@@ -549,6 +588,9 @@ def main(argv=None):
             extra = {"core": round_index % cores} if pinned else {}
             if name == "floor_every_core":
                 result = _spawn_on_every_core("floor", info, args, cores)
+            elif name == "ours_uint8_classic":
+                classic = dict(info, pattern=info["classic_pattern"])
+                result = _spawn(python, "ours_uint8", classic, args)
             else:
                 result = _spawn(python, name, info, args, **extra)
             rates[name] += result["images_per_second"]
@@ -613,7 +655,7 @@ def main(argv=None):
         dtype: {
             "cpu_ms_per_image": pipelines[name]["cpu_ms_per_image"],
             "images_per_second": pipelines[name]["median"],
-            "bytes_per_image": IMAGE_SIZE * IMAGE_SIZE * 3 * OUTPUT_BYTES[dtype],
+            "bytes_per_image": IMAGE_SIZE * IMAGE_SIZE * 3 * OUTPUT_BYTES[dtype.split(",")[0]],
             "peak_rss_mb": pipelines[name]["peak_rss_mb"],
             "cpu_over_floor": round(pipelines[name]["cpu_ms_per_image"] / floor, 3),
         }
@@ -621,12 +663,12 @@ def main(argv=None):
             ("float32", "ours"),
             ("bfloat16", "ours_bfloat16"),
             ("uint8", "ours_uint8"),
+            ("uint8, classic files", "ours_uint8_classic"),
         )
     }
     if args.tfm_python:
-        ratios["ours_uint8/tfm"] = round(
-            pipelines["ours_uint8"]["median"] / pipelines["tfm"]["median"], 3
-        )
+        for name in ("ours_uint8", "ours_uint8_classic"):
+            ratios[f"{name}/tfm"] = round(pipelines[name]["median"] / pipelines["tfm"]["median"], 3)
     # The same work measured two ways, to tell tf.data's own cost from what running on every core
     # costs the kernels themselves (shared caches and memory bandwidth, and on a virtual machine
     # its neighbours): the uint8 path pinned to one core against the one-core floor, and on every
