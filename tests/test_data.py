@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import tpu_scale.strategy  # its MirroredStrategy has private collective keys: tests share a process
 from tpu_scale.data import ImageNetInput, SyntheticImageNetInput, image_ops, make_synthetic_imagenet
-from tpu_scale.data.schema import make_example
+from tpu_scale.data.schema import make_example, read_label_map
 
 NUM_CLASSES = 5
 STEP = 8  # colour levels per code unit: JPEG errors on flat colours stay well below STEP / 2
@@ -832,6 +832,14 @@ def test_synthetic_imagenet_is_deterministic_and_learnable(tmp_path):
     make_synthetic_imagenet(str(tmp_path / "b"), **kwargs)
     for name in sorted(os.listdir(tmp_path / "a")):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    # The label map gives each file's record count, as the writer's does.
+    counts = read_label_map(str(tmp_path / "a")).record_counts
+    assert counts == {
+        name: sum(1 for _ in tf.data.TFRecordDataset(str(tmp_path / "a" / name)))
+        for name in os.listdir(tmp_path / "a")
+        if "-of-" in name
+    }
+    assert sum(counts.values()) == 120
 
     def features_and_labels(pattern, is_training):
         inp = ImageNetInput(

@@ -70,7 +70,14 @@ def _write_split(path_prefix, num_examples, num_shards, styles, image_shape, rng
     finally:
         for writer in writers:
             writer.close()
-    return f"{path_prefix}-*-of-{num_shards:05d}"
+    # Example i went to file i % num_shards.
+    counts = {
+        f"{os.path.basename(path_prefix)}-{index:05d}-of-{num_shards:05d}": len(
+            range(index, num_examples, num_shards)
+        )
+        for index in range(num_shards)
+    }
+    return f"{path_prefix}-*-of-{num_shards:05d}", counts
 
 
 def make_synthetic_imagenet(
@@ -106,7 +113,7 @@ def make_synthetic_imagenet(
     tf.io.gfile.makedirs(output_dir)
     rng = np.random.default_rng(seed)
     styles = _class_styles(num_classes)
-    train = _write_split(
+    train, train_counts = _write_split(
         os.path.join(output_dir, "train"),
         train_examples,
         num_train_shards,
@@ -114,7 +121,7 @@ def make_synthetic_imagenet(
         image_shape,
         rng,
     )
-    validation = _write_split(
+    validation, validation_counts = _write_split(
         os.path.join(output_dir, "validation"),
         eval_examples,
         num_eval_shards,
@@ -122,12 +129,14 @@ def make_synthetic_imagenet(
         image_shape,
         rng,
     )
-    # The same label map the writer leaves, so readers take classes, offset and counts from it.
+    # The same label map the writer leaves, so readers take classes, offset and counts from it (and
+    # each file's record count).
     write_label_map(
         output_dir,
         [f"class_{label:03d}" for label in range(num_classes)],
         label_offset=1,
         counts={"train": train_examples, "validation": eval_examples},
+        record_counts={**train_counts, **validation_counts},
     )
     return {"train": train, "validation": validation, "num_classes": num_classes}
 
