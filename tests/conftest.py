@@ -55,6 +55,11 @@ def pytest_configure(config):
         _terminal = os.fdopen(os.dup(sys.stderr.fileno()), "w")
 
 
+def pytest_unconfigure(config):
+    if _terminal not in (None, sys.stderr):
+        _terminal.close()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     # faulthandler's timer is a C thread: it fires even while the test is blocked in TensorFlow.
