@@ -638,6 +638,31 @@ def test_files_of_known_count_are_read_without_counting_bytes(tmp_path, monkeypa
         assert sorted(ids) == sorted(good)
 
 
+@pytest.mark.parametrize("cut", [0, 30])
+def test_files_of_known_count_shared_record_by_record(tmp_path, cut):
+    # One file for three input pipelines: each keeps every third record of the same stream, end
+    # marker included. Together they read every example once, and a cut file is still named.
+    pattern, good = write_records_with(
+        str(tmp_path), {}, num_files=1, per_file=11, cut_last_file_bytes=cut
+    )
+    write_record_counts(str(tmp_path), [11])
+    with pytest.warns(UserWarning, match="every pipeline reads every file"):
+        inp = make_input(pattern, is_training=False, global_batch_size=6, num_classes=NUM_CLASSES)
+        datasets = [inp.dataset(context(index, 3)) for index in range(3)]
+    if cut:
+        where = r"(?s)Record\] \[10\].*labels\.json"
+        with pytest.raises(tf.errors.InvalidArgumentError, match=where):
+            for dataset in datasets:
+                collect(dataset)
+        return
+    ids = []
+    for dataset in datasets:
+        found, labels, _ = collect(dataset)
+        assert labels == [i % NUM_CLASSES for i in found]
+        ids.extend(found)
+    assert sorted(ids) == sorted(good)
+
+
 @pytest.mark.parametrize("written,counted", [(6, 7), (7, 6)])
 def test_a_file_whose_count_disagrees_with_the_label_map_is_named(tmp_path, written, counted):
     # A file with fewer or more records than its count in labels.json (a file replaced after the
