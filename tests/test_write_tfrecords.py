@@ -388,6 +388,45 @@ def test_command_line(tmp_path):
         write_module.main(["--image_dir", str(tmp_path / "nothing"), "--output_dir", str(tmp_path)])
 
 
+def test_progress_counts_every_image_once_and_the_command_line_shows_it(tmp_path, monkeypatch):
+    image_dir = str(tmp_path / "images")
+    write_digit_folders(image_dir, indices=range(40))  # and 2 broken image files
+    calls = []
+    write_tfrecords(
+        image_dir, str(tmp_path / "out"), num_threads=3, progress=lambda *c: calls.append(c)
+    )
+    assert [done for done, _ in calls] == list(range(1, 43))
+    assert {total for _, total in calls} == {42}
+
+    class Stream(io.StringIO):
+        def __init__(self, terminal):
+            super().__init__()
+            self.terminal = terminal
+
+        def isatty(self):
+            return self.terminal
+
+    clock = iter(range(100))
+    monkeypatch.setattr(write_module.time, "monotonic", lambda: float(next(clock)))
+    log = Stream(terminal=False)
+    line = write_module._ProgressLine(log, interval=2.5)  # started at t=0
+    for done in range(1, 11):  # at t = 1, 2, ..., 10
+        line(done, 10)
+    # A log gets a line every 2.5 s and one at the end.
+    assert log.getvalue().splitlines() == [
+        "images: 3/10 (30%), 1/s, 7 s left",
+        "images: 6/10 (60%), 1/s, 4 s left",
+        "images: 9/10 (90%), 1/s, 1 s left",
+        "images: 10/10 (100%), 1/s, 0 s left",
+    ]
+    terminal = Stream(terminal=True)
+    line = write_module._ProgressLine(terminal, interval=0)
+    line(1, 2)
+    line(2, 2)
+    # A terminal gets one line, rewritten in place, ended once all is done.
+    assert terminal.getvalue().count("\n") == 1 and terminal.getvalue().count("\r") == 2
+
+
 def test_small_classes_still_give_validation_and_one_class_is_refused(tmp_path):
     # Three digits per class: 10% rounds to none, yet every class keeps one for validation.
     write_digit_folders(str(tmp_path / "small"), indices=range(30), bad_files=False)

@@ -46,7 +46,9 @@ import math
 import os
 import random
 import sys
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 
 if __name__ == "__main__":
     # The command line, before TensorFlow loads: its C++ start-up lines, and the warning it logs
@@ -256,7 +258,7 @@ def default_num_shards(num_images: int) -> int:
     return max(1, min(num_images, max(_MIN_SHARDS, math.ceil(num_images / EXAMPLES_PER_SHARD))))
 
 
-def _write_shard(path, images, class_names, label_offset):
+def _write_shard(path, images, class_names, label_offset, progress):
     """Writes one shard; returns (examples written, re-encoded, per-class counts, skipped by
     reason)."""
     reencoded, written = 0, 0
@@ -264,6 +266,8 @@ def _write_shard(path, images, class_names, label_offset):
     skipped = {}
     with tf.io.TFRecordWriter(path) as writer:
         for image_path, class_id in images:
+            if progress is not None:
+                progress(1)
             try:
                 try:
                     with tf.io.gfile.GFile(image_path, "rb") as f:
@@ -289,6 +293,42 @@ def _write_shard(path, images, class_names, label_offset):
     return written, reencoded, per_class, skipped
 
 
+def _counter(progress, total):
+    """`add(n)`, safe to call from any thread, that hands the running count to `progress`."""
+    if progress is None:
+        return None
+    lock, done = threading.Lock(), [0]
+
+    def add(n):
+        with lock:
+            done[0] += n
+            progress(done[0], total)
+
+    return add
+
+
+class _ProgressLine:
+    """The command line's progress: images taken up, rate and time left, on one line rewritten in
+    place on a terminal, or a line every `interval` seconds in a log."""
+
+    def __init__(self, stream=sys.stderr, interval=None):
+        self.stream, self.terminal = stream, stream.isatty()
+        self.interval = interval if interval is not None else (0.5 if self.terminal else 30.0)
+        self.started = self.shown = time.monotonic()
+
+    def __call__(self, done, total):
+        now = time.monotonic()
+        if now - self.shown < self.interval and done < total:
+            return
+        self.shown, rate = now, done / max(now - self.started, 1e-9)
+        left = (total - done) / rate
+        line = f"images: {done:,}/{total:,} ({done / total:.0%}), {rate:,.0f}/s, {left:,.0f} s left"
+        end = "\n" if done == total or not self.terminal else ""
+        if self.terminal:
+            line = "\r" + line.ljust(72)  # over the longer line it replaces
+        print(line, end=end, file=self.stream, flush=True)
+
+
 def _error_listing(what, by_reason):
     parts = [
         f"{reason} ({len(paths)}): {_names(paths)}" for reason, paths in sorted(by_reason.items())
@@ -309,6 +349,7 @@ def write_tfrecords(
     strict: bool = False,
     overwrite: bool = False,
     num_threads: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> TFRecordSummary:
     """Writes the images of `image_dir/<class>/` as `train-*` and `validation-*` TFRecord shards.
 
@@ -333,6 +374,8 @@ def write_tfrecords(
         images and empty class folders.
       overwrite: replace a conversion already in `output_dir`.
       num_threads: shards written at once (default: the CPU count).
+      progress: called as `progress(images_done, images_total)` as each image is taken up (from
+        the writing threads, one call at a time); the command line shows it as a progress line.
 
     Returns:
       A `TFRecordSummary`; `summary.describe()` is the report `main` prints.
@@ -417,9 +460,10 @@ def write_tfrecords(
             for index in range(count):
                 path = os.path.join(staging_dir, f"{split}-{index:05d}.incomplete")
                 tasks.append((split, path, items[index::count]))
+        taken = _counter(progress, len(train) + len(validation))
         with concurrent.futures.ThreadPoolExecutor(num_threads or os.cpu_count() or 1) as pool:
             futures = [
-                pool.submit(_write_shard, path, items, class_names, label_offset)
+                pool.submit(_write_shard, path, items, class_names, label_offset, taken)
                 for _, path, items in tasks
             ]
             try:
@@ -541,6 +585,7 @@ def main(argv: Sequence[str] | None = None) -> TFRecordSummary:
             strict=args.strict,
             overwrite=args.overwrite,
             num_threads=args.num_threads,
+            progress=_ProgressLine(),
         )
     except ValueError as error:
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
