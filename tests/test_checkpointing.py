@@ -339,6 +339,41 @@ def test_dead_or_frozen_peer_is_named(processes, tmp_path, signal_name, victim, 
         text,
     ), text[-3000:]
     why = "is not running" if signal_name == "SIGKILL" else "does not answer: frozen"
-    assert why in text
+    assert why in text, text[-3000:]
     assert "relaunch every worker with the same command" in text
     print(f"{signal_name} of task {victim}: the survivor exited after {seconds:.1f} s")
+
+
+def test_a_dying_peer_is_called_not_running_after_a_second_look(monkeypatch):
+    # A killed process's port accepts connections, unanswered, until its sockets close: the first
+    # probe finds it silent; the second look, after the socket closed, finds it not running.
+    import socket
+
+    import tensorflow as tf
+
+    from tpu_scale.checkpointing import peers
+    from tpu_scale.checkpointing.preemption import _Cluster
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)  # the kernel accepts; nobody answers
+    address = "127.0.0.1:%d" % listener.getsockname()[1]
+    me, peer = "/job:worker/replica:0/task:0", "/job:worker/replica:0/task:1"
+    cluster = _Cluster((me, peer), {me: "127.0.0.1:1", peer: address}, me)
+    error = tf.errors.UnavailableError(None, None, "Collective ops is aborted by: socket closed")
+
+    sleep = time.sleep
+    monkeypatch.setattr(peers.time, "sleep", lambda seconds: (listener.close(), sleep(0.05)))
+    explained = peers.explain_peer_failure(error, cluster, probe_timeout=0.5)
+    assert explained.tasks == (peer,)
+    assert f"{peer} ({address}): is not running" in str(explained)
+
+    # A peer that stays silent is frozen.
+    frozen = socket.socket()
+    frozen.bind(("127.0.0.1", 0))
+    frozen.listen(8)
+    address = "127.0.0.1:%d" % frozen.getsockname()[1]
+    cluster = _Cluster((me, peer), {me: "127.0.0.1:1", peer: address}, me)
+    monkeypatch.setattr(peers.time, "sleep", lambda seconds: None)
+    with frozen:
+        assert "does not answer: frozen" in str(peers.explain_peer_failure(error, cluster, 0.5))

@@ -3,6 +3,7 @@
 import contextlib
 import re
 import socket
+import time
 
 import tensorflow as tf
 
@@ -30,6 +31,7 @@ _PEER_ERRORS = (
 )
 _PEER_MARKERS = ("ollective", "heartbeat", "CoordinationService", "WorkerService", "/job:")
 _TASK = r"/job:\w+/replica:\d+/task:\d+"
+_SECOND_LOOK_SECONDS = 1.0
 
 
 def probe_task(address, timeout=2.0):
@@ -102,6 +104,12 @@ def explain_peer_failure(error, cluster, probe_timeout=2.0):
         for task in cluster.tasks
         if task != cluster.me
     }
+    # A killed process frees its memory before it closes its sockets, and meanwhile its port still
+    # accepts connections that nothing answers: look once more before calling a silent task frozen.
+    silent = [task for task, state in probes.items() if state == "silent"]
+    if silent:
+        time.sleep(_SECOND_LOOK_SECONDS)
+        probes.update({task: probe_task(cluster.addresses[task], probe_timeout) for task in silent})
     for task, state in probes.items():
         if state != "answers":
             blame(task, _PROBE_WORDS.get(state, state))
