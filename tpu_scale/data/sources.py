@@ -79,6 +79,13 @@ class Shard:
     count: int = 1
 
 
+def _without_complete_ends(parts, at_end, file_fault):
+    """The `parts` of a batch of records without its end markers, but for those that report a file
+    that stopped early (`file_fault`)."""
+    kept = file_fault | tf.logical_not(at_end)
+    return tuple(tf.boolean_mask(part, kept) for part in parts)
+
+
 def expand_patterns(file_pattern):
     """The list of globs in `file_pattern` (one glob or several), with `~` expanded as a shell would
     (gfile does not); `gs://...` and other URLs are left as they are."""
@@ -245,13 +252,11 @@ class TFRecordSource:
             at_end = tf.equal(batch, _END_OF_FILE)
             file_fault = at_end & tf.not_equal(read_before, size)
             numbered = (tf.fill([count], filename), index + tf.range(count), batch, file_fault)
-            # The end marker stays only where it reports a truncated file. Only the batch that holds
-            # it is masked: masking copies every record.
-            kept = file_fault | tf.logical_not(at_end)
+            # Only the batch that holds the end marker is masked: masking copies every record.
             numbered = tf.cond(
-                tf.reduce_all(kept),
+                tf.reduce_any(at_end),
+                lambda: _without_complete_ends(numbered, at_end, file_fault),
                 lambda: numbered,
-                lambda: tuple(tf.boolean_mask(part, kept) for part in numbered),
             )
             return (index + count, bytes_read + tf.reduce_sum(lengths)), numbered
 
@@ -287,10 +292,8 @@ class TFRecordSource:
             digits = tf.strings.substr(serialized, len(_COUNTED_END), _COUNT_DIGITS)
             count = tf.strings.to_number(tf.where(at_end, digits, "0"), tf.int64)
             file_fault = at_end & tf.not_equal(index, count)
-            kept = file_fault | tf.logical_not(at_end)
-            return tuple(
-                tf.boolean_mask(part, kept) for part in (origin, index, serialized, file_fault)
-            )
+            parts = (origin, index, serialized, file_fault)
+            return _without_complete_ends(parts, at_end, file_fault)
 
         # Only a batch that holds a marker is masked: masking copies every record.
         return tf.cond(
