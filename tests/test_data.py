@@ -245,7 +245,24 @@ def test_options_are_set(records):
     options = inp.dataset().options()
     assert options.threading.private_threadpool_size == 3
     assert options.experimental_optimization.map_and_batch_fusion
-    assert options.autotune.enabled and options.deterministic is False
+    assert options.autotune.enabled is False and options.deterministic is False
+
+
+def test_the_decode_runs_on_every_thread_of_the_pool(records):
+    # Autotuning is off, so an AUTOTUNE parallelism would stay at its start value (at most 16): a
+    # host with more cores than that must still decode on all of them.
+    from tensorflow.core.framework import graph_pb2
+
+    inp = make_input(records[0], is_training=True, global_batch_size=4, threadpool_size=37)
+    graph = graph_pb2.GraphDef.FromString(inp.dataset()._as_serialized_graph().numpy())
+    nodes = {node.name: node for node in graph.node}
+    (decode,) = [
+        node
+        for node in graph.node
+        if node.op == "ParallelMapDatasetV2" and nodes[node.input[0]].op == "UnbatchDataset"
+    ]
+    parallelism = nodes[decode.input[1]].attr["value"].tensor.int64_val
+    assert list(parallelism) == [37]
 
 
 def test_record_level_sharding_with_fewer_files_than_pipelines(tmp_path):

@@ -36,10 +36,14 @@ AUTOTUNE = tf.data.AUTOTUNE
 
 def _pipeline_options(*, deterministic, threadpool_size):
     options = tf.data.Options()
-    options.autotune.enabled = True
+    # No autotuning: the decode runs on every thread of the pool (`_decode`), which is what
+    # autotuning settles on for a CPU-bound map, and the model that autotuning keeps (a clock read
+    # and a bookkeeping step around every element of every stage, and its own thread) cost the
+    # uint8 training path 7% of its CPU per image on 2 cores (benchmarks/README.md).
+    options.autotune.enabled = False
     # One private pool sized to the host: the pipeline's threads do not compete with TF's inter-op
     # pool.
-    options.threading.private_threadpool_size = threadpool_size or os.cpu_count() or 1
+    options.threading.private_threadpool_size = threadpool_size
     # Parallelism comes from many examples in flight, not from splitting one resize across threads.
     options.threading.max_intra_op_parallelism = 1
     options.experimental_optimization.map_and_batch_fusion = True
@@ -247,6 +251,11 @@ class ImageNetInput:
         counts = self._skipped.numpy().tolist()
         return {name: count for name, count in zip(sources.FAULT_NAMES, counts) if count}
 
+    @property
+    def _threads(self):
+        """The threads of the pipeline's pool: the decode's parallelism."""
+        return self.threadpool_size or os.cpu_count() or 1
+
     def dataset(self, input_context: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
         """Builds the dataset of `(images, labels)` batches for one input pipeline.
 
@@ -310,9 +319,7 @@ class ImageNetInput:
                 examples = examples.filter(lambda images, labels: tf.size(labels) > 0)
         if self.pad_last_batch:
             examples = examples.map(lambda images, labels: _pad_batch(images, labels, batch_size))
-        options = _pipeline_options(
-            deterministic=deterministic, threadpool_size=self.threadpool_size
-        )
+        options = _pipeline_options(deterministic=deterministic, threadpool_size=self._threads)
         if self.skip_corrupt:
             options.experimental_optimization.inject_prefetch = False  # would read past the count
         examples = examples.with_options(options)
@@ -345,7 +352,9 @@ class ImageNetInput:
                 lambda *batch: self._parse_and_check(batch), num_parallel_calls=AUTOTUNE
             )
         data = data.unbatch()
-        return data.map(self._decode_example, num_parallel_calls=AUTOTUNE)
+        # One decode per thread of the pipeline's pool: autotuning is off (`_pipeline_options`),
+        # and AUTOTUNE would then stay at its start value, at most 16 however many cores a host has.
+        return data.map(self._decode_example, num_parallel_calls=self._threads)
 
     def _parse_and_check(self, records, draw=None):
         """Parses a batch of records, fails on any record fault, and gives each record its crop
@@ -511,9 +520,9 @@ class ImageNetInput:
 
         decoded = examples.interleave(
             guarded_decode,
-            cycle_length=2 * (self.threadpool_size or os.cpu_count() or 1),
+            cycle_length=2 * self._threads,
             block_length=1,
-            num_parallel_calls=AUTOTUNE,
+            num_parallel_calls=self._threads,
         )
         if not self.is_training:
             end_marker = (blank, tf.constant(_END_LABEL, tf.int32), tf.constant(sources.OK))
