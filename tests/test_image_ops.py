@@ -118,3 +118,34 @@ def test_resizes_that_skip_the_clip_stay_within_0_255(method, size):
     if method == "bilinear" and size == 301:
         cubic = tf.image.resize(noise, [size, size], method="bicubic").numpy()
         assert cubic.min() < 0 and cubic.max() > 255
+
+
+def test_whole_image_training_decode_and_eval_crop_fraction(photo):
+    jpeg, (height, width) = photo
+    full = tf.image.resize(tf.image.decode_jpeg(jpeg, channels=3), [32, 32])
+    whole = image_ops.decode_and_random_crop(jpeg, 32, tf.constant([3, 4]), area_range=None,
+                                             flip=False)
+    np.testing.assert_allclose(whole.numpy(), full.numpy(), atol=1e-3)
+    # Without the flip every seed gives the same whole image; with it, some seed mirrors it.
+    mirrored = [
+        image_ops.decode_and_random_crop(jpeg, 32, tf.constant([s, 0]), area_range=None).numpy()
+        for s in range(8)
+    ]
+    assert any(np.allclose(m, full.numpy()[:, ::-1], atol=1e-3) for m in mirrored)
+    square = min(height, width)
+    center = image_ops.decode_and_center_crop(jpeg, 32, crop_fraction=1.0)
+    top = (height - square + 1) // 2
+    left = (width - square + 1) // 2
+    expected = tf.image.resize(
+        tf.image.decode_jpeg(jpeg, channels=3)[top : top + square, left : left + square], [32, 32]
+    )
+    np.testing.assert_allclose(center.numpy(), expected.numpy(), atol=1e-3)
+
+
+def test_crop_area_range_bounds_the_box():
+    for seed in range(20):
+        window = image_ops.sample_crop_window(
+            tf.constant(400), tf.constant(400), tf.constant([seed, 1]), area_range=(0.5, 0.9)
+        ).numpy()
+        area = window[2] * window[3] / 400.0**2
+        assert 0.5 - 0.01 <= area <= 0.9 + 0.01 or tuple(window[2:]) == (350, 350)

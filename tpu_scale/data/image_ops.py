@@ -33,19 +33,20 @@ MAX_ATTEMPTS = 10
 _EOI_SEARCH_BYTES = 1024
 
 
-def center_crop_window(image_height, image_width):
-    """The reference evaluation crop: a centered square of `CENTER_CROP_FRACTION` (224 / 256) of the
-    short side, at every output size.
+def center_crop_window(image_height, image_width, crop_fraction=CENTER_CROP_FRACTION):
+    """The reference evaluation crop: a centered square of `crop_fraction` (by default 224 / 256) of
+    the short side, at every output size.
 
     Args:
       image_height: int32 scalar tensor, the full image height.
       image_width: int32 scalar tensor, the full image width.
+      crop_fraction: float in (0, 1], the square's side as a fraction of the short side.
 
     Returns:
       An int32 `[4]` tensor `[offset_y, offset_x, crop_height, crop_width]`.
     """
     short_side = tf.cast(tf.minimum(image_height, image_width), tf.float32)
-    crop_size = tf.cast(short_side * CENTER_CROP_FRACTION, tf.int32)
+    crop_size = tf.cast(short_side * crop_fraction, tf.int32)
     # A 1-pixel image would otherwise give an empty crop.
     crop_size = tf.maximum(crop_size, 1)
     offset_y = (image_height - crop_size + 1) // 2
@@ -235,6 +236,8 @@ def decode_and_random_crop(
     resize_method="bilinear",
     scaled_decode=False,
     dtype=tf.float32,
+    area_range=AREA_RANGE,
+    flip=True,
 ):
     """Fused training decode: random Inception box from the header, decode only that window, resize,
     flip.
@@ -248,6 +251,9 @@ def decode_and_random_crop(
         (`decode_window`).
       dtype: `tf.float32`, or `tf.uint8` for the pixels rounded by `to_uint8` (flipped after the
         rounding, a quarter of the bytes to move; the same values as rounding the float result).
+      area_range: (min, max) fraction of the image area the random box covers; None decodes the
+        whole image (no crop).
+      flip: whether half of the images are mirrored left to right.
 
     Returns:
       A `[image_size, image_size, 3]` tensor in `dtype` on the 0-255 scale.
@@ -257,23 +263,34 @@ def decode_and_random_crop(
     window_draws = _draws_per_window(MAX_ATTEMPTS)
     draws = tf.random.stateless_uniform([window_draws + 1], seed)
     shape = tf.image.extract_jpeg_shape(image_bytes)
-    window = _crop_window_from_draws(
-        shape[0],
-        shape[1],
-        draws[:window_draws],
-        AREA_RANGE,
-        ASPECT_RATIO_RANGE,
-        MAX_ATTEMPTS,
-    )
+    if area_range is None:
+        window = tf.stack([0, 0, shape[0], shape[1]])
+    else:
+        window = _crop_window_from_draws(
+            shape[0],
+            shape[1],
+            draws[:window_draws],
+            tuple(area_range),
+            ASPECT_RATIO_RANGE,
+            MAX_ATTEMPTS,
+        )
     image = decode_window(image_bytes, window, image_size if scaled_decode else None)
     image = tf.image.resize(image, [image_size, image_size], method=resize_method)
     if tf.as_dtype(dtype) == tf.uint8:
         image = to_uint8(image, resize_method)
+    if not flip:
+        return image
     return tf.cond(draws[window_draws] < 0.5, lambda: tf.reverse(image, [1]), lambda: image)
 
 
 def decode_and_center_crop(
-    image_bytes, image_size, *, resize_method="bilinear", scaled_decode=False, dtype=tf.float32
+    image_bytes,
+    image_size,
+    *,
+    resize_method="bilinear",
+    scaled_decode=False,
+    dtype=tf.float32,
+    crop_fraction=CENTER_CROP_FRACTION,
 ):
     """Evaluation decode: the reference center crop, decoded as a window, then resized.
 
@@ -283,12 +300,14 @@ def decode_and_center_crop(
       resize_method: a `tf.image.ResizeMethod` name.
       scaled_decode: as for `decode_and_random_crop`.
       dtype: as for `decode_and_random_crop`.
+      crop_fraction: the side of the centered square as a fraction of the short side; 1.0 with a
+        square image keeps all of it.
 
     Returns:
       A `[image_size, image_size, 3]` tensor in `dtype` on the 0-255 scale.
     """
     shape = tf.image.extract_jpeg_shape(image_bytes)
-    window = center_crop_window(shape[0], shape[1])
+    window = center_crop_window(shape[0], shape[1], crop_fraction)
     image = decode_window(image_bytes, window, image_size if scaled_decode else None)
     image = tf.image.resize(image, [image_size, image_size], method=resize_method)
     return to_uint8(image, resize_method) if tf.as_dtype(dtype) == tf.uint8 else image

@@ -111,6 +111,13 @@ class ImageNetInput:
         call gets its own job).
       threadpool_size: size of the private tf.data thread pool (default: the host's CPU count).
       resize_method: a `tf.image.ResizeMethod` name.
+      crop_area_range: training: (min, max) fraction of the image area the Inception random box
+        covers; `(0.08, 1.0)` is the ImageNet recipe's, a larger minimum augments less (small
+        datasets, short runs); None trains on the whole image. `schedules.recipe_for_batch` gives
+        one that fits the run.
+      random_flip: training: mirror half of the images left to right.
+      center_crop_fraction: evaluation: the side of the center crop as a fraction of the short
+        side (224 / 256 by default; 1.0 keeps a square image whole).
       scaled_decode: decode a crop window at least twice the output size (in both dimensions) at a
         libjpeg downscaling ratio of 2, 4 or 8 before the resize (`image_ops.decode_window`): less
         decode work for large photos, a measured PSNR bound against full-size decode + resize (see
@@ -142,6 +149,9 @@ class ImageNetInput:
         threadpool_size: int | None = None,
         resize_method: str = "bilinear",
         scaled_decode: bool = False,
+        crop_area_range: tuple[float, float] | None = image_ops.AREA_RANGE,
+        random_flip: bool = True,
+        center_crop_fraction: float = image_ops.CENTER_CROP_FRACTION,
         _source: Any = None,
     ):
         if global_batch_size < 1:
@@ -182,6 +192,19 @@ class ImageNetInput:
         self.threadpool_size = threadpool_size
         self.resize_method = resize_method
         self.scaled_decode = scaled_decode
+        if crop_area_range is not None and not 0 < crop_area_range[0] <= crop_area_range[1] <= 1:
+            raise ValueError(
+                f"crop_area_range={crop_area_range!r} must be (min, max) with 0 < min <= max <= 1, "
+                "e.g. (0.08, 1.0) for ImageNet; None trains on the whole image."
+            )
+        if not 0 < center_crop_fraction <= 1:
+            raise ValueError(
+                f"center_crop_fraction={center_crop_fraction} must be in (0, 1]: 0.875 is the "
+                "reference, 1.0 keeps the whole (square) image."
+            )
+        self.crop_area_range = None if crop_area_range is None else tuple(crop_area_range)
+        self.random_flip = random_flip
+        self.center_crop_fraction = center_crop_fraction
         self.label_map = read_label_map(expand_patterns(file_pattern)) if _source is None else None
         self.source = _source or TFRecordSource(
             file_pattern,
@@ -461,6 +484,8 @@ class ImageNetInput:
                 resize_method=self.resize_method,
                 scaled_decode=self.scaled_decode,
                 dtype=pixels,
+                area_range=self.crop_area_range,
+                flip=self.random_flip,
             )
         else:
             image = image_ops.decode_and_center_crop(
@@ -469,6 +494,7 @@ class ImageNetInput:
                 resize_method=self.resize_method,
                 scaled_decode=self.scaled_decode,
                 dtype=pixels,
+                crop_fraction=self.center_crop_fraction,
             )
         if self.dtype == tf.uint8:
             return image, label
