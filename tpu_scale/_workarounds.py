@@ -12,9 +12,12 @@ to tell it can go. Users never call these: `create_strategy` and the strategy cl
   quiet_cuda_probe          the spurious "failed call to cuInit" error on machines without a GPU
   empty_batch_convolutions  oneDNN convolutions give an empty batch the wrong shape on some CPUs
 
-One more lives in `keras_hook.py`, the only module that touches Keras's private API:
+Two more live in `keras_hook.py`, the only module that touches Keras's private API:
 
   build_from_one_replica    Keras 3 `evaluate` fails when replicas' first batches differ in size
+  accumulation_under_strategies
+                            Keras 3 `gradient_accumulation_steps` fails under a strategy
+                            (keras-team/keras#20582: `merge_call` inside the update's `cond`)
 """
 
 import contextlib

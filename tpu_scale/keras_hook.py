@@ -267,3 +267,163 @@ def build_from_one_replica():
 
     trainer.TensorFlowTrainer._maybe_symbolic_build = maybe_symbolic_build
     _build_from_one_replica_applied = True
+
+
+# --------------------------------------------------------------------------- a workaround: Keras
+# gradient accumulation under a strategy (indexed in _workarounds.py)
+
+_phases = {}  # id(optimizer) -> "accumulate" | "update", while a train step is traced
+_accumulation_applied = False
+_ACCUMULATE, _UPDATE = "accumulate", "update"
+
+
+def accumulation_under_strategies():
+    """Lets `gradient_accumulation_steps` train under a `tf.distribute` strategy in `model.fit`.
+
+    Why: Keras 3 applies an accumulated update inside `ops.cond(is_update_step, update,
+    accumulate)` in replica context (`BaseOptimizer._backend_apply_gradients`). Both branches
+    synchronize the replicas (`merge_call` for the gradient sum and `extended.update`), which a
+    MirroredStrategy cannot do inside a control-flow branch: `RuntimeError: Exception encountered
+    when calling Cond.call(). merge_call called while defining a new graph or a tf.function`.
+
+    The fix moves the condition out of the replicas: `run_train_step` (called by the strategies of
+    `create_strategy` from their `run`) traces Keras's train step twice, once per phase, and picks
+    one with a `tf.cond` in cross-replica context, where a strategy may run replica functions
+    inside a branch (as Keras's own `steps_per_execution` loop does). This module's
+    `_backend_apply_gradients` reads the phase being traced and does, without a condition, what
+    Keras does in that branch: "accumulate" adds each replica's local gradient to its own
+    accumulators (no cross-replica sum); "update" adds the last micro-batch, divides by
+    `gradient_accumulation_steps`, clips, applies weight decay, sums over the replicas once (the
+    torus or the strategy's own sum) and applies the optimizer, then zeroes the accumulators. The
+    counter, the accumulators and the learning rate's step (`optimizer.iterations`, which Keras
+    divides by the number of steps) are Keras's own. Outside a phase (no strategy from
+    `create_strategy`, or no accumulation) Keras's own method runs.
+
+    Upstream: keras-team/keras#20582 ("Rethink the conditional in the gradient accumulation",
+    open); seen with Keras 3.15.1 on TF 2.21. How to tell it can go:
+    `tests/test_accumulation.py::test_keras_own_accumulation_fails_under_a_strategy` fails (Keras's
+    own code then trains under MirroredStrategy).
+
+    Applied once per process by `create_strategy`; idempotent. Here rather than in
+    `_workarounds.py` because it replaces a private Keras method.
+    """
+    global _accumulation_applied
+    if _accumulation_applied:
+        return
+    from keras.src.backend.tensorflow import optimizer as module
+
+    _backend_apply_gradients.original = module.TFOptimizer._backend_apply_gradients
+    module.TFOptimizer._backend_apply_gradients = _backend_apply_gradients
+    _accumulation_applied = True
+
+
+def _accumulating_optimizer(fn):
+    """The optimizer of the Keras model whose `train_step` `fn` is, when it accumulates; else
+    None."""
+    model = getattr(fn, "__self__", None)
+    if getattr(fn, "__name__", None) != "train_step" or not isinstance(model, keras.Model):
+        return None
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or not getattr(optimizer, "gradient_accumulation_steps", None):
+        return None
+    return optimizer
+
+
+def run_train_step(run, strategy, fn, args=(), kwargs=None, options=None):
+    """`strategy.run(fn, ...)`, with Keras's train step split by accumulation phase.
+
+    Args:
+      run: the strategy class's own `run`.
+      strategy: the strategy.
+      fn, args, kwargs, options: as for `tf.distribute.Strategy.run`.
+
+    Returns:
+      What `run` returns.
+
+    Raises:
+      ValueError: when the step is compiled with XLA on several logical CPU devices
+        (`check_jit_compile`), or accumulation is combined with `use_ema`.
+    """
+    check_jit_compile(strategy)
+    optimizer = _accumulating_optimizer(fn) if _accumulation_applied else None
+    if optimizer is None:
+        return run(fn, args=args, kwargs=kwargs, options=options)
+    if optimizer.use_ema:
+        raise ValueError(
+            f"{type(optimizer).__name__}(gradient_accumulation_steps="
+            f"{optimizer.gradient_accumulation_steps}, use_ema=True) cannot train under a "
+            "tf.distribute strategy: Keras updates the moving average in a branch that "
+            "synchronizes the replicas. Use either gradient_accumulation_steps or use_ema."
+        )
+
+    def phase(name):
+        def step():
+            _phases[id(optimizer)] = name
+            try:
+                return run(fn, args=args, kwargs=kwargs, options=options)
+            finally:
+                _phases.pop(id(optimizer), None)
+
+        return step
+
+    steps = optimizer.gradient_accumulation_steps
+    is_update = tf.equal((optimizer._iterations + 1) % steps, 0)
+    if tf.executing_eagerly():
+        return phase(_UPDATE if bool(is_update) else _ACCUMULATE)()
+    return tf.cond(is_update, phase(_UPDATE), phase(_ACCUMULATE))
+
+
+def _backend_apply_gradients(self, grads, trainable_variables):
+    """Keras's update with gradient accumulation, one phase at a time (see
+    `accumulation_under_strategies`)."""
+    phase = _phases.get(id(self))
+    if phase is None or not self.gradient_accumulation_steps:
+        return _backend_apply_gradients.original(self, grads, trainable_variables)
+    accumulators = [
+        self._accumulated_gradients[self._get_variable_index(v)] for v in trainable_variables
+    ]
+    if phase == _ACCUMULATE:
+        self._backend_increment_gradient_accumulators(grads, accumulators)
+        return
+    steps = self.gradient_accumulation_steps
+    grads = [(g + a) / steps for g, a in zip(grads, accumulators)]
+    grads = self._clip_gradients(grads)
+    self._apply_weight_decay(trainable_variables)
+    self._backend_update_step(grads, trainable_variables, self.learning_rate)
+    self._backend_reset_gradient_accumulators()
+
+
+# --------------------------------------------------------------------------- XLA on virtual CPUs
+
+
+def check_jit_compile(strategy):
+    """Raises a clear error before a step compiled with XLA runs on several logical CPU devices.
+
+    XLA compiles the whole step for one device, and cannot reach the variables the other logical
+    CPU devices of the process hold ("Trying to access resource .../replica_1/... from device
+    CPU:0"). Such a step fails at its first run, whatever the gradient sum.
+
+    Args:
+      strategy: the strategy about to run a replica function.
+
+    Raises:
+      ValueError: inside a function compiled with XLA (`compile(jit_compile=True)`,
+        `tf.function(jit_compile=True)`) when more than one of `strategy`'s local replicas is a
+        CPU device.
+    """
+    if tf.executing_eagerly():
+        return
+    from tensorflow.python.ops import control_flow_util
+
+    if not control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        return
+    devices = strategy.extended.worker_devices
+    cpus = [d for d in devices if tf.DeviceSpec.from_string(d).device_type in (None, "CPU")]
+    if len(cpus) > 1:
+        raise ValueError(
+            f"jit_compile=True cannot run on {len(cpus)} logical CPU replicas: XLA compiles the "
+            "step for one device and cannot place the other replicas' variables on it (TensorFlow "
+            "fails with 'Trying to access resource ... from device CPU:0'). Compile with "
+            "jit_compile=False (model.compile(..., jit_compile=False)), or use one CPU replica "
+            "(create_strategy(num_cpu_replicas=1)); XLA works on TPU and GPU replicas."
+        )

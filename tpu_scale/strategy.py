@@ -48,6 +48,11 @@ class _MeshMixin:
         self.gradient_reduction = gradient_reduction
         self.gradient_planner = None
 
+    def run(self, fn, args=(), kwargs=None, options=None):
+        """`tf.distribute.Strategy.run`; a Keras train step with gradient accumulation is split by
+        phase (`keras_hook.run_train_step`)."""
+        return keras_hook.run_train_step(super().run, self, fn, args, kwargs, options)
+
 
 class GradientPlanner:
     """What `"auto"` means on one strategy: the planner's cheapest option, decided at first use.
@@ -319,6 +324,7 @@ def create_strategy(
         keras_hook.install(strategy, settings)
     _workarounds.replica_iterators_untuned()
     keras_hook.build_from_one_replica()
+    keras_hook.accumulation_under_strategies()
     on_cpus = tpu is None and _workarounds.local_device_type(strategy) == "CPU"
     if on_cpus:
         _workarounds.empty_batch_convolutions()
