@@ -18,6 +18,8 @@ Three pieces, for `model.fit` under any `tf.distribute` strategy:
   collective errors after a worker died or froze into a `PeerFailureError` naming the task(s) and
   what to do.
 
+`is_chief(strategy)` says whether this process is the one that writes a run's files.
+
     callback = checkpointing.BackupAndRestore(os.path.join(model_dir, "backup"))
     with checkpointing.peer_failures_explained(strategy):
         model.fit(dataset, epochs=90, steps_per_epoch=1251, callbacks=[callback])
@@ -45,6 +47,7 @@ from tpu_scale.checkpointing.peers import (
     peer_failures_explained,
     probe_task,
 )
+from tpu_scale.checkpointing.preemption import is_chief
 
 __all__ = [
     "METADATA_FILE",
@@ -55,6 +58,7 @@ __all__ = [
     "DamagedBackupError",
     "PeerFailureError",
     "explain_peer_failure",
+    "is_chief",
     "latest_backup",
     "peer_failures_explained",
     "probe_task",

@@ -52,6 +52,27 @@ class _Cluster:
         return f"{task} ({self.addresses.get(task, 'unknown address')})"
 
 
+def is_chief(strategy):
+    """Whether this process is the one that writes a run's files under `strategy`.
+
+    The chief task if the cluster has one, else worker 0; the only process when there is no
+    cluster (one host, a TPU). Other task types (an evaluator, a parameter server) are not.
+
+    Args:
+      strategy: a `tf.distribute` strategy.
+
+    Returns:
+      A bool.
+    """
+    resolver = getattr(strategy, "cluster_resolver", None)
+    spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
+    if not spec or isinstance(strategy, tf.distribute.TPUStrategy):
+        return True
+    if "chief" in spec:
+        return resolver.task_type == "chief"
+    return resolver.task_type == "worker" and resolver.task_id == 0
+
+
 def _kv_get(key, timeout_seconds):
     return tf_context.context().get_config_key_value(key, int(timeout_seconds * 1000))
 

@@ -4,6 +4,8 @@ ImageNetInput            the train / eval pipeline (`.dataset(input_context)`, `
 SyntheticImageNetInput   random batches with no I/O (the input-free bound of a step)
 write_tfrecords          class folders of images -> train/validation TFRecords + labels.json
 read_label_map           the label map next to the shards: classes, label offset, counts
+records_inputs           a folder of records (or TFDS) -> train / validation inputs and counts
+exact_evaluation         the distributed evaluation that counts every example once
 make_synthetic_imagenet  a small, learnable dataset of real JPEGs in that layout
 image_ops                fused decode-and-crop, scaled decode, center crop, normalization
 exif                     a JPEG's EXIF orientation, and the pixels turned upright (the writer's)
@@ -24,6 +26,11 @@ _PUBLIC = {
     "make_synthetic_imagenet": "tpu_scale.data.synthetic",
     "write_tfrecords": "tpu_scale.data.write_tfrecords",
     "TFRecordSummary": "tpu_scale.data.write_tfrecords",
+    "RecordInputs": "tpu_scale.data.records",
+    "records_inputs": "tpu_scale.data.records",
+    "ExactEvaluation": "tpu_scale.data.evaluation",
+    "evaluation_steps": "tpu_scale.data.evaluation",
+    "exact_evaluation": "tpu_scale.data.evaluation",
 }
 _SUBMODULES = ("image_ops", "exif", "image_folder")
 
@@ -42,12 +49,17 @@ def __getattr__(name):
 
 
 __all__ = [
+    "ExactEvaluation",
     "ImageNetInput",
     "LabelMap",
+    "RecordInputs",
     "SyntheticImageNetInput",
     "TFRecordSummary",
+    "evaluation_steps",
+    "exact_evaluation",
     "image_ops",
     "make_synthetic_imagenet",
     "read_label_map",
+    "records_inputs",
     "write_tfrecords",
 ]

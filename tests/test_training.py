@@ -1,0 +1,137 @@
+"""A user's own `fit` script on the public API: `records_inputs`, `exact_evaluation`,
+`run_callbacks`. Killed after its first epoch and run again, it ends on the weights of the run that
+was not killed, and its evaluation counts every validation example once."""
+
+import json
+import os
+import types
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tpu_scale
+from tpu_scale import checkpointing, data, models, training
+
+EPOCHS, BATCH, SIZE = 2, 32, 16
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("records"))
+    # 37 validation examples in per-replica batches of 16: the last step gives one replica 5
+    # examples and the other an empty batch.
+    data.make_synthetic_imagenet(
+        folder, num_classes=10, train_examples=128, eval_examples=37, image_shape=(SIZE, SIZE)
+    )
+    return folder
+
+
+@pytest.fixture(scope="module")
+def strategy():
+    return tpu_scale.create_strategy(num_cpu_replicas=2, mesh_shape=(1, 2))
+
+
+class Interrupt(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        raise KeyboardInterrupt("preempted")
+
+
+def user_script(records, strategy, model_dir, settings, extra_callbacks=()):
+    """What a user writes: inputs, exact evaluation, model, the run's callbacks, `fit`."""
+    keras.utils.set_random_seed(3)
+    inputs = data.records_inputs(
+        records, image_size=SIZE, global_batch_size=BATCH, deterministic=True, seed=3
+    )
+    steps = inputs.steps_per_epoch()
+    validation = data.exact_evaluation(inputs.validation, strategy, inputs.validation_examples)
+    training.record_settings(model_dir, settings, strategy)
+    top_1 = keras.metrics.SparseCategoricalAccuracy(name="top_1")
+    with strategy.scope():
+        model = models.small_resnet(inputs.num_classes, image_size=SIZE)
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            weighted_metrics=[top_1],
+        )
+    logger = training.EpochLogger(BATCH, strategy.num_replicas_in_sync, EPOCHS)
+    callbacks = training.run_callbacks(model_dir, strategy, keep_checkpoints=1)
+    model.fit(
+        training.train_dataset(strategy, inputs.train, model_dir, steps),
+        epochs=EPOCHS,
+        steps_per_epoch=steps,
+        validation_data=validation.dataset,
+        validation_steps=validation.steps,
+        callbacks=callbacks + [logger, *extra_callbacks],
+        verbose=0,
+    )
+    return model, validation, inputs, logger, top_1
+
+
+def test_a_fit_script_resumes_to_the_same_weights_and_evaluates_every_example_once(
+    records, strategy, tmp_path, caplog
+):
+    straight_dir = str(tmp_path / "straight")
+    model, validation, inputs, logger, top_1 = user_script(
+        records, strategy, straight_dir, {"image_size": SIZE}
+    )
+    assert logger.images_per_second > 0
+    results = model.evaluate(
+        validation.dataset, steps=validation.steps, return_dict=True, verbose=0
+    )
+    # The metric counted each of the 37 examples once (its count is the sum of the weights).
+    assert float(top_1.count.numpy()) == 37
+    correct = 0
+    for images, labels in inputs.validation.dataset():
+        correct += int((np.argmax(model(images, training=False), -1) == labels.numpy()).sum())
+    assert round(results["top_1"] * 37) == pytest.approx(results["top_1"] * 37, abs=1e-4)
+    assert abs(round(results["top_1"] * 37) - correct) <= 1  # a near-tie may round either way
+    assert len(os.listdir(os.path.join(straight_dir, training.CHECKPOINTS_DIR))) == 1
+    assert os.listdir(os.path.join(straight_dir, training.LOGS_DIR))
+
+    resumed_dir = str(tmp_path / "resumed")
+    with pytest.raises(KeyboardInterrupt):
+        user_script(records, strategy, resumed_dir, {"image_size": SIZE}, [Interrupt()])
+    assert training.resuming_from(resumed_dir, EPOCHS).epoch == 1
+    with caplog.at_level("WARNING"):
+        resumed, *_ = user_script(records, strategy, resumed_dir, {"image_size": SIZE + 1})
+    assert "started with other settings: --image_size 16 -> 17." in caplog.text
+    for a, b in zip(model.weights, resumed.weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-5, err_msg=a.path)
+
+    outputs = training.save_run(resumed_dir, resumed, {"epochs": EPOCHS, "top_1": 0.5}, strategy)
+    assert os.path.exists(outputs["final model"])
+    with open(outputs["settings it started with"]) as f:
+        assert json.load(f) == {"image_size": SIZE}
+    assert training.finished_run(resumed_dir, EPOCHS)["top_1"] == 0.5
+    assert training.finished_run(resumed_dir, EPOCHS + 1) is None
+
+
+def test_the_callbacks_keep_moving_statistics_first_and_the_guard_given():
+    guard = tpu_scale.callbacks.LossGuard()
+    strategy = tf.distribute.get_strategy()
+    callbacks = training.run_callbacks("/tmp/unused", strategy, loss_guard=guard, tensorboard=False)
+    kinds = [type(c).__name__ for c in callbacks]
+    assert kinds[:3] == ["AverageMovingStatistics", "LossGuard", "BackupAndRestore"]
+    assert callbacks[1] is guard and "ModelCheckpoint" in kinds and "TensorBoard" not in kinds
+    assert "LossGuard" not in [
+        type(c).__name__ for c in training.run_callbacks("/tmp/unused", strategy, loss_guard=None)
+    ]
+
+
+@pytest.mark.parametrize(
+    "jobs,task,chief",
+    [
+        ({"worker": ["a:1", "b:1"]}, ("worker", 0), True),
+        ({"worker": ["a:1", "b:1"]}, ("worker", 1), False),
+        ({"chief": ["c:1"], "worker": ["a:1"]}, ("worker", 0), False),
+        ({"chief": ["c:1"], "worker": ["a:1"]}, ("chief", 0), True),
+        ({}, (None, None), True),
+    ],
+)
+def test_the_chief_is_the_chief_task_else_worker_0(jobs, task, chief):
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(jobs), task_type=task[0], task_id=task[1]
+    )
+    assert checkpointing.is_chief(types.SimpleNamespace(cluster_resolver=resolver)) is chief

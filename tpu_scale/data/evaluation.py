@@ -1,0 +1,129 @@
+"""Exact evaluation: every validation example counted once, on any number of replicas.
+
+A distributed evaluation hands one batch to every replica per step. The examples rarely divide
+into whole steps, and Keras (3.15) makes a new iterator for every `evaluate`, inside `fit` too, so
+a pass that ends mid-step or a step count that overshoots would drop or repeat examples, and a
+pass that runs out of data makes Keras warn. `exact_evaluation` makes every pass exactly `steps`
+steps long: the pipeline's own batches, then empty batches (or, where shapes must be static, as on
+a TPU, full batches of zero weight) up to a whole number of steps, repeated for the next pass.
+Compiled metrics then count each example once (on a TPU, compile them as `weighted_metrics`, so
+that the padding's zero weights leave them unchanged).
+"""
+
+import collections
+import copy
+import math
+
+import tensorflow as tf
+
+ExactEvaluation = collections.namedtuple("ExactEvaluation", ["dataset", "steps"])
+ExactEvaluation.__doc__ = """What `exact_evaluation` returns: pass both to Keras.
+
+Attributes:
+  dataset: the distributed evaluation dataset (`validation_data=` of `fit`, `x` of `evaluate`).
+  steps: the steps of one pass (`validation_steps=` of `fit`, `steps=` of `evaluate`), or None
+    when each pass runs to the end of the data (several input pipelines, see `exact_evaluation`).
+"""
+
+
+def evaluation_steps(num_examples, global_batch_size, num_replicas):
+    """Steps of one pass over `num_examples` on one input pipeline, the last one topped up.
+
+    Args:
+      num_examples: examples in the evaluation set.
+      global_batch_size: examples per step over all replicas (a multiple of `num_replicas`).
+      num_replicas: the replicas in sync.
+
+    Returns:
+      The number of steps, at least 1.
+    """
+    per_replica_batches = math.ceil(num_examples / (global_batch_size // num_replicas))
+    return max(1, math.ceil(per_replica_batches / num_replicas))
+
+
+def exact_evaluation(eval_input, strategy, num_examples):
+    """The distributed evaluation dataset and steps that count every example exactly once.
+
+    One input pipeline (one host): each pass is `evaluation_steps(...)` steps, topped up with empty
+    per-replica batches (zero-size batches are valid inputs to the package's layers and to Keras's
+    metrics), then repeated, so every `evaluate` or validation in `fit` sees each example once
+    whether it starts a new iterator or continues an old one. On a TPU the input is padded to
+    full batches with zero weights (`pad_last_batch=True`) and the top-up batches are full and of
+    zero weight, so every step has static shapes. Several input pipelines (one per host under
+    `MultiWorkerMirroredStrategy`, one per host of a TPU pod slice) read shards of unequal size, so
+    the steps are unknown here: each pass then runs to the end of its data (`steps` is None).
+
+    Example:
+
+    ```python
+    validation = data.exact_evaluation(inputs.validation, strategy, inputs.validation_examples)
+    model.fit(train, epochs=epochs, steps_per_epoch=steps,
+              validation_data=validation.dataset, validation_steps=validation.steps)
+    model.evaluate(validation.dataset, steps=validation.steps)
+    ```
+
+    Args:
+      eval_input: an `ImageNetInput` with `is_training=False` (or any object whose
+        `dataset(input_context)` yields `(images, labels)` or `(images, labels, weights)` batches
+        of the per-replica size, the last possibly smaller).
+      strategy: the `tf.distribute` strategy the model runs under.
+      num_examples: the examples in one pass (e.g. `RecordInputs.validation_examples`).
+
+    Returns:
+      An `ExactEvaluation(dataset, steps)`.
+
+    Raises:
+      ValueError: if the input is a training input or `num_examples` is not positive.
+    """
+    if getattr(eval_input, "is_training", False):
+        raise ValueError(
+            "exact_evaluation needs an evaluation input: build it with is_training=False."
+        )
+    if not num_examples or num_examples < 1:
+        raise ValueError(f"num_examples must be at least 1, got {num_examples!r}.")
+    replicas = strategy.num_replicas_in_sync
+    batch = eval_input.global_batch_size
+    if batch % replicas:
+        raise ValueError(
+            f"The evaluation batch {batch} does not divide over {replicas} replicas; use a "
+            f"multiple of {replicas}, e.g. {replicas * max(1, batch // replicas)}."
+        )
+    if _is_tpu(strategy) and not getattr(eval_input, "pad_last_batch", True):
+        eval_input = copy.copy(eval_input)
+        eval_input.pad_last_batch = True
+    if _input_pipelines(strategy) > 1:
+        return ExactEvaluation(strategy.distribute_datasets_from_function(eval_input.dataset), None)
+    steps = evaluation_steps(num_examples, batch, replicas)
+
+    def dataset(context):
+        data = eval_input.dataset(context)
+        replicas_fed = context.num_replicas_in_sync // context.num_input_pipelines
+        filler = tf.data.Dataset.from_tensors(_filler(data.element_spec)).repeat()
+        # The pass's own batches (at most steps * replicas_fed), then fillers to a whole number of
+        # steps; repeated, so that the next pass starts at the first example again.
+        return data.concatenate(filler).take(steps * replicas_fed).repeat()
+
+    return ExactEvaluation(strategy.distribute_datasets_from_function(dataset), steps)
+
+
+def _filler(spec):
+    """A batch that adds nothing to any metric: empty, or (static shapes) all zero weights."""
+    static = spec[0].shape[0] is not None
+    return tuple(
+        tf.zeros(s.shape if static else [0] + s.shape[1:].as_list(), s.dtype) for s in spec
+    )
+
+
+def _is_tpu(strategy):
+    return isinstance(strategy, (tf.distribute.TPUStrategy, tf.distribute.experimental.TPUStrategy))
+
+
+def _input_pipelines(strategy):
+    """How many input pipelines `distribute_datasets_from_function` makes: one per worker."""
+    if _is_tpu(strategy):
+        return getattr(strategy.extended, "num_hosts", 1)
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None:
+        return 1
+    spec = resolver.cluster_spec().as_dict()
+    return max(1, len(spec.get("worker", [])) + len(spec.get("chief", [])))

@@ -1,0 +1,328 @@
+"""The parts of a training run around `model.fit`: its callbacks, its folder, its resume.
+
+A run keeps everything in one `model_dir`:
+
+    backup/          what a killed or preempted run resumes from (`checkpointing.BackupAndRestore`)
+    checkpoints/     the weights of the newest epochs (`epoch_NNN.weights.h5`)
+    logs/            TensorBoard
+    settings.json    the settings the run started with (`record_settings`)
+    final.keras      the trained model (`save_run`)
+    run.json         the run's result (`save_run`; `finished_run` reads it)
+
+With a script of its own, a user gets the run's guarantees from `run_callbacks`:
+
+```python
+callbacks = training.run_callbacks(model_dir, strategy)
+with checkpointing.peer_failures_explained(strategy):
+    model.fit(train, epochs=epochs, steps_per_epoch=steps, callbacks=callbacks,
+              validation_data=validation.dataset, validation_steps=validation.steps)
+```
+
+The same command after a kill resumes from the last backup; a SIGTERM makes every worker save and
+exit with `checkpointing.PREEMPTED_EXIT_CODE`; a diverging loss stops the run at its last good
+weights; fit's validation, the checkpoints and the saved model see the same batch-norm statistics.
+"""
+
+import json
+import os
+import shutil
+import tempfile
+import time
+
+import keras
+import tensorflow as tf
+from absl import logging
+
+from tpu_scale import checkpointing
+from tpu_scale.callbacks import AverageMovingStatistics, LossGuard
+
+BACKUP_DIR = "backup"
+CHECKPOINTS_DIR = "checkpoints"
+LOGS_DIR = "logs"
+SETTINGS_FILE = "settings.json"
+FINAL_MODEL = "final.keras"
+RUN_FILE = "run.json"
+
+
+def run_callbacks(model_dir, strategy, *, keep_checkpoints=3, loss_guard=True, tensorboard=True):
+    """The callbacks of a resumable, preemptible run that writes to `model_dir`, in their order.
+
+    1. `AverageMovingStatistics`: every replica on the same batch-norm statistics before each
+       validation, checkpoint and the final save, so the reported top-1 is the saved model's.
+    2. `LossGuard` (unless `loss_guard` is falsy): a diverging loss stops or backs off the run.
+    3. `checkpointing.BackupAndRestore` in `model_dir/backup`: atomic backups every epoch, kept
+       at the end (a larger `epochs` continues a finished run); a restart resumes from the newest;
+       SIGTERM saves on every worker and exits with `checkpointing.PREEMPTED_EXIT_CODE`.
+    4. `keras.callbacks.ModelCheckpoint` into `model_dir/checkpoints`, keeping the newest
+       `keep_checkpoints` epochs.
+    5. `keras.callbacks.TensorBoard` into `model_dir/logs` (if `tensorboard`).
+
+    Under several workers every worker runs them (saving may read variables collectively), but only
+    the chief writes to `model_dir`: the others write their checkpoints and logs to a temporary
+    folder, removed when `fit` ends. Wrap `fit` in `checkpointing.peer_failures_explained(strategy)`
+    to have a dead or frozen worker named.
+
+    Args:
+      model_dir: the run's folder (local or `gs://`; on a filesystem every worker reads).
+      strategy: the `tf.distribute` strategy the model runs under.
+      keep_checkpoints: the newest per-epoch checkpoints kept (0 keeps none).
+      loss_guard: True for a default `tpu_scale.callbacks.LossGuard`, a `LossGuard` to use (read
+        its `stopped` and `message` after `fit`), or False / None for none.
+      tensorboard: whether to write TensorBoard logs.
+
+    Returns:
+      A list of Keras callbacks; add your own after them.
+    """
+    model_dir = _expand(model_dir)
+    out_dir = model_dir
+    callbacks = [AverageMovingStatistics()]
+    if loss_guard is True:
+        loss_guard = LossGuard()
+    if loss_guard:
+        callbacks.append(loss_guard)
+    callbacks.append(
+        checkpointing.BackupAndRestore(os.path.join(model_dir, BACKUP_DIR), delete_checkpoint=False)
+    )
+    scratch = None
+    if not checkpointing.is_chief(strategy):
+        out_dir = scratch = tempfile.mkdtemp(prefix="tpu_scale_worker_")
+    checkpoints = os.path.join(out_dir, CHECKPOINTS_DIR)
+    if keep_checkpoints > 0:
+        callbacks += [
+            keras.callbacks.ModelCheckpoint(
+                os.path.join(checkpoints, "epoch_{epoch:03d}.weights.h5"), save_weights_only=True
+            ),
+            _KeepNewest(checkpoints, keep_checkpoints),
+        ]
+    if tensorboard:
+        callbacks.append(
+            keras.callbacks.TensorBoard(os.path.join(out_dir, LOGS_DIR), update_freq="epoch")
+        )
+    if scratch:
+        callbacks.append(_RemoveAtEnd(scratch))
+    return callbacks
+
+
+def train_dataset(strategy, train_input, model_dir=None, steps_per_epoch=None):
+    """The distributed training dataset of `train_input`, placed where a resumed run continues.
+
+    With a deterministic input (`deterministic=True`) and a backup in `model_dir`, the batches of
+    the epochs the backup finished are skipped, so the resumed run trains on the same batches the
+    uninterrupted run would (`BackupAndRestore` skips those of a part-done epoch itself). Otherwise
+    it is `strategy.distribute_datasets_from_function(train_input.dataset)`.
+
+    Args:
+      strategy: the `tf.distribute` strategy.
+      train_input: an `ImageNetInput` (or any object with `dataset(input_context)`).
+      model_dir: the run's folder, or None for a new run.
+      steps_per_epoch: the steps of one epoch (needed to skip whole epochs).
+
+    Returns:
+      A distributed dataset for `model.fit`.
+    """
+    steps_done = 0
+    if model_dir and steps_per_epoch and getattr(train_input, "deterministic", False):
+        backup = checkpointing.latest_backup(os.path.join(_expand(model_dir), BACKUP_DIR))
+        steps_done = backup.epoch * steps_per_epoch if backup else 0
+
+    def dataset(context):
+        # Each step took one batch from this pipeline for every replica it feeds.
+        replicas_fed = context.num_replicas_in_sync // context.num_input_pipelines
+        return train_input.dataset(context).skip(steps_done * replicas_fed)
+
+    return strategy.distribute_datasets_from_function(dataset)
+
+
+def resuming_from(model_dir, epochs=None):
+    """The backup a run in `model_dir` resumes from, or None for a new run; logs where it resumes.
+
+    Args:
+      model_dir: the run's folder.
+      epochs: the run's epochs, for the log line.
+
+    Returns:
+      A `checkpointing.Backup`, or None.
+    """
+    backup = checkpointing.latest_backup(os.path.join(_expand(model_dir), BACKUP_DIR))
+    if backup is not None:
+        logging.info(
+            "Resuming from the backup after epoch %d%s%s (%s)",
+            backup.epoch,
+            f" of {epochs}" if epochs else "",
+            f" and {backup.step} steps" if backup.step else "",
+            backup.path,
+        )
+    return backup
+
+
+def record_settings(model_dir, settings, strategy):
+    """Keeps the settings a run starts with; on resuming, warns about every one that changed.
+
+    A new run (no backup in `model_dir`) writes `settings` to `model_dir/settings.json` (the chief
+    only). A resumed run compares them with that file and warns, naming each setting that differs:
+    the rest of the run trains with the new values.
+
+    Args:
+      model_dir: the run's folder.
+      settings: a JSON-serializable dict of what decides how the run trains, e.g. flag values.
+      strategy: the `tf.distribute` strategy (only the chief writes).
+
+    Returns:
+      The names of the settings that differ from the run's start (empty for a new run).
+    """
+    model_dir = _expand(model_dir)
+    path = os.path.join(model_dir, SETTINGS_FILE)
+    resuming = checkpointing.latest_backup(os.path.join(model_dir, BACKUP_DIR)) is not None
+    if resuming and tf.io.gfile.exists(path):
+        with tf.io.gfile.GFile(path) as f:
+            before = json.load(f)
+        changed = [k for k in settings if k in before and before[k] != settings[k]]
+        if changed:
+            logging.warning(
+                "Resuming a run that started with other settings: %s. The rest of the run trains "
+                "with the new ones; give the old values to go on as it began.",
+                ", ".join(f"--{k} {before[k]} -> {settings[k]}" for k in changed),
+            )
+        return changed
+    if not resuming and checkpointing.is_chief(strategy):
+        tf.io.gfile.makedirs(model_dir)
+        with tf.io.gfile.GFile(path, "w") as f:
+            json.dump(settings, f, indent=2, default=str)
+    return []
+
+
+def finished_run(model_dir, epochs):
+    """The record (`run.json`) of a run in `model_dir` that trained `epochs` or more, else None."""
+    path = os.path.join(_expand(model_dir), RUN_FILE)
+    if not tf.io.gfile.exists(path):
+        return None
+    with tf.io.gfile.GFile(path) as f:
+        record = json.load(f)
+    return record if record.get("epochs", 0) >= epochs else None
+
+
+def save_run(model_dir, model, record, strategy):
+    """Saves the final model and the run's record in `model_dir` (the chief only).
+
+    Args:
+      model_dir: the run's folder.
+      model: the trained Keras model, saved as `final.keras`.
+      record: a JSON-serializable dict of the run's result; it must hold `epochs` (what
+        `finished_run` compares).
+      strategy: the `tf.distribute` strategy (only the chief writes).
+
+    Returns:
+      What was written where, as `{description: path}` (empty on other workers).
+    """
+    if not checkpointing.is_chief(strategy):
+        return {}
+    model_dir = _expand(model_dir)
+    outputs = {
+        "final model": os.path.join(model_dir, FINAL_MODEL),
+        "checkpoints": os.path.join(model_dir, CHECKPOINTS_DIR),
+        "backup": os.path.join(model_dir, BACKUP_DIR),
+        "TensorBoard logs": os.path.join(model_dir, LOGS_DIR),
+        "run record": os.path.join(model_dir, RUN_FILE),
+        "settings it started with": os.path.join(model_dir, SETTINGS_FILE),
+    }
+    model.save(outputs["final model"])
+    with tf.io.gfile.GFile(outputs["run record"], "w") as f:
+        json.dump(dict(record, model_dir=model_dir, outputs=outputs), f, indent=2, default=str)
+    return outputs
+
+
+class EpochLogger(keras.callbacks.Callback):
+    """Logs one line per epoch and measures the training rate.
+
+    The line: `epoch E/N: R images/s (r per replica), loss L, top-1 T, val top-1 V` (`top_1` and
+    `val_top_1` from the logs: compile a metric named `top_1`). Each epoch is timed from the end of
+    its first step to the end of its last, so tracing and the input pipeline's warm-up do not
+    count; a one-step epoch after the first is timed from its start.
+
+    Args:
+      global_batch_size: examples per step.
+      num_replicas: the replicas in sync (for the per-replica rate).
+      epochs: the run's epochs (for the line).
+
+    Attributes:
+      images_per_second: the rate over all timed steps, or None when no step could be timed.
+    """
+
+    def __init__(self, global_batch_size, num_replicas, epochs):
+        super().__init__()
+        self.global_batch_size = global_batch_size
+        self.num_replicas = num_replicas
+        self.epochs = epochs
+        self.images, self.seconds = 0, 0.0
+        self._first_epoch = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._step_ends = []
+        self._began = time.perf_counter()
+        if self._first_epoch is None:
+            self._first_epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._step_ends.append(time.perf_counter())
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs = logs or {}
+        ends, batch = self._step_ends, self.global_batch_size
+        images, seconds = 0, 0.0
+        if len(ends) >= 2:
+            images, seconds = (len(ends) - 1) * batch, ends[-1] - ends[0]
+        elif ends and epoch > self._first_epoch:
+            images, seconds = batch, ends[0] - self._began
+        rate = None
+        if seconds > 0:
+            self.images += images
+            self.seconds += seconds
+            rate = images / seconds
+        logging.info(
+            "epoch %d/%d: %s images/s (%s per replica), loss %.4f, top-1 %.4f, val top-1 %.4f",
+            epoch + 1,
+            self.epochs,
+            _rate(rate),
+            _rate(rate and rate / self.num_replicas, "%.1f"),
+            logs.get("loss", float("nan")),
+            logs.get("top_1", float("nan")),
+            logs.get("val_top_1", float("nan")),
+        )
+
+    @property
+    def images_per_second(self):
+        return self.images / self.seconds if self.seconds else None
+
+
+def _rate(value, form="%.0f"):
+    return "n/a" if value is None else form % value
+
+
+class _KeepNewest(keras.callbacks.Callback):
+    """Deletes all but the `keep` newest files of `folder` at each epoch's end."""
+
+    def __init__(self, folder, keep):
+        super().__init__()
+        self.folder, self.keep = folder, keep
+
+    def on_epoch_end(self, epoch, logs=None):
+        if tf.io.gfile.isdir(self.folder):
+            names = sorted(tf.io.gfile.listdir(self.folder))  # epoch_NNN...: oldest first
+            for name in names[: -self.keep]:
+                tf.io.gfile.remove(os.path.join(self.folder, name))
+
+
+class _RemoveAtEnd(keras.callbacks.Callback):
+    """Removes a worker's scratch folder when `fit` ends."""
+
+    def __init__(self, folder):
+        super().__init__()
+        self.folder = folder
+
+    def on_train_end(self, logs=None):
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _expand(path):
+    path = os.fspath(path)
+    return os.path.expanduser(path) if path.startswith("~") else path
