@@ -4,7 +4,7 @@ import keras
 import numpy as np
 import pytest
 
-from tpu_scale import optimizers, schedules
+from tpu_scale import keras_hook, optimizers, schedules
 from tpu_scale.callbacks import AverageMovingStatistics, LossGuard
 from tpu_scale.layers import DistributedBatchNormalization
 
@@ -33,13 +33,15 @@ def test_absurd_learning_rate_is_stopped_and_reported():
     x, y = _data()
     schedule = schedules.WarmupPolynomialDecay(1e8, warmup_steps=4, total_steps=200)
     model = _model(optimizers.LARS(schedule, eta=1.0))
-    guard = LossGuard(learning_rate_flag="--peak_learning_rate", optimizer_flag="--optimizer")
+    guard = LossGuard(
+        max_backoffs=0, learning_rate_flag="--peak_learning_rate", optimizer_flag="--optimizer"
+    )
     history = model.fit(x, y, batch_size=16, epochs=10, callbacks=[guard], verbose=0)
-    assert guard.stopped
+    assert guard.stopped and not guard.backoffs
     # Stopped in the first epochs, not after training on for the whole run.
     assert guard.stopped_epoch <= 2 and len(history.history["loss"]) == guard.stopped_epoch + 1
     assert "--peak_learning_rate" in guard.message and "--optimizer sgd" in guard.message
-    assert "from 1e+08 to 2.5e+07" in guard.message
+    assert "from 1e+08 to 5e+07" in guard.message
     assert _finite(model)
     assert all(np.all(np.isfinite(v.numpy())) for v in model.optimizer.variables)
     # The restored model still predicts finite logits.
@@ -63,7 +65,7 @@ def test_restores_the_last_good_epoch_not_the_start():
 
     explode = Explode()
     model = _model(keras.optimizers.SGD(0.05, momentum=0.9))
-    guard = LossGuard(learning_rate_flag="--peak_learning_rate")
+    guard = LossGuard(max_backoffs=0, learning_rate_flag="--peak_learning_rate")
     model.fit(x, y, batch_size=16, epochs=8, callbacks=[explode, guard], verbose=0)
     assert guard.stopped and guard.stopped_epoch == 3
     assert "end of epoch 3" in guard.message and "warm up for longer" in guard.message
@@ -113,7 +115,7 @@ def _feed(guard, epoch_losses):
 
 
 def test_finite_blow_up_is_caught_after_the_window():
-    guard = LossGuard(factor=3.0, reference_steps=4, window=3)
+    guard = LossGuard(factor=3.0, reference_steps=4, window=3, max_backoffs=0)
     # Reference 2.3; the loss climbs past 6.9 on average over 3 steps in epoch 2.
     losses = [[2.3] * 10, [2.0] * 5 + [5.0, 8.0, 12.0, 20.0, 30.0]]
     seen = _feed(guard, losses)
@@ -130,10 +132,92 @@ def test_one_noisy_step_does_not_stop():
     assert not guard.stopped
 
 
-@pytest.mark.parametrize("kwargs", [{"factor": 1.0}, {"reference_steps": 0}, {"window": 2.5}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"factor": 1.0},
+        {"reference_steps": 0},
+        {"window": 2.5},
+        {"max_backoffs": -1},
+        {"backoff_factor": 1.0},
+        {"restore_weights": False},
+    ],
+)
 def test_bad_arguments(kwargs):
     with pytest.raises(ValueError):
         LossGuard(**kwargs)
+
+
+def _diverging_model(learning_rate):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(2)]
+    )
+    model.compile(
+        keras.optimizers.SGD(learning_rate),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+@pytest.mark.parametrize("schedule", [True, False])
+def test_a_run_made_to_blow_up_backs_off_and_finishes(schedule, caplog):
+    x, y = _data()
+    # Plain SGD at 10 sends this network's loss far above its start within the first epoch;
+    # a quarter of that rate trains it.
+    rate = (
+        schedules.WarmupPolynomialDecay(10.0, warmup_steps=16, total_steps=160)
+        if schedule
+        else 10.0
+    )
+    model = _diverging_model(rate)
+    guard = LossGuard()
+    with caplog.at_level("WARNING", logger="tpu_scale"):
+        history = model.fit(x, y, batch_size=16, epochs=10, callbacks=[guard], verbose=0)
+    assert not guard.stopped and guard.message is None
+    assert len(history.history["loss"]) == 10  # every epoch ran
+    assert 1 <= len(guard.backoffs) <= 3
+    assert guard.learning_rate_scale == 0.5 ** len(guard.backoffs)
+    assert guard.backoffs[0]["epoch"] == 1 and guard.backoffs[0]["loss"] > 10 * guard.reference_loss
+    # Each back-off is logged with where it happened and the new rate.
+    logged = [r.getMessage() for r in caplog.records if "continues at" in r.getMessage()]
+    assert len(logged) == len(guard.backoffs)
+    assert "at epoch 1, step" in logged[0] and "0.5 times the learning rate" in logged[0]
+    # The run then trains: a low loss and the right answers, at the lowered rate.
+    assert history.history["loss"][-1] < 0.2 and history.history["accuracy"][-1] > 0.95
+    assert _finite(model)
+    rate_now = keras_hook.learning_rate_of(model.optimizer)
+    if schedule:
+        assert isinstance(rate_now, schedules.ScaledSchedule)
+        assert rate_now.peak_learning_rate == pytest.approx(10.0 * guard.learning_rate_scale)
+    else:
+        assert float(model.optimizer.learning_rate) == pytest.approx(
+            10.0 * guard.learning_rate_scale
+        )
+
+
+def test_stops_naming_the_fix_when_backing_off_does_not_help():
+    x, y = _data()
+    model = _diverging_model(schedules.WarmupPolynomialDecay(1e9, warmup_steps=4, total_steps=160))
+    guard = LossGuard(max_backoffs=2, learning_rate_flag="--peak_learning_rate")
+    model.fit(x, y, batch_size=16, epochs=10, callbacks=[guard], verbose=0)
+    assert guard.stopped and len(guard.backoffs) == 2
+    assert "after 2 back-off(s) to 0.25 times the learning rate" in guard.message
+    assert "--peak_learning_rate from 2.5e+08 to 1.25e+08" in guard.message
+    assert _finite(model)
+
+
+def test_scaled_schedule_scales_and_serializes():
+    inner = schedules.WarmupPolynomialDecay(2.0, warmup_steps=4, total_steps=20)
+    scaled = schedules.ScaledSchedule(inner, 0.25)
+    for step in (0, 2, 4, 11, 20):
+        assert float(scaled(step)) == pytest.approx(0.25 * float(inner(step)))
+    again = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(scaled))
+    assert isinstance(again, schedules.ScaledSchedule) and again.factor == 0.25
+    assert float(again(11)) == pytest.approx(float(scaled(11)))
+    with pytest.raises(ValueError, match="factor"):
+        schedules.ScaledSchedule(inner, 0.0)
 
 
 # ------------------------------------------------------------------ AverageMovingStatistics

@@ -131,27 +131,65 @@ def test_recipe_keeps_the_papers_settings_at_16k_to_64k(batch, lr, warmup):
     assert reference_lars_hparams(batch) == {"peak_learning_rate": lr, "warmup_epochs": warmup}
 
 
-@pytest.mark.parametrize("batch", [32, 64, 128, 256, 500])
-def test_recipe_small_batches_get_momentum_sgd(batch):
+@pytest.mark.parametrize("batch", [32, 64, 128, 256, 500, 512, 1024, 8192, 16383])
+def test_recipe_below_16k_is_momentum_sgd(batch):
     recipe = recipe_for_batch(batch)
     assert recipe.optimizer == "sgd" and recipe.nesterov
     assert recipe.peak_learning_rate == pytest.approx(0.4 * np.sqrt(batch / 256))
     assert recipe.warmup_epochs == 2.0
-    # Never the LARS rate whose plain-momentum steps on batch-norm parameters blow up.
-    assert recipe.peak_learning_rate < 1.0
 
 
 def test_recipe_table_values():
-    table = {b: recipe_for_batch(b) for b in (32, 64, 256, 512, 1024, 8192)}
+    table = {b: recipe_for_batch(b) for b in (32, 64, 256, 1024, 4096, 16384)}
     assert table[32].peak_learning_rate == pytest.approx(0.1414, abs=1e-4)
     assert table[64].peak_learning_rate == pytest.approx(0.2)
     assert table[256].peak_learning_rate == pytest.approx(0.4)
-    for b in (512, 1024, 8192):
-        assert (table[b].optimizer, table[b].peak_learning_rate, table[b].warmup_epochs) == (
-            "lars",
-            25.0,
-            5.0,
-        )
+    assert table[1024].peak_learning_rate == pytest.approx(0.8)
+    assert table[4096].peak_learning_rate == pytest.approx(1.6)
+    assert (table[16384].optimizer, table[16384].peak_learning_rate) == ("lars", 25.0)
+
+
+def test_recipe_forced_optimizer_keeps_its_own_rule():
+    lars = recipe_for_batch(512, optimizer="lars")
+    # The reference rate scaled by the square root of the batch ratio below 16K: not 25, whose
+    # plain-momentum steps on batch-norm parameters blow up at small batches.
+    assert lars.optimizer == "lars"
+    assert lars.peak_learning_rate == pytest.approx(25.0 * np.sqrt(512 / 16384))
+    assert lars.warmup_epochs == 5.0
+    sgd = recipe_for_batch(32768, optimizer="sgd")
+    assert sgd.optimizer == "sgd" and sgd.peak_learning_rate == pytest.approx(0.4 * np.sqrt(128))
+    assert recipe_for_batch(32768, optimizer="lars") == recipe_for_batch(32768)
+    with pytest.raises(ValueError, match="optimizer"):
+        recipe_for_batch(64, optimizer="adam")
+
+
+def test_recipe_warmup_lasts_enough_steps():
+    # 1617 examples at batch 512: 3 steps an epoch; 2 epochs would be 6 steps of warmup.
+    short = recipe_for_batch(512, 60, train_examples=1617)
+    assert short.warmup_epochs == pytest.approx(50 / 3)
+    # ... but never more than 40% of the run.
+    assert recipe_for_batch(512, 20, steps_per_epoch=3).warmup_epochs == pytest.approx(8.0)
+    # Enough steps an epoch: the rule's epochs.
+    assert recipe_for_batch(64, 15, steps_per_epoch=63).warmup_epochs == 2.0
+    imagenet = recipe_for_batch(32768, 72, steps_per_epoch=1281167 // 32768)
+    assert imagenet.warmup_epochs == 12.0
+
+
+def test_recipe_augmentation_fits_the_data():
+    assert recipe_for_batch(64, train_examples=1617).augmentation == "light"
+    assert recipe_for_batch(1024, train_examples=1281167).augmentation == "imagenet"
+    # Unknown data: the ImageNet recipe's.
+    assert recipe_for_batch(1024).augmentation == "imagenet"
+    assert recipe_for_batch(64, train_examples=1617, augmentation="none").augmentation == "none"
+    arguments = recipe_for_batch(64, train_examples=1617).input_arguments
+    assert arguments == {
+        "crop_area_range": (0.5, 1.0),
+        "random_flip": False,
+        "center_crop_fraction": 1.0,
+    }
+    assert recipe_for_batch(4096).input_arguments["crop_area_range"] == (0.08, 1.0)
+    with pytest.raises(ValueError, match="augmentation"):
+        recipe_for_batch(64, augmentation="strong")
 
 
 def test_recipe_is_monotonic_in_batch_size():
@@ -176,7 +214,7 @@ def test_recipe_warmup_fits_the_run():
     assert recipe_for_batch(65536, total_epochs=50).warmup_epochs == pytest.approx(20.0)
     assert recipe_for_batch(64, total_epochs=4).warmup_epochs == pytest.approx(1.6)
     assert recipe_for_batch(64, total_epochs=40).warmup_epochs == 2.0
-    schedule = recipe_for_batch(1024).schedule(steps_per_epoch=10, total_epochs=10)
+    schedule = recipe_for_batch(16384).schedule(steps_per_epoch=10, total_epochs=10)
     assert (schedule.warmup_steps, schedule.total_steps) == (40, 100)
     assert _lr(schedule, 40) == pytest.approx(25.0)
 

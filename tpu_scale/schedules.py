@@ -162,6 +162,47 @@ class WarmupPolynomialDecay(keras.optimizers.schedules.LearningRateSchedule):
         }
 
 
+@keras.saving.register_keras_serializable(package="tpu_scale")
+class ScaledSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """Another learning-rate schedule times a constant factor.
+
+    `tpu_scale.callbacks.LossGuard` puts a diverging run's schedule in one to continue it at a
+    lower rate: the shape of the schedule (warmup, decay, its step count) stays, every rate is
+    `factor` times the original's.
+
+    Args:
+        schedule: A `keras.optimizers.schedules.LearningRateSchedule`.
+        factor: Float > 0, the multiplier.
+    """
+
+    def __init__(self, schedule, factor):
+        super().__init__()
+        if not float(factor) > 0:
+            raise ValueError(f"`factor` must be > 0; received {factor}.")
+        self.schedule = schedule
+        self.factor = float(factor)
+
+    @property
+    def peak_learning_rate(self):
+        """The scaled peak rate of a schedule that has one (e.g. `WarmupPolynomialDecay`)."""
+        return self.factor * self.schedule.peak_learning_rate
+
+    def __call__(self, step):
+        return self.factor * self.schedule(step)
+
+    def get_config(self):
+        return {
+            "schedule": keras.saving.serialize_keras_object(self.schedule),
+            "factor": self.factor,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config["schedule"] = keras.saving.deserialize_keras_object(config["schedule"])
+        return cls(**config)
+
+
 def reference_lars_hparams(global_batch_size):
     """Reference LARS peak learning rate and warmup length for a global batch size.
 
@@ -209,18 +250,34 @@ def reference_lars_hparams(global_batch_size):
 
 
 # From this global batch on the recipe is LARS with the reference settings; below it, momentum SGD.
-LARS_MIN_BATCH = 512
+LARS_MIN_BATCH = 16384
 # Momentum SGD: peak learning rate SGD_LEARNING_RATE_AT_256 * sqrt(batch / 256), warmup in epochs.
 SGD_LEARNING_RATE_AT_256 = 0.4
 SGD_WARMUP_EPOCHS = 2.0
+# The warmup is at least this many optimizer steps when the steps per epoch are known: an epoch
+# of a small dataset at a large batch is a handful of steps, too few to warm up in.
+MIN_WARMUP_STEPS = 50
 # The longest warmup, as a fraction of the run, when the run's length is known.
 MAX_WARMUP_FRACTION = 0.4
 OPTIMIZERS = ("sgd", "lars")
 
+# Augmentation levels: `ImageNetInput` arguments for the training crop, the flip and the eval crop.
+AUGMENTATIONS = {
+    # The whole image, unmirrored, in training and evaluation.
+    "none": dict(crop_area_range=None, random_flip=False, center_crop_fraction=1.0),
+    # Random boxes of half the image or more, unmirrored; the whole image in evaluation.
+    "light": dict(crop_area_range=(0.5, 1.0), random_flip=False, center_crop_fraction=1.0),
+    # The ImageNet recipe: Inception boxes of 8% of the image or more, mirrored half the time; the
+    # 224 / 256 center crop in evaluation.
+    "imagenet": dict(crop_area_range=(0.08, 1.0), random_flip=True, center_crop_fraction=224 / 256),
+}
+# From this many training examples on (ImageNet's scale), the default augmentation is ImageNet's.
+IMAGENET_AUGMENTATION_MIN_EXAMPLES = 100_000
+
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-    """The training settings of one global batch size, as returned by `recipe_for_batch`.
+    """The training settings of one run, as returned by `recipe_for_batch`.
 
     Change one setting with `dataclasses.replace(recipe, peak_learning_rate=5.0)`.
 
@@ -238,6 +295,8 @@ class Recipe:
         nesterov: Boolean, Nesterov momentum for SGD (LARS has none).
         eta: Float, the LARS trust coefficient.
         label_smoothing: Float, for `tpu_scale.losses.SmoothedSparseCategoricalCrossentropy`.
+        augmentation: String, a key of `AUGMENTATIONS`: how strongly the training images are
+            cropped and mirrored.
     """
 
     global_batch_size: int
@@ -251,12 +310,24 @@ class Recipe:
     nesterov: bool = True
     eta: float = 0.001
     label_smoothing: float = 0.1
+    augmentation: str = "imagenet"
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(
                 f"`optimizer` must be one of {OPTIMIZERS}; received {self.optimizer!r}."
             )
+        if self.augmentation not in AUGMENTATIONS:
+            raise ValueError(
+                f"`augmentation` must be one of {tuple(AUGMENTATIONS)}; received "
+                f"{self.augmentation!r}."
+            )
+
+    @property
+    def input_arguments(self):
+        """The `ImageNetInput` keyword arguments of the recipe's augmentation (training crop and
+        flip, evaluation crop): pass them to both the training and the evaluation input."""
+        return dict(AUGMENTATIONS[self.augmentation])
 
     def schedule(self, steps_per_epoch, total_epochs):
         """The learning-rate schedule of a run.
@@ -279,7 +350,7 @@ class Recipe:
             power=self.decay_power,
         )
 
-    def build_optimizer(self, steps_per_epoch, total_epochs, learning_rate=None):
+    def build_optimizer(self, steps_per_epoch, total_epochs, learning_rate=None, **kwargs):
         """The optimizer of the recipe, on its schedule.
 
         Args:
@@ -287,6 +358,8 @@ class Recipe:
             total_epochs: Float, the length of the run in epochs.
             learning_rate: Optional learning rate or schedule to use instead of
                 `self.schedule(steps_per_epoch, total_epochs)`.
+            **kwargs: other arguments of the optimizer's constructor, e.g.
+                `gradient_accumulation_steps` or `clipnorm`.
 
         Returns:
             A `tpu_scale.optimizers.LARS` or a `keras.optimizers.SGD` whose weight decay
@@ -300,69 +373,63 @@ class Recipe:
             learning_rate = self.schedule(steps_per_epoch, total_epochs)
         if self.optimizer == "lars":
             return optimizers.LARS(
-                learning_rate, momentum=self.momentum, weight_decay=self.weight_decay, eta=self.eta
+                learning_rate,
+                momentum=self.momentum,
+                weight_decay=self.weight_decay,
+                eta=self.eta,
+                **kwargs,
             )
         optimizer = keras.optimizers.SGD(
             learning_rate,
             momentum=self.momentum,
             nesterov=self.nesterov,
             weight_decay=self.weight_decay or None,
+            **kwargs,
         )
         if self.weight_decay:
             optimizer.exclude_from_weight_decay(var_names=list(optimizers.DEFAULT_EXCLUDE_PATTERNS))
         return optimizer
 
 
-def recipe_for_batch(global_batch_size, total_epochs=None):
-    """The default training settings for a global batch size, from batch 32 to 65536.
+def recipe_for_batch(
+    global_batch_size,
+    total_epochs=None,
+    *,
+    steps_per_epoch=None,
+    train_examples=None,
+    num_classes=None,
+    image_size=None,
+    optimizer=None,
+    augmentation="auto",
+):
+    """The default training settings of a run, from what the run knows: its global batch size,
+    its length and its data.
 
-    Momentum SGD below batch 512, LARS from 512 on:
-
-    | global batch | optimizer | peak learning rate | warmup epochs |
-    |---|---|---|---|
-    | 32 | SGD | 0.141 | 2 |
-    | 64 | SGD | 0.2 | 2 |
-    | 128 | SGD | 0.283 | 2 |
-    | 256 | SGD | 0.4 | 2 |
-    | 512 ... 16384 | LARS | 25 | 5 |
-    | 32768 | LARS | 34 | 12 |
-    | 65536 | LARS | 35 | 34 |
-
-    - SGD (Nesterov momentum 0.9): peak rate `0.4 * sqrt(batch / 256)`, 2 warmup epochs.
-    - LARS (momentum 0.9, `eta=0.001`): `reference_lars_hparams(batch)`, unchanged: the
-      settings Ying et al. (2018) found for ResNet-50 on ImageNet at 16K-64K, and the 16K
-      row below it, as in the reference.
-
-    Both: weight decay 1e-4 (none on batch-norm parameters and biases), label smoothing
-    0.1, warmup from 0 then quadratic decay to 0 (`WarmupPolynomialDecay`, power 2).
-
-    Why these, measured with `benchmarks/recipe.py` (digits from scikit-learn, a small
-    ResNet on 8 replicas with grouped batch norm, a fixed epoch budget; see
-    `benchmarks/README.md`):
-
-    - LARS at LR 25 below batch 512 is unstable: batch-norm parameters and biases are
-      excluded from the trust ratio (You et al., 2017), so they take plain momentum steps
-      at LR 25. At batch 64 that took the loss from 2.3 to 23 and ended at top-1 0.22-0.31
-      on a 10-class task, where momentum SGD at LR 1.0 reached 0.91. At batch 1024 (15
-      epochs of digits, 2 seeds) the same LARS setting gave 0.70, LARS at LR 8 0.64, SGD at
-      0.4 0.56 and plain Keras 0.66.
-    - The linear scaling rule of Goyal et al. (2017), 0.1 per 256 examples, was tuned for
-      90-epoch ImageNet runs; in short runs its small-batch rates are too low (0.025 at
-      batch 64 ended at 0.34 in the run above). On digits the best SGD rate barely moved
-      with the batch (about 0.2-0.8 from batch 64 to 256), so the rate follows the square
-      root of the batch (Krizhevsky, 2014; Hoffer et al., 2017), from 0.4 at batch 256:
-      top-1 0.982 at batch 64 (best swept 0.991) and 0.986 at 256 (the best swept point),
-      plain Keras 0.971 and 0.951.
+    RULE_TABLE
 
     Args:
-        global_batch_size: Integer > 0, examples per optimizer step over all replicas.
-        total_epochs: Optional float, the length of the run. If given, the warmup is cut
-            to `MAX_WARMUP_FRACTION` (0.4) of it (the paper's 34 epochs at batch 65536 fit
-            a run of 85 epochs or more).
+        global_batch_size: Integer > 0, examples per optimizer step over all replicas (with
+            gradient accumulation, the effective batch: per-step batch times the steps).
+        total_epochs: Optional float, the length of the run. If given, the warmup is cut to
+            `MAX_WARMUP_FRACTION` (0.4) of it if longer.
+        steps_per_epoch: Optional integer, optimizer steps per epoch (defaults to
+            `train_examples // global_batch_size` when that is known). If known, the warmup
+            lasts at least `MIN_WARMUP_STEPS` (50) steps.
+        train_examples: Optional integer, training examples per epoch; it chooses the
+            augmentation (ImageNet's from `IMAGENET_AUGMENTATION_MIN_EXAMPLES` on).
+        num_classes: Optional integer, the number of classes. Accepted for the record; no
+            setting depends on it yet.
+        image_size: Optional integer, the training image size. Accepted for the record; no
+            setting depends on it yet.
+        optimizer: Optional `"sgd"` or `"lars"`: that optimizer with its own rule at any
+            batch size (LARS below 16384: the reference rate scaled by the square root of the
+            batch ratio). None picks by batch size.
+        augmentation: `"auto"` or a key of `AUGMENTATIONS` (`"none"`, `"light"`,
+            `"imagenet"`).
 
     Returns:
         A frozen `Recipe`: its `build_optimizer(steps_per_epoch, total_epochs)` makes the
-        optimizer on its schedule.
+        optimizer on its schedule and `input_arguments` are the inputs' augmentation.
 
     Reference:
         - [Ying et al., 2018](https://arxiv.org/abs/1811.06992)
@@ -378,17 +445,49 @@ def recipe_for_batch(global_batch_size, total_epochs=None):
         )
     if total_epochs is not None and not total_epochs > 0:
         raise ValueError(f"`total_epochs` must be > 0 or None; received {total_epochs!r}.")
-    if global_batch_size < LARS_MIN_BATCH:
-        optimizer = "sgd"
+    if optimizer not in (None,) + OPTIMIZERS:
+        raise ValueError(
+            f"`optimizer` must be None or one of {OPTIMIZERS}; received {optimizer!r}."
+        )
+    if augmentation != "auto" and augmentation not in AUGMENTATIONS:
+        raise ValueError(
+            f"`augmentation` must be 'auto' or one of {tuple(AUGMENTATIONS)}; received "
+            f"{augmentation!r}."
+        )
+    for name, value in (
+        ("steps_per_epoch", steps_per_epoch),
+        ("train_examples", train_examples),
+        ("num_classes", num_classes),
+        ("image_size", image_size),
+    ):
+        if value is not None and (_not_integer(value) or value <= 0):
+            raise ValueError(f"`{name}` must be an integer > 0 or None; received {value!r}.")
+    if optimizer is None:
+        optimizer = "sgd" if global_batch_size < LARS_MIN_BATCH else "lars"
+    if optimizer == "sgd":
         peak = SGD_LEARNING_RATE_AT_256 * math.sqrt(global_batch_size / 256)
         warmup = SGD_WARMUP_EPOCHS
     else:
-        optimizer = "lars"
         reference = reference_lars_hparams(global_batch_size)
         peak, warmup = reference["peak_learning_rate"], reference["warmup_epochs"]
+        first_batch = _REFERENCE_POINTS[0][0]
+        if global_batch_size < first_batch:
+            peak *= math.sqrt(global_batch_size / first_batch)
+    if steps_per_epoch is None and train_examples is not None:
+        steps_per_epoch = max(1, train_examples // global_batch_size)
+    if steps_per_epoch is not None:
+        warmup = max(warmup, MIN_WARMUP_STEPS / steps_per_epoch)
     if total_epochs is not None:
         warmup = min(warmup, MAX_WARMUP_FRACTION * total_epochs)
-    return Recipe(int(global_batch_size), optimizer, float(peak), float(warmup))
+    if augmentation == "auto":
+        augmentation = (
+            "imagenet"
+            if train_examples is None or train_examples >= IMAGENET_AUGMENTATION_MIN_EXAMPLES
+            else "light"
+        )
+    return Recipe(
+        int(global_batch_size), optimizer, float(peak), float(warmup), augmentation=augmentation
+    )
 
 
 def _not_integer(value):
