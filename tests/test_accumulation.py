@@ -156,3 +156,76 @@ def test_jit_compile_on_logical_cpu_replicas_names_what_works():
     with one.scope():
         model.compile(optimizer=_make_optimizer("sgd", None), loss="mse", jit_compile=True)
     model.fit(x, np.zeros((len(x), 3), "float32"), batch_size=MICRO_BATCH, epochs=1, verbose=0)
+
+
+def test_a_restore_inside_a_window_starts_the_window_again(tmp_path, strategy):
+    x, y = _data(3 * MICRO_BATCH)
+    model = _model(strategy, _optimizer("sgd", STEPS))
+    model.fit(x, y, batch_size=MICRO_BATCH, shuffle=False, epochs=1, verbose=0)
+    assert int(model.optimizer._iterations.numpy()) == 3  # one update, a window half done
+    path = str(tmp_path / "model.weights.h5")
+    model.save_weights(path)
+    restored = _model(strategy, _optimizer("sgd", STEPS))
+    with strategy.scope():
+        restored.optimizer.build(restored.trainable_variables)
+    restored.load_weights(path)
+    assert int(restored.optimizer._iterations.numpy()) == 2
+    assert int(restored.optimizer.iterations.numpy()) == 1
+    for accumulator in restored.optimizer._accumulated_gradients:
+        for value in strategy.experimental_local_results(accumulator.value):
+            np.testing.assert_array_equal(value.numpy(), 0.0)
+    for got, want in zip(restored.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(got, want)
+    # The next two micro-batches make one full update, as the first two did.
+    restored.fit(x[:32], y[:32], batch_size=MICRO_BATCH, shuffle=False, epochs=1, verbose=0)
+    assert int(restored.optimizer.iterations.numpy()) == 2
+
+
+def worker_accumulation(steps):
+    """Runs in each worker: one model accumulating `steps` micro-batches, one at the larger
+    batch, same data and start; both models' final weights."""
+    import os
+
+    run_on = tpu_scale.create_strategy(
+        num_cpu_replicas=int(os.environ["TPU_SCALE_CPUS_PER_WORKER"])
+    )
+    x, y = _data(2 * steps * MICRO_BATCH)
+
+    def dataset(per_replica):
+        def make(context):
+            data = tf.data.Dataset.from_tensor_slices((x, y))
+            data = data.shard(context.num_input_pipelines, context.input_pipeline_id)
+            return data.batch(per_replica, drop_remainder=True)
+
+        return run_on.distribute_datasets_from_function(make)
+
+    per_replica = MICRO_BATCH // run_on.num_replicas_in_sync
+    keras.utils.set_random_seed(1)
+    accumulating = _model(run_on, _optimizer("lars", steps))
+    larger = _model(run_on, _optimizer("lars"), weights=accumulating.get_weights())
+    accumulating.fit(dataset(per_replica), steps_per_epoch=2 * steps, epochs=1, verbose=0)
+    larger.fit(dataset(steps * per_replica), steps_per_epoch=2, epochs=1, verbose=0)
+    return {
+        "accumulating": accumulating.get_weights(),
+        "larger": larger.get_weights(),
+        "iterations": int(accumulating.optimizer.iterations.numpy()),
+    }
+
+
+@pytest.mark.multiprocess
+def test_two_workers_accumulate_as_one_larger_batch():
+    from tpu_scale.testing.multiworker import run_workers
+
+    results = run_workers(
+        f"{__name__}:worker_accumulation",
+        num_workers=2,
+        cpus_per_worker=2,
+        kwargs={"steps": STEPS},
+        timeout=300,
+    )
+    for result in results:
+        assert result["iterations"] == 2
+        for got, want in zip(result["accumulating"], result["larger"]):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    for a, b in zip(results[0]["accumulating"], results[1]["accumulating"]):
+        np.testing.assert_allclose(a, b, rtol=1e-6)

@@ -184,3 +184,18 @@ def test_strategies_over_different_devices_coexist():
     reversed_devices = tpu_scale.strategy.MirroredStrategy([f"/cpu:{i}" for i in (3, 2, 1, 0)])
     assert [float(v) for v in all_reduce(reversed_devices)] == [4.0] * 4
     assert [float(v) for v in all_reduce(first)] == [8.0] * 8
+
+
+def test_run_converts_the_replica_function_as_tensorflow_does():
+    # The strategies' `run` (which splits Keras train steps by accumulation phase) keeps
+    # AutoGraph on for the replica function: Python control flow on tensors still works.
+    strategy = tpu_scale.create_strategy(num_cpu_replicas=8)
+
+    def replica_fn():
+        x = tf.constant(3.0)
+        if x > 0:
+            x = x * 2.0
+        return x
+
+    results = tf.function(lambda: strategy.run(replica_fn))()
+    assert [float(v) for v in strategy.experimental_local_results(results)] == [6.0] * 8

@@ -297,7 +297,10 @@ def accumulation_under_strategies():
     torus or the strategy's own sum) and applies the optimizer, then zeroes the accumulators. The
     counter, the accumulators and the learning rate's step (`optimizer.iterations`, which Keras
     divides by the number of steps) are Keras's own. Outside a phase (no strategy from
-    `create_strategy`, or no accumulation) Keras's own method runs.
+    `create_strategy`, or no accumulation) Keras's own method runs. A restore in the middle of a
+    window (the accumulators are optimizer variables, saved with the weights, but only the first
+    replica's) drops that window instead of counting one replica's partial sum on every replica
+    (`_load_own_variables`).
 
     Upstream: keras-team/keras#20582 ("Rethink the conditional in the gradient accumulation",
     open); seen with Keras 3.15.1 on TF 2.21. How to tell it can go:
@@ -314,6 +317,8 @@ def accumulation_under_strategies():
 
     _backend_apply_gradients.original = module.TFOptimizer._backend_apply_gradients
     module.TFOptimizer._backend_apply_gradients = _backend_apply_gradients
+    _load_own_variables.original = module.TFOptimizer.load_own_variables
+    module.TFOptimizer.load_own_variables = _load_own_variables
     _accumulation_applied = True
 
 
@@ -391,6 +396,27 @@ def _backend_apply_gradients(self, grads, trainable_variables):
     self._apply_weight_decay(trainable_variables)
     self._backend_update_step(grads, trainable_variables, self.learning_rate)
     self._backend_reset_gradient_accumulators()
+
+
+def _load_own_variables(self, store):
+    """Keras's optimizer restore; under several replicas, a window in progress starts again.
+
+    Each replica accumulates its own local gradients, but a saved accumulator holds only the
+    first replica's. Restoring it into every replica would count that replica's partial sum once
+    per replica, so after a restore in the middle of an accumulation window the accumulators are
+    zeroed and the step counter goes back to the window's start: the window's micro-batches seen
+    before the save are dropped, and the next `gradient_accumulation_steps` micro-batches form a
+    full window. `optimizer.iterations` (and so every completed update) is unchanged.
+    """
+    _load_own_variables.original(self, store)
+    steps = self.gradient_accumulation_steps
+    strategy = getattr(self, "_distribution_strategy", None)
+    if not steps or strategy is None or strategy.num_replicas_in_sync < 2:
+        return
+    done = int(self._iterations.numpy())
+    if done % steps:
+        self._iterations.assign(done - done % steps)
+        self._backend_reset_gradient_accumulators()
 
 
 # --------------------------------------------------------------------------- XLA on virtual CPUs

@@ -23,6 +23,8 @@ import os
 
 import tensorflow as tf
 from absl import logging
+from tensorflow.python.autograph.core import ag_ctx as autograph_ctx
+from tensorflow.python.autograph.impl import api as autograph
 
 from tpu_scale import _workarounds, keras_hook, torus
 from tpu_scale.context import mesh_of  # noqa: F401  (tpu_scale.mesh_of)
@@ -51,7 +53,22 @@ class _MeshMixin:
     def run(self, fn, args=(), kwargs=None, options=None):
         """`tf.distribute.Strategy.run`; a Keras train step with gradient accumulation is split by
         phase (`keras_hook.run_train_step`)."""
-        return keras_hook.run_train_step(super().run, self, fn, args, kwargs, options)
+        # AutoGraph converts this method when a user's tf.function calls it; the work happens in
+        # `_run`, which it leaves alone, with the caller's AutoGraph status for `fn`.
+        return _run(self, fn, args, kwargs, options, autograph_ctx.control_status_ctx())
+
+
+@tf.autograph.experimental.do_not_convert
+def _run(strategy, fn, args, kwargs, options, status):
+    """`strategy.run` through `keras_hook.run_train_step`; `fn` is converted by AutoGraph as the
+    caller's `status` says (as TensorFlow's own `run` does), not as this unconverted frame's."""
+    base = super(_MeshMixin, strategy).run
+
+    def run(fn, args=(), kwargs=None, options=None):
+        fn = autograph.tf_convert(fn, status, convert_by_default=False)
+        return base(fn, args=args, kwargs=kwargs, options=options)
+
+    return keras_hook.run_train_step(run, strategy, fn, args, kwargs, options)
 
 
 class GradientPlanner:
