@@ -22,7 +22,7 @@ def _data(n):
     return x, y
 
 
-def _model(strategy, optimizer, weights=None):
+def _model(strategy, optimizer, weights=None, steps_per_execution=1):
     with strategy.scope():
         model = keras.Sequential(
             [
@@ -36,6 +36,7 @@ def _model(strategy, optimizer, weights=None):
         model.compile(
             optimizer=optimizer(),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            steps_per_execution=steps_per_execution,
         )
     return model
 
@@ -107,7 +108,8 @@ def test_one_cross_replica_sum_per_accumulated_step(monkeypatch):
     monkeypatch.setattr(torus, "all_reduce_sum", counted)
     steps, micro_batches = 4, 8
     x, y = _data(micro_batches * MICRO_BATCH)
-    model = _model(run_on, _optimizer("sgd", steps))
+    # Several micro-batches per call of the train function: the phases run inside Keras's loop.
+    model = _model(run_on, _optimizer("sgd", steps), steps_per_execution=3)
     model.fit(x, y, batch_size=MICRO_BATCH, shuffle=False, epochs=1, verbose=0)
     # Each replica sums once per optimizer step: 2 steps x 8 replicas.
     assert len(executed) == (micro_batches // steps) * run_on.num_replicas_in_sync
@@ -229,3 +231,23 @@ def test_two_workers_accumulate_as_one_larger_batch():
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     for a, b in zip(results[0]["accumulating"], results[1]["accumulating"]):
         np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_same_updates_as_keras_without_a_strategy():
+    # Keras's own accumulation (no strategy) is the reference, learning-rate schedule included:
+    # the schedule sees the micro-batch count, `iterations` the updates.
+    def optimizer():
+        schedule = keras.optimizers.schedules.ExponentialDecay(0.2, decay_steps=1, decay_rate=0.5)
+        return keras.optimizers.SGD(schedule, momentum=0.9, gradient_accumulation_steps=STEPS)
+
+    x, y = _data(3 * STEPS * MICRO_BATCH)  # three updates
+    keras.utils.set_random_seed(1)
+    reference = _model(tf.distribute.get_strategy(), optimizer)
+    initial = reference.get_weights()
+    distributed = _model(_torus_strategy((2, 4)), optimizer, weights=initial)
+    for model in (reference, distributed):
+        model.fit(x, y, batch_size=MICRO_BATCH, shuffle=False, epochs=1, verbose=0)
+        assert int(model.optimizer.iterations.numpy()) == 3
+    for got, want, start in zip(distributed.get_weights(), reference.get_weights(), initial):
+        assert not np.allclose(want, start)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

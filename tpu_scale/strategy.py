@@ -268,7 +268,11 @@ def create_strategy(
         dtype.
 
     Returns:
-      A strategy with `.mesh` (`ReplicaMesh`) and `.gradient_reduction`.
+      A strategy with `.mesh` (`ReplicaMesh`) and `.gradient_reduction`. Keras optimizers'
+      `gradient_accumulation_steps=k` trains under it in `model.fit` with either gradient sum: each
+      replica accumulates its local gradients for k micro-batches, the cross-replica sum runs once
+      per k, then the update (`keras_hook.accumulation_under_strategies`). `compile(jit_compile=
+      True)` on several CPU replicas fails before the first step, naming what works.
     """
     if gradient_reduction not in GRADIENT_REDUCTIONS:
         raise ValueError(
