@@ -14,7 +14,14 @@ setup(
     packages=find_packages(include=["tpu_scale", "tpu_scale.*"]),
     python_requires=">=3.9",
     # The Keras range is the one tpu_scale.keras_hook supports (it hooks one private method).
-    install_requires=["tensorflow>=2.16", "keras>=3.3,<4", "numpy", "absl-py", "tensorboard"],
+    install_requires=[
+        "tensorflow>=2.16",
+        "keras>=3.3,<4",
+        "numpy",
+        "absl-py",
+        "tensorboard",
+        "pillow",
+    ],
     extras_require={
         "test": [
             "pytest",

@@ -2,12 +2,15 @@
 
 An aborted conversion leaves a hidden `.<name>.incomplete-*` folder and nothing that looks finished;
 a finished one is refused as an output unless it is to be replaced, and a folder holding anything
-but shards and label files is never touched.
+but shards and label files is never touched. The next conversion to the same output removes the
+staging folders of earlier writers that are gone (`remove_stale_staging_dirs`).
 """
 
 import fnmatch
+import logging
 import os
 import shutil
+import socket
 import tempfile
 import uuid
 
@@ -55,6 +58,7 @@ def _check_output_dir(output_dir, overwrite):
 
 def _publish(staging_dir, output_dir, replace):
     """Moves the finished `staging_dir` into place as `output_dir`."""
+    tf.io.gfile.remove(os.path.join(staging_dir, _WRITER_FILE))
     if _is_local(output_dir):
         old = None
         if tf.io.gfile.exists(output_dir):
@@ -77,15 +81,84 @@ def _publish(staging_dir, output_dir, replace):
     tf.io.gfile.rmtree(staging_dir)
 
 
+logger = logging.getLogger("tpu_scale")
+
+# In each staging folder: "<host> <process id>" of the writer that fills it.
+_WRITER_FILE = "writer"
+
+
+def _staging_pattern(output_dir):
+    parent, name = os.path.split(output_dir)
+    return os.path.join(parent or ".", f".{name}.incomplete-*")
+
+
 def _make_staging_dir(output_dir):
     parent, name = os.path.split(output_dir)
     parent = parent or "."
     tf.io.gfile.makedirs(parent)
     if _is_local(output_dir):
-        return tempfile.mkdtemp(prefix=f".{name}.incomplete-", dir=parent)
-    staging = os.path.join(parent, f".{name}.incomplete-{uuid.uuid4().hex[:8]}")
-    tf.io.gfile.makedirs(staging)
+        staging = tempfile.mkdtemp(prefix=f".{name}.incomplete-", dir=parent)
+    else:
+        staging = os.path.join(parent, f".{name}.incomplete-{uuid.uuid4().hex[:8]}")
+        tf.io.gfile.makedirs(staging)
+    with tf.io.gfile.GFile(os.path.join(staging, _WRITER_FILE), "w") as f:
+        f.write(f"{socket.gethostname()} {os.getpid()}")
     return staging
+
+
+def _writer_is_running(staging_dir):
+    """Whether the writer that made `staging_dir` may still be running: its process is alive on
+    this host, or it ran on another host (which this one cannot ask)."""
+    path = os.path.join(staging_dir, _WRITER_FILE)
+    try:
+        with tf.io.gfile.GFile(path) as f:
+            host, pid = f.read().split()
+    except (tf.errors.NotFoundError, ValueError):
+        return False  # no (readable) record of its writer: an earlier writer's, long gone
+    if host != socket.gethostname():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError):
+        return True  # alive, another user's
+    return True
+
+
+def remove_stale_staging_dirs(output_dir):
+    """Removes the staging folders (`.<name>.incomplete-*`) that earlier writers of `output_dir`
+    left when they were killed, naming each in a warning of the "tpu_scale" logger.
+
+    A folder whose writer still runs on this host, or ran on another host, is left alone (named in
+    the log when it comes from another host).
+
+    Args:
+      output_dir: the writer's output folder.
+
+    Returns:
+      The removed folders.
+    """
+    removed = []
+    for path in sorted(tf.io.gfile.glob(_staging_pattern(output_dir))):
+        path = path.rstrip("/")
+        if path.endswith(".replaced"):
+            # An earlier output moved aside while its successor was published; stale once that
+            # successor's staging folder is gone.
+            stale = not tf.io.gfile.exists(path[: -len(".replaced")])
+        else:
+            stale = not _writer_is_running(path)
+        if not stale:
+            logger.info("Left the staging folder %s alone: its writer may still be running.", path)
+            continue
+        _remove(path)
+        removed.append(path)
+        logger.warning(
+            "Removed %s, the staging folder of an earlier writer of %s that did not finish.",
+            path,
+            output_dir,
+        )
+    return removed
 
 
 def _remove(path):

@@ -33,15 +33,18 @@ What is checked, so that training never meets a bad image:
 
 The output appears atomically: the shards and label map are written into a hidden folder next to
 `output_dir` (`.<name>.incomplete-*`) and moved into place at the end, so an aborted conversion
-leaves nothing that looks finished. An `output_dir` that already holds a conversion is refused
-unless `--overwrite` is given, which replaces it as a whole; a non-empty folder holding anything
-else is always refused. (On object stores, which cannot rename folders, the files are moved one by
-one and `labels.json` goes last: a folder without it is unfinished.)
+leaves nothing that looks finished, and the next conversion to the same `output_dir` removes the
+staging folders that killed writers left (naming them in its log). An `output_dir` that already
+holds a conversion is refused unless `--overwrite` is given, which replaces it as a whole; a
+non-empty folder holding anything else is always refused. (On object stores, which cannot rename
+folders, the files are moved one by one and `labels.json` goes last: a folder without it is
+unfinished.)
 """
 
 import argparse
 import concurrent.futures
 import dataclasses
+import io
 import math
 import os
 import random
@@ -55,9 +58,10 @@ if __name__ == "__main__":
     # for each image that fails to decode, are noise here (the summary names every skipped file).
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from tpu_scale.data import exif, image_ops  # noqa: E402
+from tpu_scale.data import image_ops  # noqa: E402
 from tpu_scale.data.image_folder import (  # noqa: E402
     IMAGE_EXTENSIONS,
     list_class_folders,
@@ -67,6 +71,7 @@ from tpu_scale.data.output_dir import (  # noqa: E402
     _make_staging_dir,
     _publish,
     _remove,
+    remove_stale_staging_dirs,
 )
 from tpu_scale.data.schema import LABEL_MAP_FILE, make_example, write_label_map  # noqa: E402
 
@@ -76,6 +81,7 @@ DEFAULT_VALIDATION_FRACTION = 0.1
 EXAMPLES_PER_SHARD = 1024
 _MIN_SHARDS = 8
 _REENCODE_QUALITY = 95
+_EXIF_ORIENTATION = 0x0112
 _MAX_NAMES = 10
 
 # Why a file was skipped (the keys of `TFRecordSummary.skipped`).
@@ -209,18 +215,20 @@ def _as_rgb_jpeg(image_bytes):
         # marker is truncated even when libjpeg decodes the part that is there.
         if not bool(image_ops.is_complete_jpeg(image_bytes)):
             raise _Skip(CORRUPT_JPEG)
-        orientation = exif.orientation(image_bytes)
         try:
             height, width, channels = tf.image.extract_jpeg_shape(image_bytes).numpy().tolist()
-            if channels in (1, 3) and orientation == 1:
+            # Cameras store the sensor's pixels and a tag saying how to turn them; the decoder
+            # ignores the tag, so such photos are turned here, as a viewer shows them.
+            rotated = _exif_orientation(image_bytes) != 1
+            if channels in (1, 3) and not rotated:
                 tf.io.decode_jpeg(image_bytes, channels=3)
                 return image_bytes, height, width, False
-            image = tf.io.decode_image(image_bytes, channels=3, expand_animations=False)
-        except tf.errors.InvalidArgumentError:
+            tf.io.decode_jpeg(image_bytes, channels=3)  # the whole file decodes
+            image = (
+                _upright(image_bytes) if rotated else tf.io.decode_image(image_bytes, channels=3)
+            )
+        except (tf.errors.InvalidArgumentError, OSError, SyntaxError, ValueError):
             raise _Skip(CORRUPT_JPEG) from None
-        # Cameras store the sensor's pixels and a tag saying how to turn them; the decoder ignores
-        # the tag, so the pixels are turned here, as a viewer shows them.
-        image = exif.upright(image, orientation)
     else:
         try:
             image = tf.io.decode_image(image_bytes, channels=3, expand_animations=False)
@@ -228,6 +236,23 @@ def _as_rgb_jpeg(image_bytes):
             raise _Skip(UNDECODABLE) from None
     jpeg = tf.io.encode_jpeg(image, quality=_REENCODE_QUALITY).numpy()
     return jpeg, int(image.shape[0]), int(image.shape[1]), True
+
+
+def _exif_orientation(jpeg_bytes):
+    """The EXIF orientation tag (1-8; 1, upright, when there is none) of a JPEG, read with Pillow
+    from the file's header."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(jpeg_bytes)) as image:
+        return image.getexif().get(_EXIF_ORIENTATION, 1)
+
+
+def _upright(jpeg_bytes):
+    """A JPEG's pixels (RGB) turned as its EXIF orientation says (`ImageOps.exif_transpose`)."""
+    from PIL import Image, ImageOps
+
+    with Image.open(io.BytesIO(jpeg_bytes)) as image:
+        return np.asarray(ImageOps.exif_transpose(image).convert("RGB"))
 
 
 def _validation_count(num_images, fraction):
@@ -446,6 +471,7 @@ def write_tfrecords(
             + ". Remove or fix them, or run without strict to skip them."
         )
     replace = _check_output_dir(output_dir, overwrite)
+    remove_stale_staging_dirs(output_dir)
 
     splits = {"train": train, "validation": validation}
     requested = {"train": num_shards, "validation": num_validation_shards}
