@@ -451,45 +451,37 @@ def bogus_frame_header(jpeg):
     return jpeg[:2] + b"\xff\xc0\x00\x11\x08\xff\xff\xff\xff" + jpeg[2:]
 
 
+def frame_height_zero(jpeg):
+    # A complete JPEG whose start-of-frame segment says height 0 (a damaged download): libjpeg
+    # rejects it ("Empty JPEG image (DNL not supported)") in ExtractJpegShape.
+    at = jpeg.index(b"\xff\xc0") + 5
+    return jpeg[:at] + b"\x00\x00" + jpeg[at + 2 :]
+
+
+def bad_huffman_table(jpeg):
+    # A complete JPEG whose Huffman table segment is broken: libjpeg rejects it.
+    at = jpeg.index(b"\xff\xc4") + 4
+    return jpeg[:at] + b"\xff" + jpeg[at + 1 :]
+
+
 BREAKAGES = {
     "truncated": truncated,
-    "png": as_png,
     "empty": lambda jpeg: b"",
     "garbage": lambda jpeg: b"not an image at all" * 5,
+    "frame height 0": frame_height_zero,
+    "bad Huffman table": bad_huffman_table,
 }
 
 
 @pytest.mark.parametrize("breakage", sorted(BREAKAGES))
-def test_corrupt_record_fails_naming_its_file(tmp_path, breakage):
+def test_strict_fails_naming_the_record(tmp_path, breakage):
     pattern, _ = write_coded_records(str(tmp_path), 2, 6, bad={8: BREAKAGES[breakage]})
-    inp = make_input(pattern, is_training=False, global_batch_size=4)
+    inp = make_input(pattern, is_training=False, global_batch_size=4, strict=True)
     with pytest.raises(
-        tf.errors.InvalidArgumentError, match=r"(?s)Record.*2.*train-00001-of-00002.*JPEG"
+        tf.errors.InvalidArgumentError,
+        match=r"strict=True: record 2 of \S*train-00001-of-00002 (is not a complete|holds an im)",
     ):
         list(inp.dataset())
-
-
-@pytest.mark.parametrize("is_training", [False, True])
-def test_skip_corrupt_drops_and_counts(tmp_path, is_training):
-    bad = {1: truncated, 4: as_png, 7: lambda jpeg: b"", 9: bogus_frame_header}
-    pattern, expected = write_coded_records(str(tmp_path), 2, 6, bad=bad)
-    inp = make_input(
-        pattern,
-        is_training=is_training,
-        global_batch_size=4,
-        skip_corrupt=True,
-        cache=is_training,
-        deterministic=True,
-    )
-    if is_training:
-        ids, _, _ = collect(inp.dataset(), num_batches=2)  # one epoch: 8 good records
-        assert sorted(ids) == sorted(expected)
-        # Counted as the batches are handed out: the broken records before the last good one.
-        assert 0 < inp.skipped_records <= len(bad)
-    else:
-        ids, _, _ = collect(inp.dataset())
-        assert sorted(ids) == sorted(expected)
-        assert inp.skipped_records == len(bad)
 
 
 def test_wrong_feature_keys_list_the_keys_found(tmp_path):
@@ -514,7 +506,7 @@ def test_wrong_feature_keys_list_the_keys_found(tmp_path):
 def test_negative_label_names_the_file_and_the_fix(tmp_path):
     # Label 0 in a file read with label_offset=1.
     pattern, _ = write_coded_records(str(tmp_path), 1, 4, label_base=0)
-    inp = make_input(pattern, is_training=False, global_batch_size=4)
+    inp = make_input(pattern, is_training=False, global_batch_size=4, strict=True)
     with pytest.raises(
         tf.errors.InvalidArgumentError, match=r"(?s)train-00000-of-00001.*label_offset=0"
     ):
@@ -549,7 +541,24 @@ RECORD_FAULTS = {
     "undecodable JPEG": (
         lambda i: coded_example(i, jpeg=truncated(coded_jpeg(i, 0, 20, 24))),
         "not a complete JPEG",
-        "not a complete JPEG",
+        "not a complete image",
+    ),
+    "frame height 0": (
+        lambda i: coded_example(i, jpeg=frame_height_zero(coded_jpeg(i, i % NUM_CLASSES, 20, 24))),
+        "holds an image the decoder rejects",
+        "undecodable image",
+    ),
+    "image of another type": (
+        lambda i: tf.train.Example(
+            features=tf.train.Features(
+                feature={
+                    "image/encoded": tf.train.Feature(int64_list=tf.train.Int64List(value=[7])),
+                    "image/class/label": tf.train.Feature(int64_list=tf.train.Int64List(value=[1])),
+                }
+            )
+        ).SerializeToString(),
+        "with another type than bytes and int64",
+        "feature of the wrong type",
     ),
 }
 
@@ -601,16 +610,18 @@ def test_bad_record_fails_naming_file_and_record(tmp_path, kind):
         make_bad, words, _ = RECORD_FAULTS[kind]
         pattern, _ = write_records_with(str(tmp_path), {8: make_bad})  # record 2 of the second file
         index = 2
-    inp = make_input(pattern, is_training=False, global_batch_size=4, num_classes=NUM_CLASSES)
+    inp = make_input(
+        pattern, is_training=False, global_batch_size=4, num_classes=NUM_CLASSES, strict=True
+    )
     with pytest.raises(
         tf.errors.InvalidArgumentError,
-        match=rf"(?s)Record\] \[{index}\] \[of\] \[\S*train-00001-of-00002\].*{words}",
+        match=rf"(?s)strict=True: record {index} of \S*train-00001-of-00002 .*{words}",
     ):
         list(inp.dataset())
 
 
 @pytest.mark.parametrize("kind", sorted(RECORD_FAULTS) + ["truncated file"])
-def test_bad_record_is_skipped_and_counted(tmp_path, kind):
+def test_bad_record_is_skipped_named_and_counted(tmp_path, kind, caplog):
     if kind == "truncated file":
         pattern, good = write_records_with(str(tmp_path), {}, cut_last_file_bytes=30)
         reason = "truncated TFRecord file"
@@ -618,14 +629,19 @@ def test_bad_record_is_skipped_and_counted(tmp_path, kind):
         make_bad, _, reason = RECORD_FAULTS[kind]
         # Mid-file, and the very last record (the count must not lose trailing skips).
         pattern, good = write_records_with(str(tmp_path), {3: make_bad, 8: make_bad, 11: make_bad})
-    inp = make_input(
-        pattern, is_training=False, global_batch_size=4, skip_corrupt=True, num_classes=NUM_CLASSES
-    )
+    # Above the default threshold (3 bad records of 12), but below the floor of 10 bad records.
+    inp = make_input(pattern, is_training=False, global_batch_size=4, num_classes=NUM_CLASSES)
     ids, labels, _ = collect(inp.dataset())
     assert sorted(ids) == sorted(good)
     assert labels == [i % NUM_CLASSES for i in ids]
     expected = 12 - len(good)
     assert inp.skipped_records == expected and inp.skipped_by_reason == {reason: expected}
+    assert inp.records_read == 12
+    named = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Skipped")]
+    assert len(named) == expected
+    for bad_id in sorted(set(range(12)) - good):
+        file_index, index = divmod(bad_id, 6)
+        assert any(f"record {index} of " in m and f"train-{file_index:05d}-of" in m for m in named)
 
 
 @pytest.mark.parametrize("is_training", [False, True])
@@ -664,10 +680,12 @@ def test_files_of_known_count_shared_record_by_record(tmp_path, cut):
     )
     write_record_counts(str(tmp_path), [11])
     with pytest.warns(UserWarning, match="every pipeline reads every file"):
-        inp = make_input(pattern, is_training=False, global_batch_size=6, num_classes=NUM_CLASSES)
+        inp = make_input(
+            pattern, is_training=False, global_batch_size=6, num_classes=NUM_CLASSES, strict=True
+        )
         datasets = [inp.dataset(context(index, 3)) for index in range(3)]
     if cut:
-        where = r"(?s)Record\] \[10\].*labels\.json"
+        where = r"(?s)record 10 of .*labels\.json"
         with pytest.raises(tf.errors.InvalidArgumentError, match=where):
             for dataset in datasets:
                 collect(dataset)
@@ -686,10 +704,12 @@ def test_a_file_whose_count_disagrees_with_the_label_map_is_named(tmp_path, writ
     # conversion) fails at its end, naming it and where its records ran out.
     pattern, _ = write_records_with(str(tmp_path), {}, num_files=2, per_file=written)
     write_record_counts(str(tmp_path), [written, counted])
-    inp = make_input(pattern, is_training=False, global_batch_size=4, num_classes=NUM_CLASSES)
+    inp = make_input(
+        pattern, is_training=False, global_batch_size=4, num_classes=NUM_CLASSES, strict=True
+    )
     with pytest.raises(
         tf.errors.InvalidArgumentError,
-        match=rf"(?s)Record\] \[{written}\] \[of\] \[\S*train-00001-of-00002\].*labels\.json",
+        match=rf"(?s)record {written} of \S*train-00001-of-00002 .*labels\.json",
     ):
         list(inp.dataset())
 
@@ -699,38 +719,154 @@ def test_first_record_not_an_example_fails_when_the_pipeline_is_built(tmp_path):
     with pytest.raises(
         ValueError, match=r"Record 0 of \S*train-00000-of-00002.*not a tf.train.Example"
     ):
-        make_input(pattern, is_training=False, global_batch_size=4).dataset()
-    inp = make_input(pattern, is_training=False, global_batch_size=4, skip_corrupt=True)
+        make_input(pattern, is_training=False, global_batch_size=4, strict=True).dataset()
+    inp = make_input(pattern, is_training=False, global_batch_size=4)
     assert sorted(collect(inp.dataset())[0]) == sorted(good) and inp.skipped_records == 1
 
 
-def test_skipped_records_counts_what_the_iterator_handed_out(tmp_path):
-    # One file read in order (one file, no shuffle buffer): every 4th record is broken.
-    bad_ids = set(range(1, 40, 4))
-    undecodable = RECORD_FAULTS["undecodable JPEG"][0]
-    pattern, _ = write_records_with(
-        str(tmp_path), dict.fromkeys(bad_ids, undecodable), num_files=1, per_file=40
+def every_fault_kind(directory):
+    """Two files of 20 records: one record of every fault kind, other image formats, good JPEGs.
+
+    Returns the pattern, the good ids, and the bad ones as `{(file index, record index): reason}`.
+    """
+
+    def image_as(fmt, mode="RGB", **options):
+        def encode(i):
+            from io import BytesIO
+
+            from PIL import Image
+
+            pixels = tf.io.decode_jpeg(coded_jpeg(i, i % NUM_CLASSES, 20, 24)).numpy()
+            out = BytesIO()
+            Image.fromarray(pixels).convert(mode).save(out, fmt, **options)
+            return coded_example(i, jpeg=out.getvalue())
+
+        return encode
+
+    faults = {name: make for name, (make, _, _) in RECORD_FAULTS.items()}
+    faults["negative label"] = lambda i: coded_example(i, label=0)
+    faults["frame height 0"] = RECORD_FAULTS["frame height 0"][0]
+    faults["bad Huffman table"] = lambda i: coded_example(
+        i, jpeg=bad_huffman_table(coded_jpeg(i, 0, 20, 24))
     )
+    faults["empty image"] = lambda i: coded_example(i, jpeg=b"")
+    faults["text"] = lambda i: coded_example(i, jpeg=b"no image here" * 9)
+    reasons = {name: reason for name, (_, _, reason) in RECORD_FAULTS.items()} | {
+        "negative label": "negative label",
+        "bad Huffman table": "undecodable image",
+        "empty image": "not a complete image",
+        "text": "not a complete image",
+    }
+    kinds = sorted(faults)
+    bad = {1 + 3 * n: faults[kind] for n, kind in enumerate(kinds)}
+    good_formats = {
+        2: image_as("PNG"),
+        5: image_as("GIF"),
+        8: image_as("BMP"),
+        11: image_as("JPEG", "CMYK", quality=95),
+        14: image_as("JPEG", quality=95, progressive=True),
+        17: image_as("WEBP", lossless=True),
+    }
+    pattern, good = write_records_with(
+        directory, {**bad, **good_formats}, num_files=2, per_file=20, cut_last_file_bytes=30
+    )
+    good |= set(good_formats)
+    named = {divmod(i, 20): reasons[kind] for i, kind in zip(sorted(bad), kinds)}
+    named[(1, 19)] = "truncated TFRecord file"
+    return pattern, good, named
+
+
+@pytest.mark.parametrize("is_training", [False, True])
+def test_every_fault_kind_is_skipped_named_and_counted(tmp_path, caplog, is_training):
+    # Evaluation and training finish; every good record (other formats included) comes out once
+    # with its label; the log names each bad record once, with its file and index.
+    pattern, good, bad = every_fault_kind(str(tmp_path))
     inp = make_input(
         pattern,
-        is_training=True,
-        global_batch_size=2,
-        shuffle_buffer_size=1,
+        is_training=is_training,
+        global_batch_size=1,
+        num_classes=NUM_CLASSES,
+        max_bad_fraction=1.0,
         deterministic=True,
-        skip_corrupt=True,
+        cache=is_training,
     )
-    stream = [i % 40 for i in range(400)]
-    good_positions = [n for n, i in enumerate(stream) if i not in bad_ids]
-    iterator = iter(inp.dataset())
-    consumed = []
-    for num_batches in (3, 20):  # the second reaches into the next pass over the file
-        while len(consumed) < 2 * num_batches:
-            images, _ = next(iterator)
-            consumed.extend(decode_codes(images)[1].tolist())
-        last = good_positions[len(consumed) - 1]
-        assert consumed == [stream[n] for n in good_positions[: len(consumed)]]
-        # The skips before the last example handed out, and none of the records read ahead.
-        assert inp.skipped_records == sum(stream[n] in bad_ids for n in range(last))
+    ids, labels, _ = collect(inp.dataset(), num_batches=len(good) + 1 if is_training else None)
+    assert labels == [i % NUM_CLASSES for i in ids]
+    assert sorted(ids[: len(good)]) == sorted(good)
+    named = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Skipped")]
+    assert len(named) == len(bad)  # once each, even when read again
+    for (file_index, index), reason in bad.items():
+        assert sum(f"record {index} of " in m and f"train-{file_index:05d}-of" in m for m in named)
+    expected = {}
+    for reason in bad.values():
+        expected[reason] = expected.get(reason, 0) + 1
+    if is_training:  # the second pass has begun: some records are counted twice
+        assert set(inp.skipped_by_reason) == set(expected)
+        assert inp.records_read >= 40
+    else:
+        assert inp.skipped_by_reason == expected and inp.records_read == 40
+        assert inp.skipped_records == len(bad)
+
+
+@pytest.mark.parametrize("num_bad", [9, 11])
+def test_too_many_bad_records_stop_the_run_naming_them(tmp_path, num_bad):
+    # 20 records: 9 bad ones pass (fewer than the floor of 10), 11 stop the run, naming the first.
+    make_bad = RECORD_FAULTS["frame height 0"][0]
+    pattern, good = write_records_with(
+        str(tmp_path), dict.fromkeys(range(0, 2 * num_bad, 2), make_bad), num_files=1, per_file=20
+    )
+    inp = make_input(pattern, is_training=False, global_batch_size=4)
+    if num_bad < 10:
+        assert sorted(collect(inp.dataset())[0]) == sorted(good)
+        return
+    with pytest.raises(
+        tf.errors.InvalidArgumentError,
+        match=r"1\d bad records among the \d+ records read, more than max_bad_fraction=0.001.*"
+        r"The first: record 0 of \S*train-00000-of-00001 \(undecodable image\), record 2 of",
+    ):
+        collect(inp.dataset())
+
+
+def test_other_formats_decode_to_pillows_pixels(tmp_path):
+    # CMYK, progressive and greyscale JPEGs on the fused path, PNG and BMP through decode_image:
+    # the whole image (center_crop_fraction=1 on a square image, no resize) equals Pillow's decode.
+    from io import BytesIO
+
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    smooth = tf.image.resize(rng.uniform(0, 255, (4, 4, 3)), [32, 32]).numpy().astype(np.uint8)
+    formats = {
+        "cmyk": ("JPEG", "CMYK", {"quality": 95}),
+        "progressive": ("JPEG", "RGB", {"quality": 95, "progressive": True}),
+        "grey": ("JPEG", "L", {"quality": 95}),
+        "png": ("PNG", "RGB", {}),
+        "bmp": ("BMP", "RGB", {}),
+    }
+    path = str(tmp_path / "train-00000-of-00001")
+    expected = []
+    with tf.io.TFRecordWriter(path) as writer:
+        for fmt, mode, options in formats.values():
+            out = BytesIO()
+            Image.fromarray(smooth).convert(mode).save(out, fmt, **options)
+            expected.append(np.asarray(Image.open(BytesIO(out.getvalue())).convert("RGB")))
+            writer.write(make_example(out.getvalue(), 1, height=32, width=32).SerializeToString())
+    inp = make_input(
+        path,
+        is_training=False,
+        global_batch_size=len(formats),
+        image_size=32,
+        dtype="uint8",
+        center_crop_fraction=1.0,
+        strict=True,
+    )
+    ((images, _),) = list(inp.dataset())
+    for name, image, reference in zip(formats, images.numpy(), expected):
+        difference = np.abs(image.astype(int) - reference.astype(int))
+        # Lossless formats match exactly; JPEG decoders differ by their IDCT and upsampling, and a
+        # CMYK JPEG also by the formula that turns CMYK into RGB.
+        largest, mean = {"png": (0, 0), "bmp": (0, 0), "cmyk": (12, 2.5)}.get(name, (10, 2))
+        assert difference.max() <= largest and difference.mean() <= mean, (name, difference.mean())
 
 
 def test_label_map_sets_offset_and_num_classes(tmp_path):
@@ -756,8 +892,13 @@ def test_label_map_sets_offset_and_num_classes(tmp_path):
     with pytest.raises(ValueError, match="num_classes=4 disagrees"):
         make_input(pattern, is_training=False, global_batch_size=10, num_classes=4)
     # A label map with one class too few: the records of the last class are out of range.
+    # Skipped and counted by default (2 of 10 records: fewer than the floor of 10 bad records)...
     write_label_map(str(tmp_path), names[:-1], 0)
     inp = make_input(pattern, is_training=False, global_batch_size=10)
+    assert sorted(collect(inp.dataset())[0]) == [i for i in expected if expected[i] < 4]
+    assert inp.skipped_by_reason == {"label >= num_classes": 2}
+    # ...and the first one stops a strict run.
+    inp = make_input(pattern, is_training=False, global_batch_size=10, strict=True)
     with pytest.raises(
         tf.errors.InvalidArgumentError, match=r"(?s)train-00000-of-00001.*num_classes=4"
     ):
@@ -767,17 +908,6 @@ def test_label_map_sets_offset_and_num_classes(tmp_path):
 def test_without_label_map_the_offset_defaults_to_one(records):
     inp = make_input(records[0], is_training=False, global_batch_size=4)
     assert (inp.label_map, inp.label_offset, inp.num_classes) == (None, 1, None)
-
-
-def test_skip_corrupt_with_data_service_is_refused(records):
-    with pytest.raises(ValueError, match="skip_corrupt"):
-        make_input(
-            records[0],
-            is_training=False,
-            global_batch_size=4,
-            skip_corrupt=True,
-            data_service_address="grpc://localhost:1",
-        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -847,6 +977,18 @@ def test_data_service_eval_gives_each_example_once(records, data_service):
     )
     ids, labels, _ = collect(inp.dataset())
     assert sorted(ids) == sorted(expected)
+
+
+def test_data_service_fails_at_a_bad_record_naming_it(tmp_path, data_service):
+    # The service's workers cannot report skipped records: the first bad record stops the run.
+    pattern, _ = write_coded_records(str(tmp_path), 2, 6, bad={8: truncated})
+    inp = make_input(
+        pattern, is_training=False, global_batch_size=4, data_service_address=data_service
+    )
+    with pytest.raises(
+        tf.errors.InvalidArgumentError, match=r"(?s)Record.*2.*train-00001-of-00002.*JPEG"
+    ):
+        list(inp.dataset())
 
 
 def test_data_service_train(records, data_service):

@@ -8,7 +8,7 @@ records_inputs           a folder of records (or TFDS) -> train / validation inp
 exact_evaluation         the distributed evaluation that counts every example once
 make_synthetic_imagenet  a small, learnable dataset of real JPEGs in that layout
 image_ops                fused decode-and-crop, scaled decode, center crop, normalization
-exif                     a JPEG's EXIF orientation, and the pixels turned upright (the writer's)
+bad_records              skipped records named and counted; `SkippedRecordsLogger` logs the counts
 image_folder             which files of a folder of class folders the writer converts, and which not
 """
 
@@ -32,7 +32,7 @@ _PUBLIC = {
     "evaluation_steps": "tpu_scale.data.evaluation",
     "exact_evaluation": "tpu_scale.data.evaluation",
 }
-_SUBMODULES = ("image_ops", "exif", "image_folder")
+_SUBMODULES = ("image_ops", "image_folder", "bad_records")
 
 
 def __getattr__(name):
@@ -53,6 +53,7 @@ __all__ = [
     "ImageNetInput",
     "LabelMap",
     "RecordInputs",
+    "SkippedRecordsLogger",
     "SyntheticImageNetInput",
     "TFRecordSummary",
     "evaluation_steps",

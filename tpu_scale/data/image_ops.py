@@ -146,8 +146,8 @@ def is_complete_jpeg(image_bytes):
     A JPEG starts with the start-of-image marker `FF D8 FF` and ends with the end-of-image marker
     `FF D9` (allowing up to 1 KiB of trailing padding). This catches the common bad records (other
     formats, empty or truncated files) before the decoder sees them, so the pipeline can name the
-    record or skip it. A file that passes but has corrupt compressed data can still fail inside the
-    decoder.
+    record or skip it. A file that passes but has a corrupt header can still fail inside the
+    decoder (the pipeline recovers from that too, see `ImageNetInput`).
 
     Args:
       image_bytes: string tensor of encoded images, any shape (one image, or a batch of them).
@@ -163,7 +163,77 @@ def is_complete_jpeg(image_bytes):
     tail = tf.strings.substr(image_bytes, tail_start, zeros + _EOI_SEARCH_BYTES)
     tail = tf.io.decode_raw(tail, tf.uint8, fixed_length=_EOI_SEARCH_BYTES)
     has_end_marker = tf.reduce_any((tail[..., :-1] == 0xFF) & (tail[..., 1:] == 0xD9), axis=-1)
-    return (length >= 4) & tf.equal(head, b"\xff\xd8\xff") & has_end_marker
+    return (length >= 4) & tf.equal(head, _JPEG_START) & has_end_marker
+
+
+# The first bytes of the other formats `tf.io.decode_image` reads (WebP: "RIFF", a size, "WEBP").
+_JPEG_START = b"\xff\xd8\xff"
+_OTHER_FORMAT_STARTS = (b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"BM")
+
+
+def is_jpeg(image_bytes):
+    """Whether encoded images start like a JPEG file (`FF D8 FF`); never raises.
+
+    Args:
+      image_bytes: string tensor, any shape.
+
+    Returns:
+      A bool tensor of `image_bytes`'s shape.
+    """
+    return tf.equal(tf.strings.substr(image_bytes, 0, 3), _JPEG_START)
+
+
+def is_decodable_image(image_bytes):
+    """Cheap structural check that a record holds an image the pipeline decodes (never raises).
+
+    A complete JPEG (`is_complete_jpeg`), or a file that starts like a PNG, GIF, BMP or WebP file:
+    those go to `tf.io.decode_image` instead of the fused JPEG decode (`decode_and_random_crop`).
+    Empty records, text, truncated JPEGs and other formats fail the check.
+
+    Args:
+      image_bytes: string tensor, any shape (one image, or a batch of them).
+
+    Returns:
+      A bool tensor of `image_bytes`'s shape.
+    """
+    other = tf.zeros_like(image_bytes, tf.bool)
+    for start in _OTHER_FORMAT_STARTS:
+        other |= tf.equal(tf.strings.substr(image_bytes, 0, len(start)), start)
+    # `substr` fails at a position past a string's end: the head is padded to 12 bytes first.
+    head = tf.strings.join([tf.strings.substr(image_bytes, 0, 12), b" " * 12])
+    webp = tf.equal(tf.strings.substr(head, 0, 4), b"RIFF") & tf.equal(
+        tf.strings.substr(head, 8, 4), b"WEBP"
+    )
+    return is_complete_jpeg(image_bytes) | other | webp
+
+
+def _decode_cropped(image_bytes, window_of_shape, image_size):
+    """Decodes the window `window_of_shape(height, width)` of an image: fused for a JPEG, after a
+    full `tf.io.decode_image` for another format.
+
+    Args:
+      image_bytes: string scalar tensor, an encoded image.
+      window_of_shape: maps the image's height and width (int32 scalars) to its window, an int32
+        `[4]` `[offset_y, offset_x, height, width]`.
+      image_size: as for `decode_window` (None: no scaled decode).
+
+    Returns:
+      A uint8 `[h, w, 3]` tensor.
+    """
+
+    def jpeg():
+        shape = tf.image.extract_jpeg_shape(image_bytes)
+        return decode_window(image_bytes, window_of_shape(shape[0], shape[1]), image_size)
+
+    def other_format():
+        image = tf.io.decode_image(image_bytes, channels=3, expand_animations=False)
+        shape = tf.shape(image)
+        window = window_of_shape(shape[0], shape[1])
+        return tf.slice(
+            image, tf.stack([window[0], window[1], 0]), tf.stack([window[2], window[3], 3])
+        )
+
+    return tf.cond(is_jpeg(image_bytes), jpeg, other_format)
 
 
 # DCT-domain downscaling factors libjpeg offers while decoding.
@@ -242,8 +312,11 @@ def decode_and_random_crop(
     """Fused training decode: random Inception box from the header, decode only that window, resize,
     flip.
 
+    A JPEG's window is decoded alone (`decode_and_crop_jpeg`); a PNG, GIF, BMP or WebP file is
+    decoded in full (`tf.io.decode_image`) and then cut to the same window.
+
     Args:
-      image_bytes: string scalar tensor, a JPEG file.
+      image_bytes: string scalar tensor, a JPEG file (or a PNG, GIF, BMP or WebP file).
       image_size: Python int, the output height and width.
       seed: `[2]` int tensor, the stateless seed of this example.
       resize_method: a `tf.image.ResizeMethod` name.
@@ -262,19 +335,20 @@ def decode_and_random_crop(
     # seed)` draws (counter-based generator), the last one decides the flip.
     window_draws = _draws_per_window(MAX_ATTEMPTS)
     draws = tf.random.stateless_uniform([window_draws + 1], seed)
-    shape = tf.image.extract_jpeg_shape(image_bytes)
-    if area_range is None:
-        window = tf.stack([0, 0, shape[0], shape[1]])
-    else:
-        window = _crop_window_from_draws(
-            shape[0],
-            shape[1],
+
+    def window_of_shape(height, width):
+        if area_range is None:
+            return tf.stack([0, 0, height, width])
+        return _crop_window_from_draws(
+            height,
+            width,
             draws[:window_draws],
             tuple(area_range),
             ASPECT_RATIO_RANGE,
             MAX_ATTEMPTS,
         )
-    image = decode_window(image_bytes, window, image_size if scaled_decode else None)
+
+    image = _decode_cropped(image_bytes, window_of_shape, image_size if scaled_decode else None)
     image = tf.image.resize(image, [image_size, image_size], method=resize_method)
     if tf.as_dtype(dtype) == tf.uint8:
         image = to_uint8(image, resize_method)
@@ -295,7 +369,8 @@ def decode_and_center_crop(
     """Evaluation decode: the reference center crop, decoded as a window, then resized.
 
     Args:
-      image_bytes: string scalar tensor, a JPEG file.
+      image_bytes: string scalar tensor, a JPEG file (or a PNG, GIF, BMP or WebP file, decoded in
+        full and then cut).
       image_size: Python int, the output height and width.
       resize_method: a `tf.image.ResizeMethod` name.
       scaled_decode: as for `decode_and_random_crop`.
@@ -306,9 +381,11 @@ def decode_and_center_crop(
     Returns:
       A `[image_size, image_size, 3]` tensor in `dtype` on the 0-255 scale.
     """
-    shape = tf.image.extract_jpeg_shape(image_bytes)
-    window = center_crop_window(shape[0], shape[1], crop_fraction)
-    image = decode_window(image_bytes, window, image_size if scaled_decode else None)
+    image = _decode_cropped(
+        image_bytes,
+        lambda height, width: center_crop_window(height, width, crop_fraction),
+        image_size if scaled_decode else None,
+    )
     image = tf.image.resize(image, [image_size, image_size], method=resize_method)
     return to_uint8(image, resize_method) if tf.as_dtype(dtype) == tf.uint8 else image
 

@@ -5,10 +5,18 @@ tf.data service.
 
     files (sharded per input pipeline, shuffled) -> parallel interleave with a large read buffer
     -> [cache raw records] -> shuffle -> repeat
-    -> batches of 128 records: parse, check (one assertion), crop seeds (one draw) -> unbatch
-    -> parallel map: fused JPEG decode-and-crop, resize, flip, normalize  } fused by tf.data
-    -> batch(drop_remainder=True)                                         }
-    -> [tf.data service] -> prefetch
+    -> batches of 128 records: parse, check, drop and name bad ones, crop seeds (one draw)
+    -> unbatch -> parallel map: fused JPEG decode-and-crop, resize, flip, normalize
+    -> records the decoder rejects dropped -> batch(drop_remainder=True)
+    -> per batch: name the records the decoder rejected, stop if there are too many bad ones
+    -> prefetch
+
+A bad record does not stop the run: it is skipped, named once in the log (warnings of the
+"tpu_scale" logger: its file, its index in the file, the reason) and counted
+(`ImageNetInput.skipped_records`, `skipped_by_reason`, against `records_read`); the run stops with
+an error naming the first bad records when they are more than `max_bad_fraction` of the records
+read (see `bad_records`). `strict=True` stops at the first one. With the tf.data service, whose
+workers cannot report to this process, the first bad record that the checks find stops the run.
 
 Every stage runs on the host CPU. `dataset(input_context)` is meant to be given to
 `strategy.distribute_datasets_from_function`, which calls it once per input pipeline with the
@@ -22,6 +30,7 @@ from typing import Any
 import tensorflow as tf
 
 from tpu_scale.data import image_ops, sources
+from tpu_scale.data.bad_records import BadRecordLog
 from tpu_scale.data.schema import IMAGE_KEY, LABEL_KEY, LABEL_MAP_FILE, read_label_map
 from tpu_scale.data.sources import (
     Shard,
@@ -77,8 +86,8 @@ class ImageNetInput:
         `labels.json` that `write_tfrecords` puts next to the files), else 1, for the classic
         1-based ImageNet files. A value that disagrees with the label map is an error.
       num_classes: labels (after `label_offset`) must lie in `[0, num_classes)`; a record outside
-        fails, naming its file and index (or is skipped with `skip_corrupt=True`). None: the label
-        map's, else unchecked above. A value that disagrees with the label map is an error.
+        is skipped and named (see `strict`). None: the label map's, else unchecked above. A value
+        that disagrees with the label map is an error.
       dtype: the images' dtype: `"float32"` or `"bfloat16"`, normalized with ImageNet's mean and
         stddev; or `"uint8"`, the cropped, resized and flipped pixels rounded to 0-255 with no
         normalization, a quarter of float32's bytes per image, for a model that normalizes on the
@@ -97,16 +106,24 @@ class ImageNetInput:
       deterministic: reproducible order and crops (slower). With `seed`, two runs give the same
         batches.
       seed: the seed of the file shuffle, the shuffle buffer and the per-example crop seeds.
-      skip_corrupt: drop bad records (not an Example, a missing feature, a label out of range, not a
-        decodable JPEG, the truncated end of a file) and count them in `skipped_records` and
-        `skipped_by_reason`, instead of failing with the file and record named. The counts cover the
-        batches the iterator has handed out, not what the pipeline read ahead.
+      strict: stop at the first bad record, naming it. By default bad records (the truncated end
+        of a file, not an Example, a missing feature or one of another type, a label out of range,
+        bytes that are no complete JPEG, PNG, GIF, BMP or WebP file, an image the decoder rejects
+        such as a JPEG whose frame header says height 0) are skipped, named once each in the log
+        (warnings of the "tpu_scale" logger) and counted in `skipped_records` and
+        `skipped_by_reason`, out of `records_read`. The counts cover what the pipeline read,
+        including what it read ahead of the batches handed out.
+      max_bad_fraction: the run stops, with an error naming the first bad records and the fix, when
+        the bad records are more than this fraction of the records read and at least
+        `bad_records.MIN_BAD_RECORDS_TO_STOP` (10): a wrong or badly damaged dataset is not trained
+        on silently, and one broken file does not stop a small dataset.
       pad_last_batch: evaluation only: pad the last batch to full size so every batch has a static
         shape; the dataset then yields `(images, labels, weights)` with weight 0 for padding, which
         Keras `evaluate` uses as sample weights so padding does not count.
       data_service_address: a tf.data service dispatcher (`grpc://host:port`); the pipeline then
         runs on the service's workers, each file handed out once (dynamic sharding), and this host
-        only receives batches. `skip_corrupt` counting needs the local pipeline and is refused here.
+        only receives batches. The service's workers cannot report bad records to this process:
+        with the service, the first bad record the checks find stops the run, as with `strict`.
       data_service_job_name: share one service job between consumers (otherwise each `dataset()`
         call gets its own job).
       threadpool_size: size of the private tf.data thread pool (default: the host's CPU count).
@@ -142,7 +159,8 @@ class ImageNetInput:
         read_buffer_bytes: int = 8 * 1024 * 1024,
         deterministic: bool = False,
         seed: int | None = None,
-        skip_corrupt: bool = False,
+        strict: bool = False,
+        max_bad_fraction: float = 0.001,
         pad_last_batch: bool = False,
         data_service_address: str | None = None,
         data_service_job_name: str | None = None,
@@ -169,12 +187,10 @@ class ImageNetInput:
                 "pad_last_batch=True is for evaluation: training batches are already full "
                 "(drop_remainder=True). Pass is_training=False, or drop pad_last_batch."
             )
-        if skip_corrupt and data_service_address:
+        if not 0 <= max_bad_fraction <= 1:
             raise ValueError(
-                "skip_corrupt=True counts dropped records in a variable of this process, which "
-                "tf.data "
-                "service workers cannot update. Clean the files (or run without "
-                "data_service_address)."
+                f"max_bad_fraction={max_bad_fraction} must be a fraction of the records read, in "
+                "[0, 1] (0.001 stops a run when more than 0.1% of its records are bad)."
             )
         if deterministic and seed is None:
             seed = 0
@@ -185,7 +201,8 @@ class ImageNetInput:
         self.shuffle_buffer_size = shuffle_buffer_size
         self.deterministic = deterministic
         self.seed = seed
-        self.skip_corrupt = skip_corrupt
+        self.strict = strict
+        self.max_bad_fraction = max_bad_fraction
         self.pad_last_batch = pad_last_batch
         self.data_service_address = data_service_address
         self.data_service_job_name = data_service_job_name
@@ -217,11 +234,12 @@ class ImageNetInput:
         self.label_offset, self.num_classes = _resolve_labels(
             self.label_map, label_offset, num_classes
         )
+        self.bad_records = BadRecordLog(
+            self._explanations(), strict=strict, max_bad_fraction=max_bad_fraction
+        )
         with tf.init_scope():
-            self._skipped = tf.Variable(
-                tf.zeros([len(sources.FAULT_NAMES)], tf.int64),
-                trainable=False,
-                name="skipped_records",
+            self._records_read = tf.Variable(
+                tf.constant(0, tf.int64), trainable=False, name="records_read"
             )
 
     @classmethod
@@ -262,17 +280,28 @@ class ImageNetInput:
 
     @property
     def skipped_records(self) -> int:
-        """How many bad records (`skip_corrupt=True`) this input's datasets dropped before the
-        batches their iterators handed out (a distribution strategy may fetch a batch or two
-        ahead)."""
-        return int(tf.reduce_sum(self._skipped).numpy())
+        """How many bad records this input's datasets skipped (since `reset_counts`): those they
+        read, including read-ahead; after an evaluation pass, the records it left out."""
+        return self.bad_records.total
 
     @property
     def skipped_by_reason(self) -> dict:
-        """`skipped_records` by reason, e.g. `{"not a complete JPEG": 2, "truncated TFRecord file":
+        """`skipped_records` by reason, e.g. `{"not a complete image": 2, "undecodable image":
         1}`."""
-        counts = self._skipped.numpy().tolist()
-        return {name: count for name, count in zip(sources.FAULT_NAMES, counts) if count}
+        return self.bad_records.by_reason()
+
+    @property
+    def records_read(self) -> int:
+        """How many records this input's datasets read (since `reset_counts`), bad ones included:
+        after an evaluation pass, `records_read - skipped_records` examples were evaluated."""
+        return int(self._records_read.numpy())
+
+    def reset_counts(self):
+        """Starts `skipped_records`, `skipped_by_reason` and `records_read` again from zero (e.g.
+        before an evaluation pass); the threshold of `max_bad_fraction` then applies to the new
+        counts."""
+        self._records_read.assign(0)
+        self.bad_records.reset()
 
     @property
     def _threads(self):
@@ -310,7 +339,7 @@ class ImageNetInput:
             shuffle_files=self.is_training,
             deterministic=deterministic,
             seed=seed,
-            skip_corrupt=self.skip_corrupt,
+            strict=self.strict or bool(self.data_service_address),
         )
         if record_level:
             records = records.shard(shard.count, shard.index)
@@ -328,23 +357,15 @@ class ImageNetInput:
             if self.cache:
                 records = records.repeat()
 
-        examples = self._decode(records, seed)
-        examples = examples.batch(
-            batch_size,
-            # Training shapes must be static for the accelerator; evaluation keeps every example.
-            drop_remainder=self.is_training,
-        )
-        if self.skip_corrupt:
-            # The skip counts travel with the batches and are added by a sequential map after the
-            # prefetch, which runs as the iterator hands each batch out: read-ahead is not counted.
-            examples = examples.prefetch(AUTOTUNE).map(self._count_skipped)
-            if not self.is_training:
-                examples = examples.filter(lambda images, labels: tf.size(labels) > 0)
+        if self.data_service_address:
+            examples = self._decode_failing_fast(records, seed).batch(
+                batch_size, drop_remainder=self.is_training
+            )
+        else:
+            examples = self._decode_skipping_bad(records, seed, batch_size, deterministic)
         if self.pad_last_batch:
             examples = examples.map(lambda images, labels: _pad_batch(images, labels, batch_size))
         options = _pipeline_options(deterministic=deterministic, threadpool_size=self._threads)
-        if self.skip_corrupt:
-            options.experimental_optimization.inject_prefetch = False  # would read past the count
         examples = examples.with_options(options)
         if self.data_service_address:
             examples = examples.apply(
@@ -354,18 +375,147 @@ class ImageNetInput:
                     job_name=self.data_service_job_name,
                 )
             )
-        return examples if self.skip_corrupt else examples.prefetch(AUTOTUNE)
+        return examples.prefetch(AUTOTUNE)
 
-    def _decode(self, records, seed):
-        """Parses, checks and decodes every record into a normalized `(image, label)` example.
+    def _decode_skipping_bad(self, records, seed, batch_size, deterministic):
+        """Parses, checks, decodes and batches the records, skipping, naming and counting bad ones.
 
         Parsing and the record checks run on batches of `_PARSE_BATCH` records (one function call,
-        one parser call and one assertion per batch instead of per record), and each batch draws its
-        crop seeds from one random value; then the records go one by one to the decode, which is
-        fused with the batching that follows (map_and_batch_fusion).
+        one parser call per batch instead of per record); the bad records of a batch are reported
+        to `bad_records` (one `tf.py_function` call for a batch that holds any) and dropped, and
+        each good one gets a sequence number and its name in a table. Then the records go one by
+        one to the decode, whose errors (an image the decoder rejects) drop the record
+        (`ignore_errors`): per batch of examples, the sequence numbers that came out are taken off
+        the table, and those left behind by later records (in order; or `_REORDER_WINDOW` records
+        later when the order is not deterministic) are the decoder's rejects, reported by name.
+        An evaluation pass ends with a marker that reports the last ones. Whether the run must stop
+        is checked once per batch.
         """
-        if self.skip_corrupt:
-            return self._decode_skipping_corrupt(records, seed)
+        with tf.init_scope():
+            names = tf.lookup.experimental.MutableHashTable(tf.int64, tf.string, "")
+            # The message that stops the run, once `bad_records` gives one (key 0).
+            stop = tf.lookup.experimental.MutableHashTable(tf.int64, tf.string, "")
+        window = 0 if deterministic else _REORDER_WINDOW
+
+        def report(record_names, codes):
+            message = tf.py_function(
+                self.bad_records.report,
+                [record_names, codes, self._records_read.read_value()],
+                tf.string,
+            )
+            return stop.insert(tf.constant([0], tf.int64), tf.reshape(message, [1]))
+
+        def parse_and_screen(number, records, draw=None):
+            origin, index, image_bytes, stored_label, fault = self.source.parse(records)
+            size = tf.size(index)
+            counted = self._records_read.assign_add(tf.cast(size, tf.int64))
+            sequence = number * _PARSE_BATCH + tf.range(size, dtype=tf.int64)
+            record_names = tf.strings.join(["record ", tf.strings.as_string(index), " of ", origin])
+            # Every record is in the table from here on: one that goes missing is still named.
+            listed = names.insert(sequence, record_names)
+            with tf.control_dependencies([listed]):
+                fault, labels = self._fault(origin, index, image_bytes, stored_label, fault)
+            crop_seeds = self._crop_seeds(size, draw)
+            bad = tf.not_equal(fault, sources.OK)
+            parts = (image_bytes, labels, crop_seeds, sequence)
+
+            def drop_bad():
+                with tf.control_dependencies([counted]):
+                    reported = report(
+                        tf.boolean_mask(record_names, bad), tf.boolean_mask(fault, bad)
+                    )
+                with tf.control_dependencies([reported]):
+                    unlisted = names.remove(tf.boolean_mask(sequence, bad))
+                with tf.control_dependencies([unlisted]):
+                    good = tf.logical_not(bad)
+                    return tuple(tf.boolean_mask(part, good) for part in parts)
+
+            # Only a batch that holds a bad record is masked: masking copies every record.
+            image_bytes, labels, crop_seeds, sequence = tf.cond(
+                tf.reduce_any(bad), drop_bad, lambda: parts
+            )
+            with tf.control_dependencies([counted, listed]):
+                return tf.identity(image_bytes), labels, crop_seeds, sequence
+
+        data = records.batch(_PARSE_BATCH).enumerate()
+        if self.is_training:
+            data = tf.data.Dataset.zip((data, tf.data.Dataset.random(seed=seed)))
+            data = data.map(
+                lambda numbered, draw: parse_and_screen(*numbered, draw),
+                num_parallel_calls=AUTOTUNE,
+            )
+        else:
+            data = data.map(parse_and_screen, num_parallel_calls=AUTOTUNE)
+        data = data.unbatch()
+
+        def decode(image_bytes, label, crop_seed, sequence):
+            return (*self._decode_example(image_bytes, label, crop_seed), sequence)
+
+        # One decode per thread of the pipeline's pool: autotuning is off (`_pipeline_options`),
+        # and AUTOTUNE would then stay at its start value, at most 16 however many cores a host has.
+        # The errors ignored after it are those of the decode alone: the stages before it never
+        # fail (the reader stops at a broken file, the parser is guarded, see `sources`).
+        examples = data.map(decode, num_parallel_calls=self._threads).ignore_errors()
+        if not self.is_training:
+            blank = tf.zeros([self.image_size, self.image_size, 3], self.dtype)
+            end = (blank, tf.constant(-1, tf.int32), tf.constant(_END_SEQUENCE, tf.int64))
+            examples = examples.concatenate(tf.data.Dataset.from_tensors(end))
+        examples = examples.batch(
+            batch_size,
+            # Training shapes must be static for the accelerator; evaluation keeps every example.
+            drop_remainder=self.is_training,
+        )
+
+        def account(images, labels, sequence):
+            taken = names.remove(sequence)
+            with tf.control_dependencies([taken]):
+                waiting, waiting_names = names.export()
+            waiting, waiting_names = tf.reshape(waiting, [-1]), tf.reshape(waiting_names, [-1])
+            lost = waiting < tf.reduce_max(sequence) - window
+
+            def report_lost():
+                lost_names = tf.boolean_mask(waiting_names, lost)
+                codes = tf.fill(tf.shape(lost_names), sources.UNDECODABLE)
+                with tf.control_dependencies([report(lost_names, codes)]):
+                    with tf.control_dependencies([names.remove(tf.boolean_mask(waiting, lost))]):
+                        return tf.constant(True)
+
+            reported = tf.cond(tf.reduce_any(lost), report_lost, lambda: tf.constant(False))
+            with tf.control_dependencies([reported]):
+                message = stop.lookup(tf.constant([0], tf.int64))[0]
+            check = tf.debugging.Assert(tf.equal(message, ""), [message])
+            with tf.control_dependencies([check]):
+                if self.is_training:
+                    return tf.identity(images), tf.identity(labels)
+                # Only the last batch holds the end marker (as its last row).
+                count = tf.reduce_sum(tf.cast(tf.not_equal(sequence, _END_SEQUENCE), tf.int32))
+                return images[:count], labels[:count]
+
+        examples = examples.map(account)
+        if not self.is_training:
+            examples = examples.filter(lambda images, labels: tf.size(labels) > 0)
+        return examples
+
+    def _crop_seeds(self, size, draw):
+        """The crop seeds of a batch of `size` records: from one random value `draw` (training),
+        zeros for the center crop (`draw` None)."""
+        if draw is None:
+            return tf.zeros([size, 2], tf.int64)
+        # One stateless draw of the batch's seed pairs, from its random value.
+        seed = tf.stack([draw, tf.bitwise.invert(draw)])
+        return tf.random.stateless_uniform(
+            [size, 2], seed, minval=None, maxval=None, dtype=tf.int64
+        )
+
+    def _decode_failing_fast(self, records, seed):
+        """Parses, checks and decodes every record, failing at the first bad one with its name.
+
+        The path of the tf.data service, whose workers cannot report skipped records to this
+        process. Parsing and the record checks run on batches of `_PARSE_BATCH` records with one
+        assertion per batch; then the records go one by one to the decode, which is fused with the
+        batching that follows (map_and_batch_fusion). An image that passes the checks but that the
+        decoder rejects stops the run with the decoder's message.
+        """
         data = records.batch(_PARSE_BATCH)
         if self.is_training:
             data = tf.data.Dataset.zip((data, tf.data.Dataset.random(seed=seed)))
@@ -375,8 +525,6 @@ class ImageNetInput:
                 lambda *batch: self._parse_and_check(batch), num_parallel_calls=AUTOTUNE
             )
         data = data.unbatch()
-        # One decode per thread of the pipeline's pool: autotuning is off (`_pipeline_options`),
-        # and AUTOTUNE would then stay at its start value, at most 16 however many cores a host has.
         return data.map(self._decode_example, num_parallel_calls=self._threads)
 
     def _parse_and_check(self, records, draw=None):
@@ -391,37 +539,28 @@ class ImageNetInput:
           `(image_bytes, labels, crop_seeds)`, vectors of the batch's size (seeds `[size, 2]`).
         """
         image_bytes, labels = self._checked(*self.source.parse(records))
-        size = tf.size(labels)
-        if draw is None:
-            return image_bytes, labels, tf.zeros([size, 2], tf.int64)
-        # One stateless draw of the batch's seed pairs, from its random value.
-        seed = tf.stack([draw, tf.bitwise.invert(draw)])
-        crop_seeds = tf.random.stateless_uniform(
-            [size, 2], seed, minval=None, maxval=None, dtype=tf.int64
-        )
-        return image_bytes, labels, crop_seeds
+        return image_bytes, labels, self._crop_seeds(tf.size(labels), draw)
 
     def _fault(self, origin, index, image_bytes, stored_label, fault):
         """The record's fault code (`sources.OK` when it is good) and its label after
         `label_offset`.
 
         The source's fault (truncated file, not an Example, missing feature) comes first, then the
-        JPEG's structure, then the label's range. Computed with a few scalar ops and no assertion,
-        so that the default path fuses all checks into one assertion and the skipping path can
-        count.
+        image's structure, then the label's range. Computed with a few vector ops per batch and no
+        assertion.
         """
         label = stored_label - self.label_offset
         label_fault = tf.where(label < 0, sources.NEGATIVE_LABEL, sources.OK)
         if self.num_classes is not None:
             label_fault = tf.where(label >= self.num_classes, sources.LABEL_TOO_LARGE, label_fault)
-        jpeg_fault = tf.where(
-            image_ops.is_complete_jpeg(image_bytes), label_fault, sources.NOT_A_JPEG
+        image_fault = tf.where(
+            image_ops.is_decodable_image(image_bytes), label_fault, sources.NOT_AN_IMAGE
         )
-        return tf.where(tf.equal(fault, sources.OK), jpeg_fault, fault), tf.cast(label, tf.int32)
+        return tf.where(tf.equal(fault, sources.OK), image_fault, fault), tf.cast(label, tf.int32)
 
     def _checked(self, origin, index, image_bytes, stored_label, fault):
         """Fails, naming the file, the record and the fix, on any fault of a batch of records;
-        returns their JPEG bytes and labels.
+        returns their image bytes and labels.
 
         One assertion for all checks of the batch, naming its first bad record, placed before the
         decoder so that a broken record fails here, with its name, rather than inside libjpeg.
@@ -429,7 +568,11 @@ class ImageNetInput:
         fault, label = self._fault(origin, index, image_bytes, stored_label, fault)
         bad = tf.not_equal(fault, sources.OK)
         first = tf.argmax(tf.cast(bad, tf.int32), output_type=tf.int32)
-        problem = tf.gather(self._fault_messages(), fault[first])
+        explanations = self._explanations()
+        problem = tf.gather(
+            tf.constant([explanations[code] for code in range(len(sources.FAULT_NAMES))]),
+            fault[first],
+        )
         check = tf.debugging.Assert(
             tf.logical_not(tf.reduce_any(bad)),
             [
@@ -445,32 +588,36 @@ class ImageNetInput:
         with tf.control_dependencies([check]):
             return tf.identity(image_bytes), label
 
-    def _fault_messages(self):
-        """What each fault code means and how to fix it (indexed by code)."""
+    def _explanations(self):
+        """What each fault code means and how to fix it (a dict by code)."""
         if self.label_map is not None:
             where = f"the label map {self.label_map.path} says {self.label_map.num_classes} classes"
         else:
             where = f"no {LABEL_MAP_FILE} is next to the files"
-        skip = " Or pass skip_corrupt=True to drop and count such records."
-        messages = {
+        return {
             sources.OK: "",
             sources.TRUNCATED_FILE: "is where the file stops being readable: it is truncated or "
             "corrupted (its records do not add up to its size, or to its count in "
-            f"{LABEL_MAP_FILE}). Copy or write the file again." + skip,
+            f"{LABEL_MAP_FILE}). Copy or write the file again.",
             sources.NOT_AN_EXAMPLE: "is not a serialized tf.train.Example. Check that the file "
-            "pattern "
-            "names TFRecord files of Examples only." + skip,
+            "pattern names TFRecord files of Examples only.",
             sources.MISSING_FEATURE: "lacks the image or the label feature (image_key="
-            f"{self.source.image_key!r}, label_key={self.source.label_key!r})." + skip,
-            sources.NOT_A_JPEG: _NOT_A_JPEG,
+            f"{self.source.image_key!r}, label_key={self.source.label_key!r}).",
+            sources.NOT_AN_IMAGE: "is not a complete JPEG, PNG, GIF, BMP or WebP file (another "
+            "format, empty or truncated). Re-encode it (tpu_scale.data.write_tfrecords decodes "
+            "every image and re-encodes those that need it).",
             sources.NEGATIVE_LABEL: "has a negative label after subtracting label_offset="
-            f"{self.label_offset}: use label_offset=0 for 0-based labels ({where})." + skip,
+            f"{self.label_offset}: use label_offset=0 for 0-based labels ({where}).",
             sources.LABEL_TOO_LARGE: f"has a label >= num_classes={self.num_classes} after "
             f"subtracting label_offset={self.label_offset} ({where}). Check num_classes and "
-            "label_offset." + skip,
-            sources.UNDECODABLE: "could not be parsed or decoded.",
+            "label_offset.",
+            sources.UNDECODABLE: "holds an image the decoder rejects (e.g. a JPEG whose frame "
+            "header says height 0, or whose Huffman tables are broken). Re-encode it from a good "
+            "copy (tpu_scale.data.write_tfrecords decodes every image and leaves out those it "
+            "cannot).",
+            sources.WRONG_FEATURE_TYPE: f"has the image feature {self.source.image_key!r} or the "
+            f"label feature {self.source.label_key!r} with another type than bytes and int64.",
         }
-        return tf.constant([messages[code] for code in range(len(sources.FAULT_NAMES))])
 
     def _decode_example(self, image_bytes, label, crop_seed):
         # uint8 comes straight from the decode functions (rounded before the flip); the other
@@ -500,94 +647,15 @@ class ImageNetInput:
             return image, label
         return image_ops.normalize_image(image, self.dtype), label
 
-    def _decode_skipping_corrupt(self, records, seed):
-        """Drops bad records instead of failing; each kept example carries the skips before it.
 
-        Record faults are found by the same checks as on the default path; each decode then runs in
-        its own one-element dataset whose errors are ignored, so a parser or decoder failure becomes
-        a "failed" marker rather than an error. This costs roughly a tenth more CPU per image than
-        the default path, hence only with `skip_corrupt=True`. A scan then hands the counts of the
-        dropped records (by reason) to the next kept example; evaluation appends an end marker that
-        carries the trailing ones and is removed from the last batch by `_count_skipped`.
-        """
-        if self.is_training:
-            # One stateless crop seed per example, from a random stream that is seeded in
-            # deterministic mode.
-            examples = tf.data.Dataset.zip((records, tf.data.Dataset.random(seed=seed)))
-
-            def with_crop_seed(record, draw):
-                return record, tf.stack([draw, tf.bitwise.invert(draw)])
-
-        else:
-            examples = records
-
-            def with_crop_seed(*record):
-                return record, tf.zeros([2], tf.int64)  # the center crop is not random
-
-        parse = self.source.parse
-        blank = tf.zeros([self.image_size, self.image_size, 3], self.dtype)
-        failed_marker = (blank, tf.constant(-1, tf.int32), tf.constant(sources.UNDECODABLE))
-
-        def decode(record, crop_seed):
-            _, _, image_bytes, _, _ = parsed = parse(record)
-            fault, label = self._fault(*parsed)
-            image, label = tf.cond(
-                tf.equal(fault, sources.OK),
-                lambda: self._decode_example(image_bytes, label, crop_seed),
-                lambda: (blank, label),
-            )
-            return image, label, fault
-
-        def guarded_decode(*element):
-            attempt = (
-                tf.data.Dataset.from_tensors(with_crop_seed(*element)).map(decode).ignore_errors()
-            )
-            return attempt.concatenate(tf.data.Dataset.from_tensors(failed_marker)).take(1)
-
-        decoded = examples.interleave(
-            guarded_decode,
-            cycle_length=2 * self._threads,
-            block_length=1,
-            num_parallel_calls=self._threads,
-        )
-        if not self.is_training:
-            end_marker = (blank, tf.constant(_END_LABEL, tf.int32), tf.constant(sources.OK))
-            decoded = decoded.concatenate(tf.data.Dataset.from_tensors(end_marker))
-        no_skips = tf.zeros([len(sources.FAULT_NAMES)], tf.int64)
-
-        def carry_skips(pending, example):
-            image, label, fault = example
-            skipped = tf.not_equal(fault, sources.OK)
-            pending += tf.one_hot(fault, len(sources.FAULT_NAMES), dtype=tf.int64) * tf.cast(
-                skipped, tf.int64
-            )
-            kept = (image, label, tf.where(skipped, no_skips, pending), tf.logical_not(skipped))
-            return tf.where(skipped, pending, no_skips), kept
-
-        decoded = decoded.scan(no_skips, carry_skips)
-        decoded = decoded.filter(lambda image, label, skips, kept: kept)
-        return decoded.map(lambda image, label, skips, kept: (image, label, skips))
-
-    def _count_skipped(self, images, labels, skips):
-        """Adds a batch's skip counts as it is handed out; drops the evaluation end marker."""
-        with tf.control_dependencies([self._skipped.assign_add(tf.reduce_sum(skips, axis=0))]):
-            if self.is_training:
-                return tf.identity(images), tf.identity(labels)
-            real = tf.not_equal(labels, _END_LABEL)
-            # Only the last batch holds the marker (as its last row).
-            count = tf.reduce_sum(tf.cast(real, tf.int32))
-            return images[:count], labels[:count]
-
-
-_END_LABEL = -2
+# The sequence number of the marker that ends an evaluation pass (after every record's).
+_END_SEQUENCE = 2**62
+# How many records later than its own a decoded record may come out of the decode when the order
+# is not deterministic (parallel parsing and decoding); a record still missing then is one the
+# decoder rejected.
+_REORDER_WINDOW = 8192
 # Records parsed and checked per call (about 14 MB of ImageNet JPEGs per batch in flight).
 _PARSE_BATCH = 128
-
-_NOT_A_JPEG = (
-    "is not a complete JPEG file (another format, empty or truncated). Re-encode it "
-    "(tpu_scale.data.write_tfrecords re-encodes images) or pass skip_corrupt=True to drop and "
-    "count it."
-)
 
 
 def _pad_batch(images, labels, batch_size):

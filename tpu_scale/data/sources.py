@@ -4,7 +4,8 @@ Each source yields record elements for one pipeline's shard and knows how to `pa
 `(origin, record_index, image_bytes, label, fault)`; `origin` names the file (or TFDS split) so that
 every record-level error can say where the record is, and `fault` is one of the codes below (`OK`
 for a record whose features were read). Parsing never raises on the common bad records: they come
-out with their fault code, and the pipeline fails naming them or skips and counts them.
+out with their fault code, and the pipeline skips, counts and names them (or, in strict mode, fails
+naming the first).
 """
 
 import concurrent.futures
@@ -24,19 +25,21 @@ OK = 0
 TRUNCATED_FILE = 1
 NOT_AN_EXAMPLE = 2
 MISSING_FEATURE = 3
-NOT_A_JPEG = 4
+NOT_AN_IMAGE = 4
 NEGATIVE_LABEL = 5
 LABEL_TOO_LARGE = 6
 UNDECODABLE = 7
+WRONG_FEATURE_TYPE = 8
 FAULT_NAMES = (
     "ok",
     "truncated TFRecord file",
     "not a tf.train.Example",
     "missing feature",
-    "not a complete JPEG",
+    "not a complete image",
     "negative label",
     "label >= num_classes",
-    "undecodable",
+    "undecodable image",
+    "feature of the wrong type",
 )
 
 # Defaults that mark a feature missing from a record (no real JPEG or label takes these values).
@@ -136,11 +139,12 @@ class TFRecordSource:
             )
         return sorted(set(files))
 
-    def check_features(self, first_file, skip_corrupt=False):
+    def check_features(self, first_file, strict=True):
         """Reads a record so that wrong feature keys fail now, with the keys that are there.
 
         The first record that is an Example with features is checked. A first record that is not one
-        fails here, naming it, unless `skip_corrupt` (then the next records are tried).
+        fails here, naming it, when `strict` (otherwise the next records are tried: the pipeline
+        skips and names the bad one).
         """
         example = None
         try:
@@ -153,12 +157,11 @@ class TFRecordSource:
                     example = None
                 if example is not None and example.features.feature:
                     break
-                if not skip_corrupt:
+                if strict:
                     raise ValueError(
                         f"Record {index} of {first_file!r} is not a tf.train.Example with "
-                        "features: "
-                        "check that the file pattern names TFRecord files of Examples, or pass "
-                        "skip_corrupt=True to drop and count such records."
+                        "features: check that the file pattern names TFRecord files of Examples, "
+                        "or run without strict=True to skip, count and name such records."
                     )
                 example = None
         except tf.errors.DataLossError:
@@ -179,14 +182,14 @@ class TFRecordSource:
                 "Pass image_key=... and label_key=... naming the JPEG bytes and the integer label."
             )
 
-    def records(self, shard, *, repeat, shuffle_files, deterministic, seed, skip_corrupt=False):
+    def records(self, shard, *, repeat, shuffle_files, deterministic, seed, strict=True):
         """A dataset of `(origin, record_index, serialized_example, file_fault)` for this shard
         (`(origin, record_index, serialized_example)` with end markers where every file's record
         count is known; `parse` takes either), plus whether the shard still has to be cut at
-        record level."""
+        record level. `strict`: a first record that is not an Example fails now."""
         files = self.list_files()
         with tf.init_scope():
-            self.check_features(files[0], skip_corrupt)
+            self.check_features(files[0], strict)
         record_level = len(files) < shard.count
         if record_level:
             warnings.warn(
@@ -201,9 +204,9 @@ class TFRecordSource:
             # shards).
             files = files[shard.index :: shard.count]
         # Each file's record count, or else its size, lets its reader tell a complete file from one
-        # that stops early. The skipping path parses records one at a time and needs the sizes.
+        # that stops early.
         counts = [self.record_counts.get(path) for path in files]
-        if None in counts or skip_corrupt:
+        if None in counts:
             with concurrent.futures.ThreadPoolExecutor(16) as pool:
                 sizes = list(pool.map(lambda path: tf.io.gfile.stat(path).length, files))
             dataset = tf.data.Dataset.from_tensor_slices((files, tf.constant(sizes, tf.int64)))
@@ -317,21 +320,54 @@ class TFRecordSource:
             lambda: serialized,
             lambda: tf.where(is_example, serialized, ""),
         )
-        features = tf.io.parse_example(
+        image_bytes, label, typed = _parse_features(
             serialized,
             {
                 self.image_key: tf.io.FixedLenFeature([], tf.string, default_value=_MISSING_IMAGE),
                 self.label_key: tf.io.FixedLenFeature([], tf.int64, default_value=_MISSING_LABEL),
             },
         )
-        image_bytes, label = features[self.image_key], features[self.label_key]
         missing = tf.equal(image_bytes, _MISSING_IMAGE) | tf.equal(label, _MISSING_LABEL)
-        fault = tf.where(
-            file_fault,
-            TRUNCATED_FILE,
-            tf.where(is_example, tf.where(missing, MISSING_FEATURE, OK), NOT_AN_EXAMPLE),
-        )
+        fault = tf.where(missing, MISSING_FEATURE, OK)
+        fault = tf.where(typed, fault, WRONG_FEATURE_TYPE)
+        fault = tf.where(is_example, fault, NOT_AN_EXAMPLE)
+        fault = tf.where(file_fault, TRUNCATED_FILE, fault)
         return origin, index, image_bytes, label, fault
+
+
+def _parse_features(serialized, spec):
+    """`(image_bytes, label, typed)` of a batch of serialized Examples (or one), where `typed` is
+    False for a record the parser rejects (a feature of another type than `spec` says).
+
+    The parser fails a whole batch for one such record, so it runs inside a one-element dataset
+    whose error is ignored; only when it fails is every record parsed again on its own, the same
+    way, to find the ones it rejects (given the defaults of `spec`).
+    """
+    (image_key, image_spec), (label_key, label_spec) = spec.items()
+
+    def parse(records):
+        features = tf.io.parse_example(records, spec)
+        return features[image_key], features[label_key], tf.ones_like(records, tf.bool)
+
+    def parse_each(records):
+        rejected = (
+            tf.constant(image_spec.default_value),
+            tf.constant(label_spec.default_value, tf.int64),
+            tf.constant(False),
+        )
+
+        def parse_one(record):
+            attempt = tf.data.Dataset.from_tensors(record).map(parse).ignore_errors()
+            fallback = tf.data.Dataset.from_tensors(rejected)
+            return attempt.concatenate(fallback).take(1).get_single_element()
+
+        if records.shape.rank == 0:
+            return parse_one(records)
+        return tf.map_fn(parse_one, records, fn_output_signature=(tf.string, tf.int64, tf.bool))
+
+    attempt = tf.data.Dataset.from_tensors(serialized).map(parse).ignore_errors()
+    fallback = tf.data.Dataset.from_tensors(serialized).map(parse_each)
+    return attempt.concatenate(fallback).take(1).get_single_element()
 
 
 class TFDSSource:
@@ -346,7 +382,7 @@ class TFDSSource:
         self.cycle_length = cycle_length
         self.description = f"tfds:{name}/{split}"
 
-    def records(self, shard, *, repeat, shuffle_files, deterministic, seed, skip_corrupt=False):
+    def records(self, shard, *, repeat, shuffle_files, deterministic, seed, strict=True):
         import tensorflow_datasets as tfds
 
         builder = tfds.builder(self.name, data_dir=self.data_dir)
