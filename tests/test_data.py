@@ -806,6 +806,14 @@ def test_every_fault_kind_is_skipped_named_and_counted(tmp_path, caplog, is_trai
     else:
         assert inp.skipped_by_reason == expected and inp.records_read == 40
         assert inp.skipped_records == len(bad)
+        # The epoch-end callback says it, for an honest denominator of an evaluation.
+        from tpu_scale.data import SkippedRecordsLogger
+
+        caplog.clear()
+        SkippedRecordsLogger(inp).on_epoch_end(0)
+        (line,) = [r.getMessage() for r in caplog.records]
+        assert line.startswith(f"epoch 1: validation skipped {len(bad)} of 40 records read (")
+        assert f"undecodable image: {expected['undecodable image']}" in line
 
 
 @pytest.mark.parametrize("num_bad", [9, 11])

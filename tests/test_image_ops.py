@@ -123,8 +123,9 @@ def test_resizes_that_skip_the_clip_stay_within_0_255(method, size):
 def test_whole_image_training_decode_and_eval_crop_fraction(photo):
     jpeg, (height, width) = photo
     full = tf.image.resize(tf.image.decode_jpeg(jpeg, channels=3), [32, 32])
-    whole = image_ops.decode_and_random_crop(jpeg, 32, tf.constant([3, 4]), area_range=None,
-                                             flip=False)
+    whole = image_ops.decode_and_random_crop(
+        jpeg, 32, tf.constant([3, 4]), area_range=None, flip=False
+    )
     np.testing.assert_allclose(whole.numpy(), full.numpy(), atol=1e-3)
     # Without the flip every seed gives the same whole image; with it, some seed mirrors it.
     mirrored = [
@@ -149,3 +150,51 @@ def test_crop_area_range_bounds_the_box():
         ).numpy()
         area = window[2] * window[3] / 400.0**2
         assert 0.5 - 0.01 <= area <= 0.9 + 0.01 or tuple(window[2:]) == (350, 350)
+
+
+def test_other_formats_take_the_same_window_as_a_jpeg():
+    # A PNG (lossless) goes through decode_image and is cut to the window a JPEG of the same size
+    # would get from the same seed: equal to cropping, resizing and flipping its pixels by hand.
+    rng = np.random.default_rng(0)
+    pixels = tf.image.resize(rng.uniform(0, 255, (6, 8, 3)), [60, 80]).numpy().astype(np.uint8)
+    png = tf.io.encode_png(pixels)
+    draws_per_window = image_ops._draws_per_window(image_ops.MAX_ATTEMPTS)
+    for s in range(4):
+        seed = tf.constant([s, 7])
+        got = image_ops.decode_and_random_crop(png, 16, seed, area_range=(0.2, 0.6))
+        draws = tf.random.stateless_uniform([draws_per_window + 1], seed)
+        window = image_ops._crop_window_from_draws(
+            60,
+            80,
+            draws[:draws_per_window],
+            (0.2, 0.6),
+            image_ops.ASPECT_RATIO_RANGE,
+            image_ops.MAX_ATTEMPTS,
+        ).numpy()
+        y, x, h, w = window.tolist()
+        expected = tf.image.resize(pixels[y : y + h, x : x + w], [16, 16])
+        if draws[draws_per_window] < 0.5:
+            expected = tf.reverse(expected, [1])
+        np.testing.assert_allclose(got.numpy(), expected.numpy(), atol=1e-4)
+    center = image_ops.decode_and_center_crop(png, 16, crop_fraction=0.5)
+    np.testing.assert_allclose(
+        center.numpy(), tf.image.resize(pixels[15:45, 25:55], [16, 16]).numpy(), atol=1e-4
+    )
+
+
+def test_decodable_image_check():
+    jpeg = tf.io.encode_jpeg(np.zeros((8, 8, 3), np.uint8)).numpy()
+    png = tf.io.encode_png(np.zeros((8, 8, 3), np.uint8)).numpy()
+    cases = {
+        jpeg: True,
+        png: True,
+        b"GIF89a" + b"\0" * 20: True,  # the check reads the start of a file only
+        b"BM" + b"\0" * 60: True,
+        b"RIFF\0\0\0\0WEBPVP8L": True,
+        jpeg[: len(jpeg) // 2]: False,  # no end-of-image marker
+        b"": False,
+        b"RIFF": False,
+        b"<html>not found</html>": False,
+    }
+    got = image_ops.is_decodable_image(tf.constant(list(cases))).numpy().tolist()
+    assert got == list(cases.values())
