@@ -13,8 +13,11 @@ It also holds the package's other uses of Keras internals: `is_functional_or_seq
 (Keras exports no name for its functional model class), `all_layers(model)` (every nested layer),
 `set_initial_epoch(model, epoch)` (how a backup callback tells `fit` where to resume, as Keras's
 own BackupAndRestore does), `learning_rate_of(optimizer)` (the schedule itself, not its current
-value) and one workaround, `build_from_one_replica` (keras-team/keras#19246; indexed with the others
-in `_workarounds.py`).
+value), `check_jit_compile(strategy)` (XLA on several logical CPU replicas: a clear error before the
+first step) and two workarounds, indexed with the others in `_workarounds.py`:
+`build_from_one_replica` (keras-team/keras#19246) and `accumulation_under_strategies`
+(keras-team/keras#20582: `gradient_accumulation_steps` under a strategy; the strategies of
+`create_strategy` call `run_train_step` from their `run`).
 
 Keras versions: the hook needs `TFOptimizer._all_reduce_sum_gradients` and the module function
 `filter_empty_gradients`; `check_keras()` fails with the versions that have them when they are
@@ -294,9 +297,11 @@ def accumulation_under_strategies():
     Keras does in that branch: "accumulate" adds each replica's local gradient to its own
     accumulators (no cross-replica sum); "update" adds the last micro-batch, divides by
     `gradient_accumulation_steps`, clips, applies weight decay, sums over the replicas once (the
-    torus or the strategy's own sum) and applies the optimizer, then zeroes the accumulators. The
-    counter, the accumulators and the learning rate's step (`optimizer.iterations`, which Keras
-    divides by the number of steps) are Keras's own. Outside a phase (no strategy from
+    torus or the strategy's own sum) and applies the optimizer, then zeroes the accumulators.
+    What Keras keeps is unchanged: its counter counts micro-batches (`optimizer.iterations`
+    divides it by the number of steps, so it counts updates), a learning-rate schedule is
+    evaluated at the micro-batch count, clipping sees each replica's accumulated gradient before
+    the sum, and batch-norm statistics are each micro-batch's. Outside a phase (no strategy from
     `create_strategy`, or no accumulation) Keras's own method runs. A restore in the middle of a
     window (the accumulators are optimizer variables, saved with the weights, but only the first
     replica's) drops that window instead of counting one replica's partial sum on every replica
