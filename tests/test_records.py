@@ -32,18 +32,19 @@ def test_a_label_map_gives_classes_counts_and_labels(synthetic):
 
 def test_input_arguments_reach_both_inputs(synthetic):
     folder, _ = synthetic
-    inputs = data.records_inputs(
-        folder,
-        image_size=16,
-        global_batch_size=32,
-        dtype="uint8",
-        crop_area_range=None,
-        random_flip=False,
-        center_crop_fraction=1.0,
+    augmentation = dict(crop_area_range=None, random_flip=False, center_crop_fraction=1.0)
+    given = data.records_inputs(
+        folder, image_size=16, global_batch_size=32, dtype="uint8", **augmentation
     )
-    for pipeline in (inputs.train, inputs.validation):
-        assert pipeline.dtype == tf.uint8 and pipeline.center_crop_fraction == 1.0
-        assert pipeline.crop_area_range is None and not pipeline.random_flip
+    # Added once the counts are known (as a recipe's augmentation is): the same data, counts kept.
+    plain = data.records_inputs(folder, image_size=16, global_batch_size=32, dtype="uint8")
+    assert plain.train.random_flip
+    added = plain.with_input_arguments(**augmentation)
+    for inputs in (given, added):
+        assert (inputs.train_examples, inputs.validation_examples) == (96, 37)
+        for pipeline in (inputs.train, inputs.validation):
+            assert pipeline.dtype == tf.uint8 and pipeline.center_crop_fraction == 1.0
+            assert pipeline.crop_area_range is None and not pipeline.random_flip
 
 
 def test_shards_without_a_label_map_need_the_classes_and_are_counted(synthetic, tmp_path):

@@ -85,7 +85,7 @@ def exact_evaluation(eval_input, strategy, num_examples):
     batch = eval_input.global_batch_size
     if batch % replicas:
         raise ValueError(
-            f"The evaluation batch {batch} does not divide over {replicas} replicas; use a "
+            f"The global batch size {batch} does not divide over {replicas} replicas; use a "
             f"multiple of {replicas}, e.g. {replicas * max(1, batch // replicas)}."
         )
     if _is_tpu(strategy) and not getattr(eval_input, "pad_last_batch", True):

@@ -35,6 +35,7 @@ class RecordInputs:
       num_classes: the number of classes (label ids are `0 .. num_classes - 1`).
       train_examples: training examples per epoch.
       validation_examples: examples in one pass over the validation split.
+      arguments: the `records_inputs` arguments these were built from.
     """
 
     train: ImageNetInput
@@ -42,6 +43,22 @@ class RecordInputs:
     num_classes: int
     train_examples: int
     validation_examples: int
+    arguments: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def with_input_arguments(self, **input_kwargs):
+        """The same data with other `ImageNetInput` arguments, e.g. `**recipe.input_arguments`.
+
+        The recipe's augmentation depends on the dataset's size, known only once the records are
+        found: this rebuilds both inputs with the arguments added, the counts kept.
+
+        Returns:
+          A new `RecordInputs`.
+        """
+        arguments = dict(self.arguments, **input_kwargs)
+        arguments.update(
+            train_examples=self.train_examples, validation_examples=self.validation_examples
+        )
+        return _records_inputs(arguments, log=False)
 
     def steps_per_epoch(self, global_batch_size=None):
         """Optimizer steps in one epoch: whole global batches of the training examples, at least 1.
@@ -106,13 +123,38 @@ def records_inputs(
       ValueError: with the fix, when both or neither source is given, the folder is missing or
         holds images rather than records, the number of classes is unknown, or a split is empty.
     """
+    arguments = dict(
+        data_dir=data_dir,
+        image_size=image_size,
+        global_batch_size=global_batch_size,
+        tfds_name=tfds_name,
+        tfds_data_dir=tfds_data_dir,
+        num_classes=num_classes,
+        label_offset=label_offset,
+        train_examples=train_examples,
+        validation_examples=validation_examples,
+        **input_kwargs,
+    )
+    return _records_inputs(arguments, log=True)
+
+
+def _records_inputs(arguments, log):
+    """`records_inputs` on a dict of its arguments; logs what it found if `log`."""
+    given = arguments
+    arguments = dict(arguments)
+    data_dir, tfds_name = arguments.pop("data_dir"), arguments.pop("tfds_name")
+    tfds_data_dir = arguments.pop("tfds_data_dir")
+    num_classes, label_offset = arguments.pop("num_classes"), arguments.pop("label_offset")
+    train_examples = arguments.pop("train_examples")
+    validation_examples = arguments.pop("validation_examples")
+    common = arguments  # image_size, global_batch_size and the other ImageNetInput arguments
     if (data_dir is None) == (tfds_name is None):
         raise ValueError("Give data_dir (a folder of TFRecords) or tfds_name, exactly one of them.")
-    common = dict(image_size=image_size, global_batch_size=global_batch_size, **input_kwargs)
     if tfds_name is not None:
-        return _tfds_inputs(
+        inputs = _tfds_inputs(
             tfds_name, tfds_data_dir, num_classes, train_examples, validation_examples, common
         )
+        return dataclasses.replace(inputs, arguments=given)
     data_dir = os.fspath(data_dir)
     if data_dir.startswith("~"):
         data_dir = os.path.expanduser(data_dir)
@@ -172,8 +214,11 @@ def records_inputs(
     labels = dict(label_offset=label_offset, num_classes=num_classes)
     train = ImageNetInput(train_pattern, is_training=True, **labels, **common)
     validation = ImageNetInput(validation_pattern, is_training=False, **labels, **common)
-    inputs = RecordInputs(train, validation, num_classes, train_examples, validation_examples)
-    _log(data_dir, label_map, inputs)
+    inputs = RecordInputs(
+        train, validation, num_classes, train_examples, validation_examples, given
+    )
+    if log:
+        _log(data_dir, label_map, inputs)
     return inputs
 
 
