@@ -39,12 +39,19 @@ Each pipeline runs in its own process (own thread pools, own peak RSS), in inter
 that load from other users of the machine hits every pipeline alike; each process times several
 windows after a warm-up. Figures are medians over all windows, with min-max.
 
+`--checks` measures only what skipping bad records costs: `ours_uint8_one_core` (bad records
+skipped, named and counted, the default) and the same uint8 training path as the pipeline was
+before bad records were skipped (`--baseline_rev`, the code of that commit loaded from git: one
+assertion per 128 records, decode fused with the batching), at the same time, each pinned to its own
+core, cores and starting order swapped every round: the median, min and max of the windows' CPU
+ratios. Writes `benchmarks/results/input_pipeline_checks.json`.
+
 `--images photos` runs the same on views of real photographs (scikit-learn's two sample photos, cut
 into ImageNet-sized windows, rescaled, mirrored, JPEG quality 90) instead of the generated images.
 
 Usage:
     python benchmarks/input_pipeline.py [--quick] [--tfm_python /path/to/venv/bin/python] \
-        [--images photos]
+        [--images photos] [--checks [--baseline_rev REV]]
 
 Writes `benchmarks/results/input_pipeline.json` (`input_pipeline_photos.json` with photos).
 """
@@ -236,10 +243,42 @@ def _pin_to_one_core(core):
     tf.config.threading.set_inter_op_parallelism_threads(1)
 
 
-def worker_ours(args, dtype="float32", one_core=False):
+# The pipeline before bad records were skipped: it failed at the first one.
+BASELINE_REV = "ebd1ce2"
+
+
+def _baseline_input_class(rev):
+    """`ImageNetInput` as it was at commit `rev`: its input_pipeline, sources and image_ops modules
+    read from git into a package of their own (the rest of `tpu_scale.data` is shared)."""
+    import importlib
+
+    package = os.path.join(tempfile.mkdtemp(), "baseline_data")
+    os.makedirs(package)
+    open(os.path.join(package, "__init__.py"), "w").close()
+    for module in ("input_pipeline", "sources", "image_ops"):
+        text = subprocess.run(
+            ["git", "-C", ROOT, "show", f"{rev}:tpu_scale/data/{module}.py"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        text = text.replace(
+            "from tpu_scale.data import image_ops, sources",
+            "from baseline_data import image_ops, sources",
+        ).replace("from tpu_scale.data.sources import", "from baseline_data.sources import")
+        with open(os.path.join(package, f"{module}.py"), "w") as f:
+            f.write(text)
+    sys.path.insert(0, os.path.dirname(package))
+    return importlib.import_module("baseline_data.input_pipeline").ImageNetInput
+
+
+def worker_ours(args, dtype="float32", one_core=False, baseline=False):
     if one_core:
         _pin_to_one_core(args.core)
-    from tpu_scale.data import ImageNetInput
+    if baseline:
+        ImageNetInput = _baseline_input_class(args.baseline_rev)
+    else:
+        from tpu_scale.data import ImageNetInput
 
     inp = ImageNetInput(
         args.pattern,
@@ -422,6 +461,9 @@ WORKERS = {
     "ours_bfloat16": lambda args: worker_ours(args, "bfloat16"),
     "ours_uint8": lambda args: worker_ours(args, "uint8"),
     "ours_uint8_one_core": lambda args: worker_ours(args, "uint8", one_core=True),
+    "baseline_uint8_one_core": lambda args: worker_ours(
+        args, "uint8", one_core=True, baseline=True
+    ),
     "floor": worker_floor,
     "naive": worker_naive,
     "decode_one_core": worker_decode_one_core,
@@ -452,6 +494,8 @@ def _command(python, worker, info, args, **extra):
         command += [f"--{key}", str(getattr(args, key))]
     for key, value in extra.items():
         command += [f"--{key}", str(value)]
+    if worker.startswith("baseline"):
+        command += ["--baseline_rev", args.baseline_rev]
     return command
 
 
@@ -586,6 +630,18 @@ def main(argv=None):
         "--output", help="default: benchmarks/results/input_pipeline.json (_photos with photos)"
     )
     parser.add_argument("--batch_size", type=int, default=64)
+    parser.add_argument(
+        "--checks",
+        action="store_true",
+        help="only the cost of skipping bad records: the uint8 path against --baseline_rev's, "
+        "paired on one core each",
+    )
+    parser.add_argument(
+        "--baseline_rev",
+        default=BASELINE_REV,
+        help="the commit whose pipeline --checks compares with (default: the last one that failed "
+        "at the first bad record)",
+    )
     # Worker-process flags.
     parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     parser.add_argument("--pattern", help=argparse.SUPPRESS)
@@ -613,6 +669,8 @@ def main(argv=None):
     )
 
     cores = len(os.sched_getaffinity(0))
+    if args.checks:
+        return measure_checks(args, info, rounds=4 if args.quick else 6, started=started)
     names = ["ours", "ours_bfloat16", "ours_uint8", "ours_uint8_classic", "naive"]
     names += ["decode_one_core"]
     names += ["tfm"] if args.tfm_python else []
@@ -818,6 +876,63 @@ def main(argv=None):
     )
     print(markdown_table(result))
     print(f"wrote {args.output} in {result['seconds']} s")
+
+
+def measure_checks(args, info, rounds, started):
+    """The uint8 training path with bad records skipped, named and counted (the default) against
+    the same path at `--baseline_rev`: paired one-core windows, cores and starting order swapped
+    every round."""
+    if len(os.sched_getaffinity(0)) < 2:
+        raise SystemExit("--checks pairs two pinned processes: it needs two cores.")
+    ours, baseline, ratios = [], [], []
+    for round_index in range(rounds):
+        core = round_index % 2
+        jobs = [("ours_uint8_one_core", core), ("baseline_uint8_one_core", 1 - core)]
+        results = _spawn_at_once(jobs[:: 1 - 2 * core], info, args)
+        checked, previous = results[:: 1 - 2 * core]
+        window_ratios = [
+            c / p for c, p in zip(checked["cpu_ms_per_image"], previous["cpu_ms_per_image"])
+        ]
+        ours += checked["cpu_ms_per_image"]
+        baseline += previous["cpu_ms_per_image"]
+        ratios += window_ratios
+        print(
+            f"round {round_index + 1}/{rounds} checked on core {core} / {args.baseline_rev} on "
+            f"core {1 - core}: " + ", ".join(f"{r:.3f}" for r in window_ratios),
+            flush=True,
+        )
+    result = {
+        "command": "python benchmarks/input_pipeline.py --checks"
+        + (" --quick" if args.quick else "")
+        + (f" --images {args.images}" if args.images != "noise" else ""),
+        "baseline_rev": args.baseline_rev,
+        "machine": machine_info(),
+        "data": info,
+        "batch_size": args.batch_size,
+        "rounds": rounds,
+        "windows_per_round": args.windows,
+        "window_seconds": args.window,
+        "checked_cpu_ms_per_image": round(statistics.median(ours), 3),
+        "baseline_cpu_ms_per_image": round(statistics.median(baseline), 3),
+        "ratio": round(statistics.median(ratios), 3),
+        "ratio_min": round(min(ratios), 3),
+        "ratio_max": round(max(ratios), 3),
+        "window_ratios": [round(r, 3) for r in ratios],
+        "targets_met": {
+            "checked CPU per image <= 1.1x the baseline (median)": (
+                statistics.median(ratios) <= 1.1
+            )
+        },
+        "seconds": round(time.time() - started, 1),
+    }
+    suffix = "" if args.images == "noise" else f"_{args.images}"
+    output = os.path.join(RESULTS, f"input_pipeline_checks{suffix}.json")
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(output, "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps({k: v for k, v in result.items() if k not in ("machine", "data")}, indent=2))
+    print(f"wrote {output} in {result['seconds']} s")
+    return result
 
 
 if __name__ == "__main__":
