@@ -20,11 +20,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 
-# The CPU allocator the example and the tests run with (see examples/train_imagenet.py):
-# TensorFlow's default one returns large buffers to the system and faults them in again on every
-# step. The benchmarks import this module before TensorFlow starts, their child processes inherit
-# the setting, and `machine_info` records it. TF_CPU_ALLOCATOR_USE_BFC=0 measures the default.
-os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "1")
+# The CPU allocator the package selects on import (see tpu_scale/__init__.py): the benchmarks import
+# this module before TensorFlow starts, their child processes inherit the setting, and
+# `machine_info` records it. TF_CPU_ALLOCATOR_USE_BFC=0 measures TensorFlow's default.
+import tpu_scale  # noqa: E402, F401
 
 
 def cpu_allocator():

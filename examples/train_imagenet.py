@@ -58,13 +58,12 @@ from absl import app, flags, logging
 
 # TensorFlow's C++ INFO and WARNING lines would drown the progress lines; errors still show.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# TensorFlow's BFC allocator on the CPU keeps freed buffers for reuse instead of faulting every
-# step's activations in again (see benchmarks/README.md); TF_CPU_ALLOCATOR_USE_BFC=0 turns it off.
-os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "1")
 # Runnable from a checkout without installing: the package sits next to this folder.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import tpu_scale  # noqa: E402  (TensorFlow starts in create_strategy, the rest after it)
+# Sets TensorFlow's CPU allocator (TF_CPU_ALLOCATOR_USE_BFC=0 keeps the default); TensorFlow
+# itself starts in create_strategy, and the rest of the package after it.
+import tpu_scale  # noqa: E402
 
 
 def flag(default, text):

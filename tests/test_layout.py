@@ -93,3 +93,29 @@ def test_every_module_is_small_and_says_what_it_holds(name, path):
     text = path.read_text()
     assert len(text.splitlines()) <= MAX_LINES, f"{name} has more than {MAX_LINES} lines"
     assert ast.get_docstring(ast.parse(text)), f"{name} has no docstring"
+
+
+def test_importing_the_package_selects_the_bfc_cpu_allocator():
+    # TensorFlow reads the setting when it creates its CPU device: importing the package after
+    # TensorFlow, before any op, is enough. Only the BFC allocator reports memory statistics.
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import tensorflow as tf, tpu_scale; tf.ones(1); "
+        "print(tf.config.experimental.get_memory_info('CPU:0')['peak'] > 0)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPU_ALLOCATOR_USE_BFC"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.stdout.strip() == "True", done.stderr[-2000:]
+    off = subprocess.run(
+        [sys.executable, "-c", code],
+        env=dict(env, TF_CPU_ALLOCATOR_USE_BFC="0"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "Allocator stats not available" in off.stderr  # 0 keeps TensorFlow's default

@@ -2,29 +2,50 @@
 
 The public surface:
   create_strategy   finds the hardware and returns a `tf.distribute` strategy with a `.mesh`
+  mesh_of           the `ReplicaMesh` of a strategy
   ReplicaMesh       the 2-D grid of replicas (TPU torus, or hosts x local devices)
 
-Subpackages: `tpu_scale.layers` (grouped batch norm), `tpu_scale.collectives` (group sums over the
-mesh), `tpu_scale.torus` (2-D gradient summation), `tpu_scale.data` (the input builder),
-`tpu_scale.optimizers`, `tpu_scale.schedules`, `tpu_scale.models`, `tpu_scale.plan` (the pod-scale
-cost model).
+Subpackages and modules, imported on first use (`tpu_scale.data`, or `from tpu_scale import data`):
+`layers` (grouped batch norm), `collectives` (group sums over the mesh), `torus` (2-D gradient
+summation), `data` (records to inputs, exact evaluation, the input pipeline), `optimizers`,
+`schedules` (the recipe), `losses`, `callbacks`, `training` (a run's callbacks and folder),
+`checkpointing`, `models`, `plan` (the pod-scale cost model), `testing`.
+
+Importing the package selects TensorFlow's BFC allocator for the CPU (unless
+`TF_CPU_ALLOCATOR_USE_BFC` is already set; `0` keeps TensorFlow's default): the default allocator
+returns large buffers to the system after each use, so every training step faults its activations
+in again, where BFC keeps them for reuse (figures: benchmarks/README.md). TensorFlow reads the
+setting when it first creates its CPU device, so it applies when the package is imported before
+any TensorFlow op runs, and worker processes started from here inherit it.
 """
 
+import os
+
+from tpu_scale import _lazy
 from tpu_scale.mesh import ReplicaMesh
 
 __version__ = "0.1.0"
 
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "1")
 
-def __getattr__(name):
-    # Importing TensorFlow takes seconds; the mesh geometry does not need it.
-    if name in ("create_strategy", "mesh_of"):
-        from tpu_scale import _workarounds
-
-        with _workarounds.quiet_cuda_probe():  # this may be TensorFlow's first import
-            from tpu_scale import strategy
-
-        return getattr(strategy, name)
-    raise AttributeError(f"module 'tpu_scale' has no attribute {name!r}")
-
+__getattr__ = _lazy.attributes(
+    __name__,
+    {"create_strategy": "tpu_scale.strategy", "mesh_of": "tpu_scale.strategy"},
+    submodules=(
+        "callbacks",
+        "checkpointing",
+        "collectives",
+        "data",
+        "layers",
+        "losses",
+        "models",
+        "optimizers",
+        "plan",
+        "schedules",
+        "testing",
+        "torus",
+        "training",
+    ),
+)
 
 __all__ = ["ReplicaMesh", "create_strategy", "mesh_of"]

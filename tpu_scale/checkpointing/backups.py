@@ -5,11 +5,12 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import time
 
 import tensorflow as tf
 from absl import logging
+
+from tpu_scale._files import is_local, remove_tree
 
 PREEMPTED_EXIT_CODE = 143
 """Exit code after a preemption backup: 128 + SIGTERM, what a shell reports for a job ended by
@@ -46,10 +47,6 @@ class Backup:
 
 class DamagedBackupError(OSError):
     """A backup folder whose metadata is unreadable or whose files do not match their checksums."""
-
-
-def _is_local(path):
-    return "://" not in path
 
 
 def _sha256(path):
@@ -161,16 +158,6 @@ def _fsync(path):
         os.fsync(f.fileno())
 
 
-def _remove(path):
-    try:
-        if _is_local(path):
-            shutil.rmtree(path, ignore_errors=True)
-        elif tf.io.gfile.exists(path):
-            tf.io.gfile.rmtree(path)
-    except (OSError, tf.errors.OpError) as e:
-        logging.warning("Could not remove %s (%s); it is not needed any more.", path, e)
-
-
 def _write_backup(model, backup_dir, epoch, step, reason, keep):
     """Saves `model` as a new backup and removes all but the newest `keep`; returns the `Backup`."""
     tf.io.gfile.makedirs(backup_dir)
@@ -178,7 +165,7 @@ def _write_backup(model, backup_dir, epoch, step, reason, keep):
     sequence = existing[0][0] + 1 if existing else 1
     name = f"backup-{sequence:06d}"
     temp = os.path.join(backup_dir, f"{_TEMP_PREFIX}{sequence:06d}-{os.getpid()}")
-    _remove(temp)
+    remove_tree(temp, best_effort=True)
     tf.io.gfile.makedirs(temp)
     weights_path = os.path.join(temp, WEIGHTS_FILE)
     model.save_weights(weights_path)
@@ -196,7 +183,7 @@ def _write_backup(model, backup_dir, epoch, step, reason, keep):
     with tf.io.gfile.GFile(metadata_path, "w") as f:
         f.write(json.dumps(metadata, indent=1))
     final = os.path.join(backup_dir, name)
-    if _is_local(backup_dir):
+    if is_local(backup_dir):
         # Durable before visible: after the rename, a crash of the machine (not only of the process)
         # must not expose a folder whose files are still only in the page cache.
         _fsync(weights_path)
@@ -221,11 +208,11 @@ def _prune(backup_dir, keep):
     """Removes interrupted saves and every backup older than the newest `keep` complete ones."""
     for name in tf.io.gfile.listdir(backup_dir):
         if name.startswith(_TEMP_PREFIX):
-            _remove(os.path.join(backup_dir, name.rstrip("/")))
+            remove_tree(os.path.join(backup_dir, name.rstrip("/")), best_effort=True)
     complete = 0
     for _, path in _sequences(backup_dir):
         if complete >= keep:
-            _remove(path)
+            remove_tree(path, best_effort=True)
             continue
         try:
             read_backup(path)

@@ -13,11 +13,11 @@ import tensorflow as tf
 from absl import logging
 
 from tpu_scale import keras_hook
+from tpu_scale._files import remove_tree
 from tpu_scale.checkpointing.backups import (
     PREEMPTED_EXIT_CODE,
     WEIGHTS_FILE,
     DamagedBackupError,
-    _remove,
     _write_backup,
     latest_backup,
     read_backup,
@@ -321,4 +321,4 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._notice = None
         keras_hook.set_initial_epoch(self.model, None)
         if self.delete_checkpoint and (self._cluster is None or self._cluster.is_chief):
-            _remove(self.backup_dir)
+            remove_tree(self.backup_dir, best_effort=True)

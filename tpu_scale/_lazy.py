@@ -1,0 +1,46 @@
+"""Public names of a package imported on first use: the one scheme every `__init__` uses.
+
+Importing TensorFlow takes seconds, and the mesh geometry, the planner and the writer's command
+line need none of it before they run: a package lists its public names and the modules that
+define them, and each is imported when first read. The import runs under
+`_workarounds.quiet_cuda_probe`, since it may be TensorFlow's first.
+
+    __getattr__ = _lazy.attributes(__name__, {"ImageNetInput": "tpu_scale.data.input_pipeline"},
+                                   submodules=("image_ops",))
+"""
+
+import importlib
+import sys
+
+
+def attributes(package, public, submodules=()):
+    """A module-level `__getattr__` for `package` that imports its names on first use.
+
+    Args:
+      package: the package's `__name__`.
+      public: `{name: module}`: each public name and the module that defines it.
+      submodules: names of the package's submodules that are read as attributes.
+
+    Returns:
+      The `__getattr__` function; the value it imports is bound in the package, so it runs once
+      per name (a submodule of the same name as a public function stays the function).
+    """
+
+    def __getattr__(name):
+        if name in public:
+            value = getattr(_import(public[name]), name)
+        elif name in submodules:
+            value = _import(f"{package}.{name}")
+        else:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        setattr(sys.modules[package], name, value)
+        return value
+
+    return __getattr__
+
+
+def _import(module):
+    import tpu_scale._workarounds as workarounds
+
+    with workarounds.quiet_cuda_probe():
+        return importlib.import_module(module)
