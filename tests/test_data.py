@@ -250,7 +250,8 @@ def test_options_are_set(records):
 
 def test_the_decode_runs_on_every_thread_of_the_pool(records):
     # Autotuning is off, so an AUTOTUNE parallelism would stay at its start value (at most 16): a
-    # host with more cores than that must still decode on all of them.
+    # host with more cores than that must still decode on all of them (4 records in flight per
+    # thread, see `_DECODES_IN_FLIGHT`).
     from tensorflow.core.framework import graph_pb2
 
     inp = make_input(records[0], is_training=True, global_batch_size=4, threadpool_size=37)
@@ -262,7 +263,7 @@ def test_the_decode_runs_on_every_thread_of_the_pool(records):
         if node.op == "ParallelMapDatasetV2" and nodes[node.input[0]].op == "UnbatchDataset"
     ]
     parallelism = nodes[decode.input[1]].attr["value"].tensor.int64_val
-    assert list(parallelism) == [37]
+    assert list(parallelism) == [4 * 37]
 
 
 def test_record_level_sharding_with_fewer_files_than_pipelines(tmp_path):

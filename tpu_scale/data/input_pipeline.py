@@ -362,7 +362,7 @@ class ImageNetInput:
                 batch_size, drop_remainder=self.is_training
             )
         else:
-            examples = self._decode_skipping_bad(records, seed, batch_size, deterministic)
+            examples = self._decode_skipping_bad(records, seed, batch_size)
         if self.pad_last_batch:
             examples = examples.map(lambda images, labels: _pad_batch(images, labels, batch_size))
         options = _pipeline_options(deterministic=deterministic, threadpool_size=self._threads)
@@ -377,7 +377,7 @@ class ImageNetInput:
             )
         return examples.prefetch(AUTOTUNE)
 
-    def _decode_skipping_bad(self, records, seed, batch_size, deterministic):
+    def _decode_skipping_bad(self, records, seed, batch_size):
         """Parses, checks, decodes and batches the records, skipping, naming and counting bad ones.
 
         Parsing and the record checks run on batches of `_PARSE_BATCH` records (one function call,
@@ -386,16 +386,20 @@ class ImageNetInput:
         each good one gets a sequence number and its name in a table. Then the records go one by
         one to the decode, whose errors (an image the decoder rejects) drop the record
         (`ignore_errors`): per batch of examples, the sequence numbers that came out are taken off
-        the table, and those left behind by later records (in order; or `_REORDER_WINDOW` records
-        later when the order is not deterministic) are the decoder's rejects, reported by name.
-        An evaluation pass ends with a marker that reports the last ones. Whether the run must stop
-        is checked once per batch.
+        the table, and those left behind by a later record are the decoder's rejects, reported by
+        name as soon as the next record comes out. An evaluation pass ends with a marker that
+        reports the last ones. Whether the run must stop is checked once per batch.
+
+        The records come out of the parse and of the decode in order (whatever `deterministic`
+        says), so that a number left behind is a reject and not a record still being decoded. The
+        order costs no CPU time, and the decode keeps every thread busy while one slow image holds
+        the head: it takes `_DECODES_IN_FLIGHT` records per thread of the pool at once, which wait
+        in the pool's queue, and their results in order behind the slow one.
         """
         with tf.init_scope():
             names = tf.lookup.experimental.MutableHashTable(tf.int64, tf.string, "")
             # The message that stops the run, once `bad_records` gives one (key 0).
             stop = tf.lookup.experimental.MutableHashTable(tf.int64, tf.string, "")
-        window = 0 if deterministic else _REORDER_WINDOW
 
         def report(record_names, codes):
             message = tf.py_function(
@@ -443,19 +447,22 @@ class ImageNetInput:
             data = data.map(
                 lambda numbered, draw: parse_and_screen(*numbered, draw),
                 num_parallel_calls=AUTOTUNE,
+                deterministic=True,
             )
         else:
-            data = data.map(parse_and_screen, num_parallel_calls=AUTOTUNE)
+            data = data.map(parse_and_screen, num_parallel_calls=AUTOTUNE, deterministic=True)
         data = data.unbatch()
 
         def decode(image_bytes, label, crop_seed, sequence):
             return (*self._decode_example(image_bytes, label, crop_seed), sequence)
 
-        # One decode per thread of the pipeline's pool: autotuning is off (`_pipeline_options`),
+        # Decodes on every thread of the pipeline's pool: autotuning is off (`_pipeline_options`),
         # and AUTOTUNE would then stay at its start value, at most 16 however many cores a host has.
         # The errors ignored after it are those of the decode alone: the stages before it never
         # fail (the reader stops at a broken file, the parser is guarded, see `sources`).
-        examples = data.map(decode, num_parallel_calls=self._threads).ignore_errors()
+        examples = data.map(
+            decode, num_parallel_calls=_DECODES_IN_FLIGHT * self._threads, deterministic=True
+        ).ignore_errors()
         if not self.is_training:
             blank = tf.zeros([self.image_size, self.image_size, 3], self.dtype)
             end = (blank, tf.constant(-1, tf.int32), tf.constant(_END_SEQUENCE, tf.int64))
@@ -471,7 +478,7 @@ class ImageNetInput:
             with tf.control_dependencies([taken]):
                 waiting, waiting_names = names.export()
             waiting, waiting_names = tf.reshape(waiting, [-1]), tf.reshape(waiting_names, [-1])
-            lost = waiting < tf.reduce_max(sequence) - window
+            lost = waiting < tf.reduce_max(sequence)
 
             def report_lost():
                 lost_names = tf.boolean_mask(waiting_names, lost)
@@ -650,10 +657,8 @@ class ImageNetInput:
 
 # The sequence number of the marker that ends an evaluation pass (after every record's).
 _END_SEQUENCE = 2**62
-# How many records later than its own a decoded record may come out of the decode when the order
-# is not deterministic (parallel parsing and decoding); a record still missing then is one the
-# decoder rejected.
-_REORDER_WINDOW = 8192
+# Records handed to the decode at once per thread of the pool (see `_decode_skipping_bad`).
+_DECODES_IN_FLIGHT = 4
 # Records parsed and checked per call (about 14 MB of ImageNet JPEGs per batch in flight).
 _PARSE_BATCH = 128
 
