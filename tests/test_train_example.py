@@ -21,7 +21,7 @@ import train_imagenet  # noqa: E402
 
 def tiny_config(**overrides):
     # Two replicas, not the default run's eight: tracing the step for each replica is most of a
-    # tiny run's time (65 s a run on 8, 28 s on 2). The README test runs the defaults as written.
+    # tiny run's time.
     settings = dict(
         num_cpu_replicas=2,
         mesh_shape="1x2",
