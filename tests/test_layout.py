@@ -15,6 +15,7 @@ CORE = [
     "collectives",
     "torus_schedule",
     "torus",
+    "weight_update",
     "keras_hook",
     "strategy",
 ]

@@ -30,7 +30,7 @@ import weakref
 import keras
 import tensorflow as tf
 
-from tpu_scale import torus
+from tpu_scale import torus, weight_update
 
 TESTED_KERAS = "3.15"
 SUPPORTED_KERAS = ">=3.3,<4"
@@ -413,7 +413,8 @@ def _load_own_variables(self, store):
     before the save are dropped, and the next `gradient_accumulation_steps` micro-batches form a
     full window. `optimizer.iterations` (and so every completed update) is unchanged.
     """
-    _load_own_variables.original(self, store)
+    if not weight_update.load_full_state(self, store):  # a sharded update's state is resharded
+        _load_own_variables.original(self, store)
     steps = self.gradient_accumulation_steps
     strategy = getattr(self, "_distribution_strategy", None)
     if not steps or strategy is None or strategy.num_replicas_in_sync < 2:
@@ -458,3 +459,46 @@ def check_jit_compile(strategy):
             "jit_compile=False (model.compile(..., jit_compile=False)), or use one CPU replica "
             "(create_strategy(num_cpu_replicas=1)); XLA works on TPU and GPU replicas."
         )
+
+
+# --------------------------------------------------------------------------- weight-update sharding
+
+_sharding_hooked = False
+
+
+def shard_weight_updates():
+    """Routes SGD's `build` and the optimizer's update and save through `tpu_scale.weight_update`.
+
+    Each wrapper runs Keras's own code unless the strategy (or the optimizer) is sharded; the
+    restore goes through `_load_own_variables` (installed by `accumulation_under_strategies`).
+    Called by `create_strategy(..., weight_update_sharding=True)`; idempotent.
+    """
+    global _sharding_hooked
+    if _sharding_hooked:
+        return
+    from keras.src.backend.tensorflow import optimizer as module
+
+    accumulation_under_strategies()  # the restore of a sharded state lives in its load
+    sgd_build = keras.optimizers.SGD.build
+    update_step = module.TFOptimizer._backend_update_step
+    save = module.TFOptimizer.save_own_variables
+
+    def build(self, variables):
+        return weight_update.build_sgd(self, variables, sgd_build)
+
+    def backend_update_step(self, grads, trainable_variables, learning_rate):
+        indices = [self._get_variable_index(v) for v in trainable_variables]
+        if not weight_update.update(self, grads, trainable_variables, indices, learning_rate):
+            update_step(self, grads, trainable_variables, learning_rate)
+
+    def save_own_variables(self, store):
+        state = weight_update.full_state(self)
+        if state is None:
+            return save(self, store)
+        for i, value in enumerate(state):
+            store[str(i)] = value
+
+    keras.optimizers.SGD.build = build
+    module.TFOptimizer._backend_update_step = backend_update_step
+    module.TFOptimizer.save_own_variables = save_own_variables
+    _sharding_hooked = True

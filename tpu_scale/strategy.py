@@ -26,7 +26,7 @@ from absl import logging
 from tensorflow.python.autograph.core import ag_ctx as autograph_ctx
 from tensorflow.python.autograph.impl import api as autograph
 
-from tpu_scale import _workarounds, keras_hook, torus
+from tpu_scale import _workarounds, keras_hook, torus, weight_update
 from tpu_scale.context import mesh_of  # noqa: F401  (tpu_scale.mesh_of)
 from tpu_scale.mesh import ReplicaMesh
 from tpu_scale.plan import choice as plan_choice
@@ -242,6 +242,7 @@ def create_strategy(
     gradient_algorithm=torus.DEFAULT_ALGORITHM,
     gradient_pack_bytes=torus.DEFAULT_PACK_BYTES,
     gradient_dtype=None,
+    weight_update_sharding=False,
 ):
     """Finds the hardware and returns a `tf.distribute` strategy that knows its replica mesh.
 
@@ -266,6 +267,10 @@ def create_strategy(
       gradient_dtype: with `"torus"`: `"bfloat16"` carries the phases between hosts in bfloat16
         (half the bytes on the network; sums within a host stay float32); None keeps the gradients'
         dtype.
+      weight_update_sharding: True to shard `keras.optimizers.SGD`'s update over the replicas of
+        one host: gradients reduce-scattered, each replica updating 1/N of the weights with 1/N of
+        the momentum, the weights all-gathered (`tpu_scale.weight_update`). Checkpoints keep
+        Keras's unsharded layout. Other optimizers and several hosts raise a clear error.
 
     Returns:
       A strategy with `.mesh` (`ReplicaMesh`) and `.gradient_reduction`. Keras optimizers'
@@ -343,6 +348,13 @@ def create_strategy(
     )
     if gradient_reduction == "torus":
         keras_hook.install(strategy, settings)
+    if weight_update_sharding:
+        if tpu is not None:
+            raise ValueError(
+                "weight_update_sharding=True works on one CPU or GPU host; not on a TPU yet."
+            )
+        weight_update.enable(strategy)
+        keras_hook.shard_weight_updates()
     _workarounds.replica_iterators_untuned()
     keras_hook.build_from_one_replica()
     keras_hook.accumulation_under_strategies()
