@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import tpu_scale
+from tpu_scale.optimizers import LARS
 
 BATCH = 16
 STEPS = 20
@@ -45,14 +46,17 @@ def _sharded(mesh_shape):
 
 
 @pytest.mark.parametrize(
-    "mesh_shape, options",
+    "mesh_shape, name, options",
     [
-        ((1, 8), dict(momentum=0.9)),
-        ((2, 4), dict(momentum=0.9, nesterov=True, weight_decay=1e-2, clipnorm=1.0)),
+        ((1, 8), "sgd", dict(momentum=0.9)),
+        ((2, 4), "sgd", dict(momentum=0.9, nesterov=True, weight_decay=1e-2, clipnorm=1.0)),
+        ((2, 4), "lars", dict(momentum=0.9, weight_decay=1e-2)),
     ],
 )
-def test_sharded_update_equals_the_unsharded_one(mesh_shape, options, strategy):
+def test_sharded_update_equals_the_unsharded_one(mesh_shape, name, options, strategy):
     def optimizer():
+        if name == "lars":
+            return LARS(2.0, **options)
         return keras.optimizers.SGD(0.1, **options)
 
     x, y = _data()

@@ -5,6 +5,8 @@ import re
 import keras
 from keras import ops
 
+from tpu_scale import weight_update
+
 # Batch-norm scales and offsets and biases: few parameters, no useful notion of a per-layer
 # "weight norm" to adapt to, and decaying them only hurts. The rank rule below catches them
 # whatever their layer is called; these patterns catch them by name as well.
@@ -138,12 +140,17 @@ class LARS(keras.optimizers.Optimizer):
         if self.built:
             return
         super().build(variables)
-        self.momentums = self.add_optimizer_variables(variables, "momentum")
         # Decided here, on the Keras variables (whose `path` names the layer), rather than
         # in `update_step`, which sees per-replica `tf.Variable`s under a distribution
         # strategy. Indexed like `self.momentums`.
         self._decay_flags = [self._decays(v) for v in variables]
         self._adapt_flags = [self._adapts(v) for v in variables]
+        # Under `create_strategy(..., weight_update_sharding=True)` each replica holds 1/N of
+        # the velocities instead (`tpu_scale.weight_update`).
+        if weight_update.build_lars(self, variables, self._decay_flags, self._adapt_flags):
+            self.momentums = []
+            return
+        self.momentums = self.add_optimizer_variables(variables, "momentum")
 
     def _excluded_by(self, variable, patterns):
         if self.exclude_vectors and len(variable.shape) <= 1:

@@ -49,12 +49,15 @@ class Sharded:
       strategy: the strategy it was built under.
       layout: the `Layout` of its variables.
       momentum: its `sharded_momentum` variable (one shard per replica), or None without momentum.
+      lars: for LARS, `(decays, adapts)`: per variable, whether it gets weight decay and a trust
+        ratio; None for SGD.
     """
 
-    def __init__(self, strategy, layout, momentum):
+    def __init__(self, strategy, layout, momentum, lars=None):
         self.strategy = strategy
         self.layout = layout
         self.momentum = momentum
+        self.lars = lars
 
 
 def enable(strategy):
@@ -77,7 +80,8 @@ def enable(strategy):
 
 
 def momentum_shards(optimizer):
-    """The `sharded_momentum` variable of a sharded SGD (one shard per replica), else None."""
+    """The `sharded_momentum` variable of a sharded SGD or LARS (one shard per replica), else
+    None."""
     state = _states.get(optimizer)
     return state.momentum if state is not None else None
 
@@ -103,6 +107,12 @@ class Layout:
         self.num_shards = num_shards
         self.shard = -(-self.total // num_shards)
         self.padding = self.shard * num_shards - self.total
+
+    def segments(self):
+        """Per shard, the index of the variable each element belongs to (padding: the count)."""
+        owner = np.repeat(np.arange(len(self.sizes)), self.sizes)
+        owner = np.concatenate([owner, np.full(self.padding, len(self.sizes))])
+        return owner.reshape(self.num_shards, self.shard).astype(np.int32)
 
     def split(self, flat):
         """The per-variable pieces of a flat numpy buffer (at least `total` long)."""
@@ -142,6 +152,28 @@ def build_sgd(optimizer, variables, sgd_build):
             (layout.shard,), dtype=variables[0].dtype, name="sharded_momentum"
         )
     _states[optimizer] = Sharded(strategy, layout, shards)
+
+
+def build_lars(optimizer, variables, decays, adapts):
+    """LARS's state under a sharded strategy: one momentum shard per replica, the per-variable
+    rules; False (nothing built) when the current strategy is not sharded.
+
+    Args:
+      optimizer: a `tpu_scale.optimizers.LARS`, its base class already built.
+      variables: its trainable variables.
+      decays: per variable, whether it gets weight decay.
+      adapts: per variable, whether it gets a trust ratio.
+    """
+    strategy = tf.distribute.get_strategy()
+    if not is_sharded(strategy):
+        return False
+    _check_variables(variables)
+    layout = Layout(variables, strategy.num_replicas_in_sync)
+    shards = optimizer.add_variable(
+        (layout.shard,), dtype=variables[0].dtype, name="sharded_momentum"
+    )
+    _states[optimizer] = Sharded(strategy, layout, shards, lars=(list(decays), list(adapts)))
+    return True
 
 
 def update(optimizer, grads, variables, indices, learning_rate):
@@ -249,7 +281,8 @@ def _sharded_update(optimizer, ctx, grads, variables, indices, learning_rate):
     if state is None:
         raise ValueError(
             "weight_update_sharding=True supports keras.optimizers.SGD (plain, momentum or "
-            f"Nesterov); got {type(optimizer).__name__}. Create the strategy with "
+            "Nesterov) and tpu_scale.optimizers.LARS; got "
+            f"{type(optimizer).__name__}. Create the strategy with "
             "weight_update_sharding=False for other optimizers, or create the optimizer under "
             "the strategy's scope."
         )
@@ -274,22 +307,26 @@ def _update_in_graph(strategy, optimizer, state, flat, variables, learning_rate)
     momentums = None
     if state.momentum is not None:
         momentums = strategy.experimental_local_results(state.momentum.value)
-    shards = []
-    for i, device in enumerate(strategy.extended.worker_devices):
-        with tf.device(device):
-            grad = tf.add_n([g[i * size : (i + 1) * size] for g in grads])
-            weights = _shard_of(copies, i, layout)
-            rate = tf.cast(learning_rate, weights.dtype)
-            grad = tf.cast(grad, weights.dtype)
-            if momentums is None:
-                weights = weights - rate * grad
-            else:
-                decay = tf.cast(optimizer.momentum, weights.dtype)
-                momentum = decay * momentums[i] - rate * grad
-                momentums[i].assign(momentum)
-                step = decay * momentum - rate * grad if optimizer.nesterov else momentum
-                weights = weights + step
-            shards.append(weights)
+    devices = strategy.extended.worker_devices
+    grads = [_grad_shard(grads, i, size, d) for i, d in enumerate(devices)]
+    weights = [_on(d, lambda i=i: _shard_of(copies, i, layout)) for i, d in enumerate(devices)]
+    if state.lars is not None:
+        shards = _lars(optimizer, state, grads, weights, momentums, devices, learning_rate)
+    else:
+        shards = []
+        for i, device in enumerate(devices):
+            with tf.device(device):
+                w, grad = weights[i], tf.cast(grads[i], weights[i].dtype)
+                rate = tf.cast(learning_rate, w.dtype)
+                if momentums is None:
+                    w = w - rate * grad
+                else:
+                    decay = tf.cast(optimizer.momentum, w.dtype)
+                    momentum = decay * momentums[i] - rate * grad
+                    momentums[i].assign(momentum)
+                    step = decay * momentum - rate * grad if optimizer.nesterov else momentum
+                    w = w + step
+                shards.append(w)
     for i, device in enumerate(strategy.extended.worker_devices):
         with tf.device(device):
             gathered = tf.concat(shards, 0)
@@ -297,6 +334,66 @@ def _update_in_graph(strategy, optimizer, state, flat, variables, learning_rate)
                 copies, layout.offsets[:-1], layout.offsets[1:], layout.shapes
             ):
                 copy[i].assign(tf.reshape(gathered[a:b], shape))
+
+
+def _on(device, fn):
+    with tf.device(device):
+        return fn()
+
+
+def _grad_shard(grads, i, size, device):
+    """Reduce-scatter: replica `i` sums the `i`-th piece of every replica's fused gradient."""
+    with tf.device(device):
+        return tf.add_n([g[i * size : (i + 1) * size] for g in grads])
+
+
+def _lars(optimizer, state, grads, weights, momentums, devices, learning_rate):
+    """LARS on each replica's shard; the per-variable norms are group sums of the shards' parts.
+
+    Returns:
+      The updated weight shards, one per replica.
+    """
+    layout = state.layout
+    decays, adapts = state.lars
+    count = len(layout.sizes)
+    dtype = weights[0].dtype
+    segments = layout.segments()  # per shard: the variable of each element (count = padding)
+    partial = []
+    for i, device in enumerate(devices):
+        with tf.device(device):
+            grad = tf.cast(grads[i], dtype)
+            ids = tf.constant(segments[i])
+            partial.append(
+                tf.stack(
+                    [
+                        tf.math.unsorted_segment_sum(tf.square(weights[i]), ids, count + 1),
+                        tf.math.unsorted_segment_sum(tf.square(grad), ids, count + 1),
+                    ]
+                )
+            )
+    shards = []
+    wd_flags = np.array([bool(d) for d in decays] + [False])
+    adapt_flags = np.array([bool(a) for a in adapts] + [False])
+    for i, device in enumerate(devices):
+        with tf.device(device):
+            sums = tf.add_n(partial)  # every shard's part of each variable's squared norms
+            w_norm, g_norm = tf.sqrt(sums[0]), tf.sqrt(sums[1])
+            weight_decay = tf.where(wd_flags, tf.cast(optimizer.weight_decay, dtype), 0.0)
+            usable = tf.logical_and(w_norm > 0.0, g_norm > 0.0)
+            denominator = tf.where(usable, g_norm + weight_decay * w_norm, 1.0)
+            trust = tf.where(
+                tf.logical_and(adapt_flags, usable),
+                tf.cast(optimizer.eta, dtype) * w_norm / denominator,
+                1.0,
+            )
+            ids = tf.constant(segments[i])
+            grad = tf.cast(grads[i], dtype)
+            update = grad + tf.gather(weight_decay, ids) * weights[i]
+            rate = tf.cast(learning_rate, dtype) * tf.gather(trust, ids)
+            velocity = momentums[i] * tf.cast(optimizer.momentum, dtype) + update * rate
+            momentums[i].assign(velocity)
+            shards.append(weights[i] - velocity)
+    return shards
 
 
 def _shard_of(copies, i, layout):
