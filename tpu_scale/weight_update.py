@@ -327,13 +327,24 @@ def _update_in_graph(strategy, optimizer, state, flat, variables, learning_rate)
                     step = decay * momentum - rate * grad if optimizer.nesterov else momentum
                     w = w + step
                 shards.append(w)
-    for i, device in enumerate(strategy.extended.worker_devices):
+    # All-gather: each replica writes each variable from the pieces of the shards it spans (no
+    # copy of the whole fused buffer per replica).
+    bounds = zip(layout.offsets[:-1], layout.offsets[1:])
+    pieces = [_pieces(shards, a, b, layout.shard) for a, b in bounds]
+    for i, device in enumerate(devices):
         with tf.device(device):
-            gathered = tf.concat(shards, 0)
-            for copy, a, b, shape in zip(
-                copies, layout.offsets[:-1], layout.offsets[1:], layout.shapes
-            ):
-                copy[i].assign(tf.reshape(gathered[a:b], shape))
+            for copy, parts, shape in zip(copies, pieces, layout.shapes):
+                value = parts[0] if len(parts) == 1 else tf.concat(parts, 0)
+                copy[i].assign(tf.reshape(value, shape))
+
+
+def _pieces(shards, a, b, size):
+    """The slices of `shards` (each `size` long, in order) that cover fused positions [a, b)."""
+    parts = []
+    for j in range(a // size, (b - 1) // size + 1):
+        start, end = max(a, j * size) - j * size, min(b, (j + 1) * size) - j * size
+        parts.append(shards[j][start:end])
+    return parts
 
 
 def _on(device, fn):
