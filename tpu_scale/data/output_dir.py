@@ -9,18 +9,14 @@ staging folders of earlier writers that are gone (`remove_stale_staging_dirs`).
 import fnmatch
 import logging
 import os
-import shutil
 import socket
 import tempfile
 import uuid
 
 import tensorflow as tf
 
+from tpu_scale._files import is_local, remove_tree
 from tpu_scale.data.schema import LABEL_MAP_FILE, LABELS_TXT_FILE
-
-
-def _is_local(path):
-    return "://" not in path
 
 
 def _looks_like_conversion(names):
@@ -59,7 +55,7 @@ def _check_output_dir(output_dir, overwrite):
 def _publish(staging_dir, output_dir, replace):
     """Moves the finished `staging_dir` into place as `output_dir`."""
     tf.io.gfile.remove(os.path.join(staging_dir, _WRITER_FILE))
-    if _is_local(output_dir):
+    if is_local(output_dir):
         old = None
         if tf.io.gfile.exists(output_dir):
             if replace:
@@ -69,7 +65,7 @@ def _publish(staging_dir, output_dir, replace):
                 os.rmdir(output_dir)  # empty (checked before writing)
         os.rename(staging_dir, output_dir)
         if old:
-            shutil.rmtree(old, ignore_errors=True)
+            remove_tree(old)
         return
     if replace:
         tf.io.gfile.rmtree(output_dir)
@@ -96,7 +92,7 @@ def _make_staging_dir(output_dir):
     parent, name = os.path.split(output_dir)
     parent = parent or "."
     tf.io.gfile.makedirs(parent)
-    if _is_local(output_dir):
+    if is_local(output_dir):
         staging = tempfile.mkdtemp(prefix=f".{name}.incomplete-", dir=parent)
     else:
         staging = os.path.join(parent, f".{name}.incomplete-{uuid.uuid4().hex[:8]}")
@@ -151,7 +147,7 @@ def remove_stale_staging_dirs(output_dir):
         if not stale:
             logger.info("Left the staging folder %s alone: its writer may still be running.", path)
             continue
-        _remove(path)
+        remove_tree(path)
         removed.append(path)
         logger.warning(
             "Removed %s, the staging folder of an earlier writer of %s that did not finish.",
@@ -159,13 +155,6 @@ def remove_stale_staging_dirs(output_dir):
             output_dir,
         )
     return removed
-
-
-def _remove(path):
-    if _is_local(path):
-        shutil.rmtree(path, ignore_errors=True)
-    elif tf.io.gfile.exists(path):
-        tf.io.gfile.rmtree(path)
 
 
 def _first_names(names, count):

@@ -61,6 +61,7 @@ if __name__ == "__main__":
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from tpu_scale._files import remove_tree  # noqa: E402
 from tpu_scale.data import image_ops  # noqa: E402
 from tpu_scale.data.image_folder import (  # noqa: E402
     IMAGE_EXTENSIONS,
@@ -70,7 +71,6 @@ from tpu_scale.data.output_dir import (  # noqa: E402
     _check_output_dir,
     _make_staging_dir,
     _publish,
-    _remove,
     remove_stale_staging_dirs,
 )
 from tpu_scale.data.schema import LABEL_MAP_FILE, make_example, write_label_map  # noqa: E402
@@ -537,7 +537,7 @@ def write_tfrecords(
         )
         _publish(staging_dir, output_dir, replace)
     except BaseException:
-        _remove(staging_dir)
+        remove_tree(staging_dir)
         raise
     return TFRecordSummary(
         output_dir=output_dir,
