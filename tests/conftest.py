@@ -26,8 +26,8 @@ import tempfile
 import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# The allocator the example sets (see its comment); the worker processes inherit it.
-os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "1")
+# Importing the package selects TensorFlow's CPU allocator; the worker processes inherit it.
+import tpu_scale  # noqa: E402, F401
 
 # Everything the suite writes to a temporary folder, TensorFlow's AutoGraph files and the worker
 # processes' files included, goes to one folder that is removed when the run ends.
@@ -108,7 +108,6 @@ def cpu_devices():
 @pytest.fixture(scope="session")
 def strategy():
     """8 CPU replicas in a 1x8 mesh with TensorFlow's own gradient sum."""
-    import tpu_scale
 
     return tpu_scale.create_strategy(num_cpu_replicas=8, gradient_reduction="native")
 
@@ -116,7 +115,6 @@ def strategy():
 @pytest.fixture(scope="session")
 def strategy_2x4():
     """8 CPU replicas in a 2x4 mesh with TensorFlow's own gradient sum."""
-    import tpu_scale
 
     return tpu_scale.create_strategy(
         num_cpu_replicas=8, mesh_shape=(2, 4), gradient_reduction="native"

@@ -339,8 +339,8 @@ class AverageMovingStatistics(keras.callbacks.Callback):
     (`ModelCheckpoint`, `BackupAndRestore`): Keras calls callbacks in list order.
 
     The cost is one all-reduce of the moving statistics at each of those points (ResNet-50: 53
-    layers, 106 vectors, 0.2 MB; on 8 CPU replicas 15 ms, and 6 s once per model to build the
-    step), none in the training steps. On one replica it does nothing.
+    layers, 106 vectors, 0.2 MB; and building its step once per model), none in the training
+    steps. On one replica it does nothing.
     """
 
     def on_test_begin(self, logs=None):
