@@ -12,12 +12,13 @@ bad_records              skipped records named and counted; `SkippedRecordsLogge
 image_folder             which files of a folder of class folders the writer converts, and which not
 """
 
-import importlib
+from tpu_scale import _lazy
 
 # Each public name and the module that defines it, imported on first use: `python -m
 # tpu_scale.data.write_tfrecords` then reaches its own module before anything imports TensorFlow
 # (so that the command line can quiet TensorFlow's start-up lines), and a module that `-m` runs is
-# not already imported.
+# not already imported. The public name `write_tfrecords` stays the function, though importing the
+# submodule of that name binds the module to it (`_lazy` binds the function after the import).
 _PUBLIC = {
     "ImageNetInput": "tpu_scale.data.input_pipeline",
     "LabelMap": "tpu_scale.data.schema",
@@ -35,19 +36,7 @@ _PUBLIC = {
 }
 _SUBMODULES = ("image_ops", "image_folder", "bad_records")
 
-
-def __getattr__(name):
-    if name in _PUBLIC:
-        value = getattr(importlib.import_module(_PUBLIC[name]), name)
-    elif name in _SUBMODULES:
-        value = importlib.import_module(f"tpu_scale.data.{name}")
-    else:
-        raise AttributeError(f"module 'tpu_scale.data' has no attribute {name!r}")
-    # The public name `write_tfrecords` stays the function, though importing the submodule of that
-    # name binds the module to it.
-    globals()[name] = value
-    return value
-
+__getattr__ = _lazy.attributes(__name__, _PUBLIC, submodules=_SUBMODULES)
 
 __all__ = [
     "ExactEvaluation",
