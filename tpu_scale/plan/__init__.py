@@ -42,6 +42,7 @@ Reference:
   Ying et al., "Image Classification at Supercomputer Scale", 2018 (arXiv:1811.06992), section 3.3.
 """
 
+from tpu_scale import _lazy
 from tpu_scale.plan.catalog import (
     CPU_FIGURES,
     DTYPE_BYTES,
@@ -64,18 +65,15 @@ from tpu_scale.plan.cost import pack_sizes, price_algorithms, price_schedule
 from tpu_scale.plan.report import format_plan, plan
 from tpu_scale.plan.sizing import input_rate, suggest_bn_group
 
-
-def __getattr__(name):
-    # matplotlib and TensorFlow only when the plot or the calibration is asked for.
-    if name in ("plot_scaling", "scaling_series"):
-        from tpu_scale.plan import plot
-
-        return getattr(plot, name)
-    if name == "calibrate":
-        from tpu_scale.plan.calibration import calibrate
-
-        return calibrate
-    raise AttributeError(f"module 'tpu_scale.plan' has no attribute {name!r}")
+# matplotlib and TensorFlow only when the plot or the calibration is asked for.
+__getattr__ = _lazy.attributes(
+    __name__,
+    {
+        "plot_scaling": "tpu_scale.plan.plot",
+        "scaling_series": "tpu_scale.plan.plot",
+        "calibrate": "tpu_scale.plan.calibration",
+    },
+)
 
 
 __all__ = [
