@@ -113,7 +113,7 @@ def records_inputs(
       validation_examples: overrides the validation count.
       **input_kwargs: other `ImageNetInput` arguments, passed to both inputs: `dtype`,
         `deterministic`, `seed`, `crop_area_range`, `random_flip`, `center_crop_fraction`
-        (e.g. `**recipe.input_arguments`), `skip_corrupt`, ...
+        (e.g. `**recipe.input_arguments`), `strict`, `max_bad_fraction`, ...
 
     Returns:
       A `RecordInputs`: `train`, `validation`, `num_classes`, `train_examples`,
