@@ -44,7 +44,6 @@ unfinished.)
 import argparse
 import concurrent.futures
 import dataclasses
-import io
 import math
 import os
 import random
@@ -58,11 +57,9 @@ if __name__ == "__main__":
     # for each image that fails to decode, are noise here (the summary names every skipped file).
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tpu_scale._files import remove_tree  # noqa: E402
-from tpu_scale.data import image_ops  # noqa: E402
 from tpu_scale.data.image_folder import (  # noqa: E402
     IMAGE_EXTENSIONS,
     list_class_folders,
@@ -73,6 +70,14 @@ from tpu_scale.data.output_dir import (  # noqa: E402
     _publish,
     remove_stale_staging_dirs,
 )
+from tpu_scale.data.reencode import (  # noqa: E402
+    CORRUPT_JPEG,
+    UNDECODABLE,
+    UNREADABLE,
+    Skip,
+    as_rgb_jpeg,  # noqa: F401 - part of this module's interface
+    checked_jpeg,
+)
 from tpu_scale.data.schema import LABEL_MAP_FILE, make_example, write_label_map  # noqa: E402
 
 DEFAULT_VALIDATION_FRACTION = 0.1
@@ -80,15 +85,11 @@ DEFAULT_VALIDATION_FRACTION = 0.1
 # and the reader's parallel interleave have files to share.
 EXAMPLES_PER_SHARD = 1024
 _MIN_SHARDS = 8
-_REENCODE_QUALITY = 95
-_EXIF_ORIENTATION = 0x0112
 _MAX_NAMES = 10
 
-# Why a file was skipped (the keys of `TFRecordSummary.skipped`).
-UNDECODABLE = "not a decodable image"
-CORRUPT_JPEG = "truncated or corrupt JPEG"
-UNREADABLE = "unreadable file"
-# ... and those of the folders' listing (`image_folder`: unsupported type, hidden folder, ...).
+# Why a file was skipped (the keys of `TFRecordSummary.skipped`): `reencode.UNDECODABLE`,
+# `CORRUPT_JPEG`, `UNREADABLE`, and those of the folders' listing (`image_folder`: unsupported type,
+# hidden folder, ...).
 
 
 @dataclasses.dataclass
@@ -180,81 +181,6 @@ def _names(names, max_names=_MAX_NAMES):
     return shown + (f" and {len(names) - max_names} more" if len(names) > max_names else "")
 
 
-class _Skip(Exception):
-    def __init__(self, reason):
-        super().__init__(reason)
-        self.reason = reason
-
-
-def as_rgb_jpeg(image_bytes, path=""):
-    """Returns `(jpeg_bytes, height, width, reencoded)`: JPEG bytes the pipeline can decode.
-
-    The image is decoded in full, so a file that is truncated or corrupt anywhere fails here rather
-    than in training.
-
-    Args:
-      image_bytes: the file's bytes (JPEG, PNG, GIF, BMP or WebP).
-      path: the file's path, for error messages.
-
-    Returns:
-      The JPEG bytes (unchanged for grey or RGB JPEGs), the image height and width, and whether it
-      was re-encoded.
-
-    Raises:
-      ValueError: if the bytes are not a decodable image.
-    """
-    try:
-        return _as_rgb_jpeg(image_bytes)
-    except _Skip as skip:
-        raise ValueError(f"{path!r} is not usable: {skip.reason}.") from None
-
-
-def _as_rgb_jpeg(image_bytes):
-    if tf.io.is_jpeg(image_bytes):
-        # The reader's structural check must accept what is stored: a JPEG without its end-of-image
-        # marker is truncated even when libjpeg decodes the part that is there.
-        if not bool(image_ops.is_complete_jpeg(image_bytes)):
-            raise _Skip(CORRUPT_JPEG)
-        try:
-            height, width, channels = tf.image.extract_jpeg_shape(image_bytes).numpy().tolist()
-            # Cameras store the sensor's pixels and a tag saying how to turn them; the decoder
-            # ignores the tag, so such photos are turned here, as a viewer shows them.
-            rotated = _exif_orientation(image_bytes) != 1
-            if channels in (1, 3) and not rotated:
-                tf.io.decode_jpeg(image_bytes, channels=3)
-                return image_bytes, height, width, False
-            tf.io.decode_jpeg(image_bytes, channels=3)  # the whole file decodes
-            image = (
-                _upright(image_bytes) if rotated else tf.io.decode_image(image_bytes, channels=3)
-            )
-        except (tf.errors.InvalidArgumentError, OSError, SyntaxError, ValueError):
-            raise _Skip(CORRUPT_JPEG) from None
-    else:
-        try:
-            image = tf.io.decode_image(image_bytes, channels=3, expand_animations=False)
-        except tf.errors.InvalidArgumentError:
-            raise _Skip(UNDECODABLE) from None
-    jpeg = tf.io.encode_jpeg(image, quality=_REENCODE_QUALITY).numpy()
-    return jpeg, int(image.shape[0]), int(image.shape[1]), True
-
-
-def _exif_orientation(jpeg_bytes):
-    """The EXIF orientation tag (1-8; 1, upright, when there is none) of a JPEG, read with Pillow
-    from the file's header."""
-    from PIL import Image
-
-    with Image.open(io.BytesIO(jpeg_bytes)) as image:
-        return image.getexif().get(_EXIF_ORIENTATION, 1)
-
-
-def _upright(jpeg_bytes):
-    """A JPEG's pixels (RGB) turned as its EXIF orientation says (`ImageOps.exif_transpose`)."""
-    from PIL import Image, ImageOps
-
-    with Image.open(io.BytesIO(jpeg_bytes)) as image:
-        return np.asarray(ImageOps.exif_transpose(image).convert("RGB"))
-
-
 def _validation_count(num_images, fraction):
     # Rounded per class; every class keeps at least one training image, and a class of two or more
     # images gives at least one to validation (10% of a small class would round to none, leaving
@@ -298,9 +224,9 @@ def _write_shard(path, images, class_names, label_offset, progress):
                     with tf.io.gfile.GFile(image_path, "rb") as f:
                         raw = f.read()
                 except (OSError, tf.errors.OpError):
-                    raise _Skip(UNREADABLE) from None
-                jpeg, height, width, was_reencoded = _as_rgb_jpeg(raw)
-            except _Skip as skip:
+                    raise Skip(UNREADABLE) from None
+                jpeg, height, width, was_reencoded = checked_jpeg(raw)
+            except Skip as skip:
                 skipped.setdefault(skip.reason, []).append(image_path)
                 continue
             example = make_example(

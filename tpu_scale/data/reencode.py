@@ -1,0 +1,100 @@
+"""Image files made into the JPEG bytes the writer stores: decoded in full, re-encoded if needed.
+
+The input pipeline's fused decode reads JPEG only, and a file that is truncated or corrupt anywhere
+must fail here rather than in training: every image is decoded in full. JPEGs are kept byte for
+byte; other formats (PNG, GIF, BMP, WebP), CMYK JPEGs and JPEGs whose EXIF orientation tag says
+they are rotated or mirrored (turned upright, as a viewer shows them) are re-encoded as RGB JPEGs.
+"""
+
+import io
+
+import numpy as np
+import tensorflow as tf
+
+from tpu_scale.data import image_ops
+
+# Why a file was skipped (keys of the writer's `TFRecordSummary.skipped`).
+UNDECODABLE = "not a decodable image"
+CORRUPT_JPEG = "truncated or corrupt JPEG"
+UNREADABLE = "unreadable file"
+
+_REENCODE_QUALITY = 95
+_EXIF_ORIENTATION = 0x0112
+
+
+class Skip(Exception):
+    """A file the writer leaves out, with the reason (`UNDECODABLE`, `CORRUPT_JPEG`, ...)."""
+
+    def __init__(self, reason):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def as_rgb_jpeg(image_bytes, path=""):
+    """Returns `(jpeg_bytes, height, width, reencoded)`: JPEG bytes the pipeline can decode.
+
+    The image is decoded in full, so a file that is truncated or corrupt anywhere fails here rather
+    than in training.
+
+    Args:
+      image_bytes: the file's bytes (JPEG, PNG, GIF, BMP or WebP).
+      path: the file's path, for error messages.
+
+    Returns:
+      The JPEG bytes (unchanged for grey or RGB JPEGs), the image height and width, and whether it
+      was re-encoded.
+
+    Raises:
+      ValueError: if the bytes are not a decodable image.
+    """
+    try:
+        return checked_jpeg(image_bytes)
+    except Skip as skip:
+        raise ValueError(f"{path!r} is not usable: {skip.reason}.") from None
+
+
+def checked_jpeg(image_bytes):
+    """`as_rgb_jpeg`, raising `Skip` with the reason for a file that is not usable."""
+    if tf.io.is_jpeg(image_bytes):
+        # The reader's structural check must accept what is stored: a JPEG without its end-of-image
+        # marker is truncated even when libjpeg decodes the part that is there.
+        if not bool(image_ops.is_complete_jpeg(image_bytes)):
+            raise Skip(CORRUPT_JPEG)
+        try:
+            height, width, channels = tf.image.extract_jpeg_shape(image_bytes).numpy().tolist()
+            # Cameras store the sensor's pixels and a tag saying how to turn them; the decoder
+            # ignores the tag, so such photos are turned here, as a viewer shows them.
+            rotated = _exif_orientation(image_bytes) != 1
+            if channels in (1, 3) and not rotated:
+                tf.io.decode_jpeg(image_bytes, channels=3)
+                return image_bytes, height, width, False
+            tf.io.decode_jpeg(image_bytes, channels=3)  # the whole file decodes
+            image = (
+                _upright(image_bytes) if rotated else tf.io.decode_image(image_bytes, channels=3)
+            )
+        except (tf.errors.InvalidArgumentError, OSError, SyntaxError, ValueError):
+            raise Skip(CORRUPT_JPEG) from None
+    else:
+        try:
+            image = tf.io.decode_image(image_bytes, channels=3, expand_animations=False)
+        except tf.errors.InvalidArgumentError:
+            raise Skip(UNDECODABLE) from None
+    jpeg = tf.io.encode_jpeg(image, quality=_REENCODE_QUALITY).numpy()
+    return jpeg, int(image.shape[0]), int(image.shape[1]), True
+
+
+def _exif_orientation(jpeg_bytes):
+    """The EXIF orientation tag (1-8; 1, upright, when there is none) of a JPEG, read with Pillow
+    from the file's header."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(jpeg_bytes)) as image:
+        return image.getexif().get(_EXIF_ORIENTATION, 1)
+
+
+def _upright(jpeg_bytes):
+    """A JPEG's pixels (RGB) turned as its EXIF orientation says (`ImageOps.exif_transpose`)."""
+    from PIL import Image, ImageOps
+
+    with Image.open(io.BytesIO(jpeg_bytes)) as image:
+        return np.asarray(ImageOps.exif_transpose(image).convert("RGB"))
