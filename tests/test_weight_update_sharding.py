@@ -130,3 +130,18 @@ def test_an_optimizer_it_cannot_shard_is_named():
     with pytest.raises(ValueError, match="supports keras.optimizers.SGD") as raised:
         model.fit(x[:32], y[:32], batch_size=BATCH, epochs=1, verbose=0)
     assert "got Adam" in str(raised.value) and "weight_update_sharding=False" in str(raised.value)
+
+
+def test_sharding_composes_with_gradient_accumulation(strategy):
+    def optimizer():
+        return keras.optimizers.SGD(0.1, momentum=0.9, gradient_accumulation_steps=2)
+
+    x, y = _data()
+    keras.utils.set_random_seed(1)
+    sharded = _model(_sharded((1, 8)), optimizer)
+    plain = _model(strategy, optimizer, weights=sharded.get_weights())
+    for model in (sharded, plain):
+        model.fit(x, y, batch_size=BATCH, shuffle=False, epochs=1, verbose=0)
+        assert int(model.optimizer.iterations.numpy()) == STEPS // 2
+    for got, want in zip(sharded.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=3e-4)
