@@ -2,15 +2,17 @@
 optimizer state.
 
 `create_strategy(..., weight_update_sharding=True)` registers the strategy here; `model.fit` then
-runs Keras's `keras.optimizers.SGD` (plain, momentum or Nesterov) this way, with no change to the
-model or the optimizer:
+runs Keras's `keras.optimizers.SGD` (plain, momentum or Nesterov) and the package's
+`tpu_scale.optimizers.LARS` this way, with no change to the model or the optimizer:
 
 1. every replica's local gradients are fused into one flat buffer (in the order of the optimizer's
    variables, padded to a multiple of N);
 2. reduce-scatter: replica `i` sums the `i`-th 1/N of every replica's buffer, on its own device;
-3. replica `i` applies SGD's update to its 1/N of the fused weights, with its 1/N of the momentum
+3. replica `i` applies the update to its 1/N of the fused weights, with its 1/N of the momentum
    (one `sharded_momentum` variable of `ceil(parameters / N)` floats per replica, instead of a
-   momentum the size of the model on every replica);
+   momentum the size of the model on every replica). LARS's per-variable trust ratios take each
+   variable's weight and gradient norms as the sum of the shards' parts (every replica adds the
+   N small vectors of per-variable squared norms); its batch-norm and bias exclusions hold;
 4. all-gather: every replica concatenates the N updated pieces and writes its copy of the weights.
 
 All replicas share the host's memory, so steps 2 and 4 are plain ops in the step graph, as the
@@ -23,9 +25,9 @@ Checkpoints hold the full state in Keras's own layout (one momentum per variable
 the replicas), so a backup, `final.keras` and `keras.models.load_model` are the same as without
 sharding, and a run resumes on any replica count, sharded or not.
 
-Scope: one host (`MirroredStrategy` of `create_strategy`), `keras.optimizers.SGD`, every trainable
-variable of one floating dtype with a gradient at each step. Anything else is a clear error; the
-package's LARS, Adam/AdamW and several hosts are not sharded yet.
+Scope: one host (`MirroredStrategy` of `create_strategy`), `keras.optimizers.SGD` and
+`tpu_scale.optimizers.LARS`, every trainable variable of one floating dtype with a gradient at each
+step. Anything else is a clear error; Adam/AdamW, several hosts and TPUs are not sharded yet.
 
 Reference:
   Ying et al., "Image Classification at Supercomputer Scale", 2018 (arXiv:1811.06992), section 3.2
