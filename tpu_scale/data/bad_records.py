@@ -8,6 +8,11 @@ an error naming the first bad records and the fix, when the bad records are more
 `max_bad_fraction` of the records read and at least `MIN_BAD_RECORDS_TO_STOP` (so that one broken
 file in a small dataset does not stop it), or at the first one in strict mode.
 
+The pipeline's stage that does it is here too: `record_faults` classifies a batch of parsed records
+(`explanations` says what each fault means and how to fix it), and `decode_skipping_bad` parses,
+checks, decodes and batches the records, naming and counting those it drops, the decoder's rejects
+included.
+
 `SkippedRecordsLogger` is a Keras callback that logs the counts at the end of every epoch.
 """
 
@@ -15,8 +20,10 @@ import logging
 import threading
 
 import keras
+import tensorflow as tf
 
-from tpu_scale.data import sources
+from tpu_scale.data import image_ops, sources
+from tpu_scale.data.schema import LABEL_MAP_FILE
 
 logger = logging.getLogger("tpu_scale")
 
@@ -24,6 +31,12 @@ logger = logging.getLogger("tpu_scale")
 MIN_BAD_RECORDS_TO_STOP = 10
 # Bad records an error message names.
 _NAMES_IN_ERROR = 5
+# The sequence number of the marker that ends an evaluation pass (after every record's).
+END_SEQUENCE = 2**62
+# Records handed to the decode at once per thread of the pool (see `decode_skipping_bad`).
+DECODES_IN_FLIGHT = 4
+# Records parsed and checked per call (about 14 MB of ImageNet JPEGs per batch in flight).
+PARSE_BATCH = 128
 
 
 class BadRecordLog:
@@ -110,6 +123,238 @@ class BadRecordLog:
             "(tpu_scale.data.write_tfrecords decodes every image and leaves out those it cannot), "
             "check the file pattern, or raise max_bad_fraction to train on the rest."
         )
+
+
+def explanations(label_map, image_key, label_key, label_offset, num_classes):
+    """What each fault code means and how to fix it (a dict by code), for `BadRecordLog`.
+
+    Args:
+      label_map: the `LabelMap` next to the files, or None.
+      image_key: the feature holding the image.
+      label_key: the feature holding the label.
+      label_offset: subtracted from every stored label.
+      num_classes: the labels' bound after `label_offset` (None: unchecked).
+    """
+    if label_map is not None:
+        where = f"the label map {label_map.path} says {label_map.num_classes} classes"
+    else:
+        where = f"no {LABEL_MAP_FILE} is next to the files"
+    return {
+        sources.OK: "",
+        sources.TRUNCATED_FILE: "is where the file stops being readable: it is truncated or "
+        "corrupted (its records do not add up to its size, or to its count in "
+        f"{LABEL_MAP_FILE}). Copy or write the file again.",
+        sources.NOT_AN_EXAMPLE: "is not a serialized tf.train.Example. Check that the file "
+        "pattern names TFRecord files of Examples only.",
+        sources.MISSING_FEATURE: "lacks the image or the label feature (image_key="
+        f"{image_key!r}, label_key={label_key!r}).",
+        sources.NOT_AN_IMAGE: "is not a complete JPEG, PNG, GIF, BMP or WebP file (another "
+        "format, empty or truncated). Re-encode it (tpu_scale.data.write_tfrecords decodes "
+        "every image and re-encodes those that need it).",
+        sources.NEGATIVE_LABEL: "has a negative label after subtracting label_offset="
+        f"{label_offset}: use label_offset=0 for 0-based labels ({where}).",
+        sources.LABEL_TOO_LARGE: f"has a label >= num_classes={num_classes} after "
+        f"subtracting label_offset={label_offset} ({where}). Check num_classes and "
+        "label_offset.",
+        sources.UNDECODABLE: "holds an image the decoder rejects (e.g. a JPEG whose frame "
+        "header says height 0, or whose Huffman tables are broken). Re-encode it from a good "
+        "copy (tpu_scale.data.write_tfrecords decodes every image and leaves out those it "
+        "cannot).",
+        sources.WRONG_FEATURE_TYPE: f"has the image feature {image_key!r} or the "
+        f"label feature {label_key!r} with another type than bytes and int64.",
+    }
+
+
+def record_faults(image_bytes, stored_label, fault, label_offset, num_classes):
+    """The records' fault codes (`sources.OK` for a good one) and their labels after
+    `label_offset`.
+
+    The source's fault (truncated file, not an Example, missing feature) comes first, then the
+    image's structure, then the label's range. Computed with a few vector ops per batch and no
+    assertion.
+
+    Args:
+      image_bytes: the records' image bytes (a vector).
+      stored_label: their labels as stored (int64).
+      fault: the source's fault code of each record.
+      label_offset: subtracted from every stored label.
+      num_classes: labels at or above it are faults (None: unchecked).
+
+    Returns:
+      `(fault, label)`: int vectors, the labels as int32.
+    """
+    label = stored_label - label_offset
+    label_fault = tf.where(label < 0, sources.NEGATIVE_LABEL, sources.OK)
+    if num_classes is not None:
+        label_fault = tf.where(label >= num_classes, sources.LABEL_TOO_LARGE, label_fault)
+    image_fault = tf.where(
+        image_ops.is_decodable_image(image_bytes), label_fault, sources.NOT_AN_IMAGE
+    )
+    return tf.where(tf.equal(fault, sources.OK), image_fault, fault), tf.cast(label, tf.int32)
+
+
+def decode_skipping_bad(
+    records,
+    log,
+    *,
+    parse,
+    label_offset,
+    num_classes,
+    make_crop_seeds,
+    decode_example,
+    records_read,
+    is_training,
+    seed,
+    batch_size,
+    threads,
+    image_size,
+    dtype,
+):
+    """Parses, checks, decodes and batches the records, skipping, naming and counting bad ones.
+
+    Parsing and the record checks run on batches of `PARSE_BATCH` records (one function call,
+    one parser call per batch instead of per record); the bad records of a batch are reported
+    to `log` (one `tf.py_function` call for a batch that holds any) and dropped, and
+    each good one gets a sequence number and its name in a table. Then the records go one by
+    one to the decode, whose errors (an image the decoder rejects) drop the record
+    (`ignore_errors`): per batch of examples, the sequence numbers that came out are taken off
+    the table, and those left behind by a later record are the decoder's rejects, reported by
+    name as soon as the next record comes out. An evaluation pass ends with a marker that
+    reports the last ones. Whether the run must stop is checked once per batch.
+
+    The records come out of the parse and of the decode in order (whatever `deterministic`
+    says), so that a number left behind is a reject and not a record still being decoded. The
+    order costs no CPU time, and the decode keeps every thread busy while one slow image holds
+    the head: it takes `DECODES_IN_FLIGHT` records per thread of the pool at once, which wait
+    in the pool's queue, and their results in order behind the slow one.
+
+    Args:
+      records: the source's records (serialized, as `parse` takes them).
+      log: the `BadRecordLog` that names and counts the bad records.
+      parse: the source's `parse`: a batch of records -> `(origin, index, image_bytes,
+        stored_label, fault)`.
+      label_offset: subtracted from the stored labels.
+      num_classes: labels must lie below it (None: unchecked).
+      make_crop_seeds: `(size, draw)` -> the crop seeds of a batch of `size` records.
+      decode_example: `(image_bytes, label, crop_seed)` -> `(image, label)`.
+      records_read: the int64 variable counting the records read.
+      is_training: drop the last partial batch (evaluation keeps it, and ends with a marker that
+        reports the decoder's last rejects).
+      seed: the seed of the per-batch crop seed draws (training).
+      batch_size: examples per batch.
+      threads: the threads of the pipeline's pool.
+      image_size: the images' height and width.
+      dtype: the images' dtype.
+
+    Returns:
+      A dataset of `(images, labels)` batches.
+    """
+    with tf.init_scope():
+        names = tf.lookup.experimental.MutableHashTable(tf.int64, tf.string, "")
+        # The message that stops the run, once `log` gives one (key 0).
+        stop = tf.lookup.experimental.MutableHashTable(tf.int64, tf.string, "")
+
+    def report(record_names, codes):
+        message = tf.py_function(
+            log.report,
+            [record_names, codes, records_read.read_value()],
+            tf.string,
+        )
+        return stop.insert(tf.constant([0], tf.int64), tf.reshape(message, [1]))
+
+    def parse_and_screen(number, records, draw=None):
+        origin, index, image_bytes, stored_label, fault = parse(records)
+        size = tf.size(index)
+        counted = records_read.assign_add(tf.cast(size, tf.int64))
+        sequence = number * PARSE_BATCH + tf.range(size, dtype=tf.int64)
+        record_names = tf.strings.join(["record ", tf.strings.as_string(index), " of ", origin])
+        # Every record is in the table from here on: one that goes missing is still named.
+        listed = names.insert(sequence, record_names)
+        with tf.control_dependencies([listed]):
+            fault, labels = record_faults(
+                image_bytes, stored_label, fault, label_offset, num_classes
+            )
+        crop_seeds = make_crop_seeds(size, draw)
+        bad = tf.not_equal(fault, sources.OK)
+        parts = (image_bytes, labels, crop_seeds, sequence)
+
+        def drop_bad():
+            with tf.control_dependencies([counted]):
+                reported = report(tf.boolean_mask(record_names, bad), tf.boolean_mask(fault, bad))
+            with tf.control_dependencies([reported]):
+                unlisted = names.remove(tf.boolean_mask(sequence, bad))
+            with tf.control_dependencies([unlisted]):
+                good = tf.logical_not(bad)
+                return tuple(tf.boolean_mask(part, good) for part in parts)
+
+        # Only a batch that holds a bad record is masked: masking copies every record.
+        image_bytes, labels, crop_seeds, sequence = tf.cond(
+            tf.reduce_any(bad), drop_bad, lambda: parts
+        )
+        with tf.control_dependencies([counted, listed]):
+            return tf.identity(image_bytes), labels, crop_seeds, sequence
+
+    data = records.batch(PARSE_BATCH).enumerate()
+    if is_training:
+        data = tf.data.Dataset.zip((data, tf.data.Dataset.random(seed=seed)))
+        data = data.map(
+            lambda numbered, draw: parse_and_screen(*numbered, draw),
+            num_parallel_calls=tf.data.AUTOTUNE,
+            deterministic=True,
+        )
+    else:
+        data = data.map(parse_and_screen, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    data = data.unbatch()
+
+    def decode(image_bytes, label, crop_seed, sequence):
+        return (*decode_example(image_bytes, label, crop_seed), sequence)
+
+    # Decodes on every thread of the pipeline's pool: autotuning is off (the input pipeline's
+    # options), and AUTOTUNE would then stay at its start value, at most 16 however many cores a
+    # host has. The errors ignored after it are those of the decode alone: the stages before it
+    # never fail (the reader stops at a broken file, the parser is guarded, see `sources`).
+    examples = data.map(
+        decode, num_parallel_calls=DECODES_IN_FLIGHT * threads, deterministic=True
+    ).ignore_errors()
+    if not is_training:
+        blank = tf.zeros([image_size, image_size, 3], dtype)
+        end = (blank, tf.constant(-1, tf.int32), tf.constant(END_SEQUENCE, tf.int64))
+        examples = examples.concatenate(tf.data.Dataset.from_tensors(end))
+    examples = examples.batch(
+        batch_size,
+        # Training shapes must be static for the accelerator; evaluation keeps every example.
+        drop_remainder=is_training,
+    )
+
+    def account(images, labels, sequence):
+        taken = names.remove(sequence)
+        with tf.control_dependencies([taken]):
+            waiting, waiting_names = names.export()
+        waiting, waiting_names = tf.reshape(waiting, [-1]), tf.reshape(waiting_names, [-1])
+        lost = waiting < tf.reduce_max(sequence)
+
+        def report_lost():
+            lost_names = tf.boolean_mask(waiting_names, lost)
+            codes = tf.fill(tf.shape(lost_names), sources.UNDECODABLE)
+            with tf.control_dependencies([report(lost_names, codes)]):
+                with tf.control_dependencies([names.remove(tf.boolean_mask(waiting, lost))]):
+                    return tf.constant(True)
+
+        reported = tf.cond(tf.reduce_any(lost), report_lost, lambda: tf.constant(False))
+        with tf.control_dependencies([reported]):
+            message = stop.lookup(tf.constant([0], tf.int64))[0]
+        check = tf.debugging.Assert(tf.equal(message, ""), [message])
+        with tf.control_dependencies([check]):
+            if is_training:
+                return tf.identity(images), tf.identity(labels)
+            # Only the last batch holds the end marker (as its last row).
+            count = tf.reduce_sum(tf.cast(tf.not_equal(sequence, END_SEQUENCE), tf.int32))
+            return images[:count], labels[:count]
+
+    examples = examples.map(account)
+    if not is_training:
+        examples = examples.filter(lambda images, labels: tf.size(labels) > 0)
+    return examples
 
 
 class SkippedRecordsLogger(keras.callbacks.Callback):

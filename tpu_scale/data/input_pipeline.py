@@ -30,8 +30,14 @@ from typing import Any
 import tensorflow as tf
 
 from tpu_scale.data import image_ops, sources
-from tpu_scale.data.bad_records import BadRecordLog
-from tpu_scale.data.schema import IMAGE_KEY, LABEL_KEY, LABEL_MAP_FILE, read_label_map
+from tpu_scale.data.bad_records import (
+    PARSE_BATCH,
+    BadRecordLog,
+    decode_skipping_bad,
+    explanations,
+    record_faults,
+)
+from tpu_scale.data.schema import IMAGE_KEY, LABEL_KEY, read_label_map
 from tpu_scale.data.sources import (
     Shard,
     TFDSSource,
@@ -234,9 +240,14 @@ class ImageNetInput:
         self.label_offset, self.num_classes = _resolve_labels(
             self.label_map, label_offset, num_classes
         )
-        self.bad_records = BadRecordLog(
-            self._explanations(), strict=strict, max_bad_fraction=max_bad_fraction
+        meanings = explanations(
+            self.label_map,
+            self.source.image_key,
+            self.source.label_key,
+            self.label_offset,
+            self.num_classes,
         )
+        self.bad_records = BadRecordLog(meanings, strict=strict, max_bad_fraction=max_bad_fraction)
         with tf.init_scope():
             self._records_read = tf.Variable(
                 tf.constant(0, tf.int64), trainable=False, name="records_read"
@@ -362,7 +373,22 @@ class ImageNetInput:
                 batch_size, drop_remainder=self.is_training
             )
         else:
-            examples = self._decode_skipping_bad(records, seed, batch_size)
+            examples = decode_skipping_bad(
+                records,
+                self.bad_records,
+                parse=self.source.parse,
+                label_offset=self.label_offset,
+                num_classes=self.num_classes,
+                make_crop_seeds=self._crop_seeds,
+                decode_example=self._decode_example,
+                records_read=self._records_read,
+                is_training=self.is_training,
+                seed=seed,
+                batch_size=batch_size,
+                threads=self._threads,
+                image_size=self.image_size,
+                dtype=self.dtype,
+            )
         if self.pad_last_batch:
             examples = examples.map(lambda images, labels: _pad_batch(images, labels, batch_size))
         options = _pipeline_options(deterministic=deterministic, threadpool_size=self._threads)
@@ -376,132 +402,6 @@ class ImageNetInput:
                 )
             )
         return examples.prefetch(AUTOTUNE)
-
-    def _decode_skipping_bad(self, records, seed, batch_size):
-        """Parses, checks, decodes and batches the records, skipping, naming and counting bad ones.
-
-        Parsing and the record checks run on batches of `_PARSE_BATCH` records (one function call,
-        one parser call per batch instead of per record); the bad records of a batch are reported
-        to `bad_records` (one `tf.py_function` call for a batch that holds any) and dropped, and
-        each good one gets a sequence number and its name in a table. Then the records go one by
-        one to the decode, whose errors (an image the decoder rejects) drop the record
-        (`ignore_errors`): per batch of examples, the sequence numbers that came out are taken off
-        the table, and those left behind by a later record are the decoder's rejects, reported by
-        name as soon as the next record comes out. An evaluation pass ends with a marker that
-        reports the last ones. Whether the run must stop is checked once per batch.
-
-        The records come out of the parse and of the decode in order (whatever `deterministic`
-        says), so that a number left behind is a reject and not a record still being decoded. The
-        order costs no CPU time, and the decode keeps every thread busy while one slow image holds
-        the head: it takes `_DECODES_IN_FLIGHT` records per thread of the pool at once, which wait
-        in the pool's queue, and their results in order behind the slow one.
-        """
-        with tf.init_scope():
-            names = tf.lookup.experimental.MutableHashTable(tf.int64, tf.string, "")
-            # The message that stops the run, once `bad_records` gives one (key 0).
-            stop = tf.lookup.experimental.MutableHashTable(tf.int64, tf.string, "")
-
-        def report(record_names, codes):
-            message = tf.py_function(
-                self.bad_records.report,
-                [record_names, codes, self._records_read.read_value()],
-                tf.string,
-            )
-            return stop.insert(tf.constant([0], tf.int64), tf.reshape(message, [1]))
-
-        def parse_and_screen(number, records, draw=None):
-            origin, index, image_bytes, stored_label, fault = self.source.parse(records)
-            size = tf.size(index)
-            counted = self._records_read.assign_add(tf.cast(size, tf.int64))
-            sequence = number * _PARSE_BATCH + tf.range(size, dtype=tf.int64)
-            record_names = tf.strings.join(["record ", tf.strings.as_string(index), " of ", origin])
-            # Every record is in the table from here on: one that goes missing is still named.
-            listed = names.insert(sequence, record_names)
-            with tf.control_dependencies([listed]):
-                fault, labels = self._fault(origin, index, image_bytes, stored_label, fault)
-            crop_seeds = self._crop_seeds(size, draw)
-            bad = tf.not_equal(fault, sources.OK)
-            parts = (image_bytes, labels, crop_seeds, sequence)
-
-            def drop_bad():
-                with tf.control_dependencies([counted]):
-                    reported = report(
-                        tf.boolean_mask(record_names, bad), tf.boolean_mask(fault, bad)
-                    )
-                with tf.control_dependencies([reported]):
-                    unlisted = names.remove(tf.boolean_mask(sequence, bad))
-                with tf.control_dependencies([unlisted]):
-                    good = tf.logical_not(bad)
-                    return tuple(tf.boolean_mask(part, good) for part in parts)
-
-            # Only a batch that holds a bad record is masked: masking copies every record.
-            image_bytes, labels, crop_seeds, sequence = tf.cond(
-                tf.reduce_any(bad), drop_bad, lambda: parts
-            )
-            with tf.control_dependencies([counted, listed]):
-                return tf.identity(image_bytes), labels, crop_seeds, sequence
-
-        data = records.batch(_PARSE_BATCH).enumerate()
-        if self.is_training:
-            data = tf.data.Dataset.zip((data, tf.data.Dataset.random(seed=seed)))
-            data = data.map(
-                lambda numbered, draw: parse_and_screen(*numbered, draw),
-                num_parallel_calls=AUTOTUNE,
-                deterministic=True,
-            )
-        else:
-            data = data.map(parse_and_screen, num_parallel_calls=AUTOTUNE, deterministic=True)
-        data = data.unbatch()
-
-        def decode(image_bytes, label, crop_seed, sequence):
-            return (*self._decode_example(image_bytes, label, crop_seed), sequence)
-
-        # Decodes on every thread of the pipeline's pool: autotuning is off (`_pipeline_options`),
-        # and AUTOTUNE would then stay at its start value, at most 16 however many cores a host has.
-        # The errors ignored after it are those of the decode alone: the stages before it never
-        # fail (the reader stops at a broken file, the parser is guarded, see `sources`).
-        examples = data.map(
-            decode, num_parallel_calls=_DECODES_IN_FLIGHT * self._threads, deterministic=True
-        ).ignore_errors()
-        if not self.is_training:
-            blank = tf.zeros([self.image_size, self.image_size, 3], self.dtype)
-            end = (blank, tf.constant(-1, tf.int32), tf.constant(_END_SEQUENCE, tf.int64))
-            examples = examples.concatenate(tf.data.Dataset.from_tensors(end))
-        examples = examples.batch(
-            batch_size,
-            # Training shapes must be static for the accelerator; evaluation keeps every example.
-            drop_remainder=self.is_training,
-        )
-
-        def account(images, labels, sequence):
-            taken = names.remove(sequence)
-            with tf.control_dependencies([taken]):
-                waiting, waiting_names = names.export()
-            waiting, waiting_names = tf.reshape(waiting, [-1]), tf.reshape(waiting_names, [-1])
-            lost = waiting < tf.reduce_max(sequence)
-
-            def report_lost():
-                lost_names = tf.boolean_mask(waiting_names, lost)
-                codes = tf.fill(tf.shape(lost_names), sources.UNDECODABLE)
-                with tf.control_dependencies([report(lost_names, codes)]):
-                    with tf.control_dependencies([names.remove(tf.boolean_mask(waiting, lost))]):
-                        return tf.constant(True)
-
-            reported = tf.cond(tf.reduce_any(lost), report_lost, lambda: tf.constant(False))
-            with tf.control_dependencies([reported]):
-                message = stop.lookup(tf.constant([0], tf.int64))[0]
-            check = tf.debugging.Assert(tf.equal(message, ""), [message])
-            with tf.control_dependencies([check]):
-                if self.is_training:
-                    return tf.identity(images), tf.identity(labels)
-                # Only the last batch holds the end marker (as its last row).
-                count = tf.reduce_sum(tf.cast(tf.not_equal(sequence, _END_SEQUENCE), tf.int32))
-                return images[:count], labels[:count]
-
-        examples = examples.map(account)
-        if not self.is_training:
-            examples = examples.filter(lambda images, labels: tf.size(labels) > 0)
-        return examples
 
     def _crop_seeds(self, size, draw):
         """The crop seeds of a batch of `size` records: from one random value `draw` (training),
@@ -518,12 +418,12 @@ class ImageNetInput:
         """Parses, checks and decodes every record, failing at the first bad one with its name.
 
         The path of the tf.data service, whose workers cannot report skipped records to this
-        process. Parsing and the record checks run on batches of `_PARSE_BATCH` records with one
+        process. Parsing and the record checks run on batches of `PARSE_BATCH` records with one
         assertion per batch; then the records go one by one to the decode, which is fused with the
         batching that follows (map_and_batch_fusion). An image that passes the checks but that the
         decoder rejects stops the run with the decoder's message.
         """
-        data = records.batch(_PARSE_BATCH)
+        data = records.batch(PARSE_BATCH)
         if self.is_training:
             data = tf.data.Dataset.zip((data, tf.data.Dataset.random(seed=seed)))
             data = data.map(self._parse_and_check, num_parallel_calls=AUTOTUNE)
@@ -548,23 +448,6 @@ class ImageNetInput:
         image_bytes, labels = self._checked(*self.source.parse(records))
         return image_bytes, labels, self._crop_seeds(tf.size(labels), draw)
 
-    def _fault(self, origin, index, image_bytes, stored_label, fault):
-        """The record's fault code (`sources.OK` when it is good) and its label after
-        `label_offset`.
-
-        The source's fault (truncated file, not an Example, missing feature) comes first, then the
-        image's structure, then the label's range. Computed with a few vector ops per batch and no
-        assertion.
-        """
-        label = stored_label - self.label_offset
-        label_fault = tf.where(label < 0, sources.NEGATIVE_LABEL, sources.OK)
-        if self.num_classes is not None:
-            label_fault = tf.where(label >= self.num_classes, sources.LABEL_TOO_LARGE, label_fault)
-        image_fault = tf.where(
-            image_ops.is_decodable_image(image_bytes), label_fault, sources.NOT_AN_IMAGE
-        )
-        return tf.where(tf.equal(fault, sources.OK), image_fault, fault), tf.cast(label, tf.int32)
-
     def _checked(self, origin, index, image_bytes, stored_label, fault):
         """Fails, naming the file, the record and the fix, on any fault of a batch of records;
         returns their image bytes and labels.
@@ -572,12 +455,14 @@ class ImageNetInput:
         One assertion for all checks of the batch, naming its first bad record, placed before the
         decoder so that a broken record fails here, with its name, rather than inside libjpeg.
         """
-        fault, label = self._fault(origin, index, image_bytes, stored_label, fault)
+        fault, label = record_faults(
+            image_bytes, stored_label, fault, self.label_offset, self.num_classes
+        )
         bad = tf.not_equal(fault, sources.OK)
         first = tf.argmax(tf.cast(bad, tf.int32), output_type=tf.int32)
-        explanations = self._explanations()
+        meanings = self.bad_records.explanations
         problem = tf.gather(
-            tf.constant([explanations[code] for code in range(len(sources.FAULT_NAMES))]),
+            tf.constant([meanings[code] for code in range(len(sources.FAULT_NAMES))]),
             fault[first],
         )
         check = tf.debugging.Assert(
@@ -594,37 +479,6 @@ class ImageNetInput:
         )
         with tf.control_dependencies([check]):
             return tf.identity(image_bytes), label
-
-    def _explanations(self):
-        """What each fault code means and how to fix it (a dict by code)."""
-        if self.label_map is not None:
-            where = f"the label map {self.label_map.path} says {self.label_map.num_classes} classes"
-        else:
-            where = f"no {LABEL_MAP_FILE} is next to the files"
-        return {
-            sources.OK: "",
-            sources.TRUNCATED_FILE: "is where the file stops being readable: it is truncated or "
-            "corrupted (its records do not add up to its size, or to its count in "
-            f"{LABEL_MAP_FILE}). Copy or write the file again.",
-            sources.NOT_AN_EXAMPLE: "is not a serialized tf.train.Example. Check that the file "
-            "pattern names TFRecord files of Examples only.",
-            sources.MISSING_FEATURE: "lacks the image or the label feature (image_key="
-            f"{self.source.image_key!r}, label_key={self.source.label_key!r}).",
-            sources.NOT_AN_IMAGE: "is not a complete JPEG, PNG, GIF, BMP or WebP file (another "
-            "format, empty or truncated). Re-encode it (tpu_scale.data.write_tfrecords decodes "
-            "every image and re-encodes those that need it).",
-            sources.NEGATIVE_LABEL: "has a negative label after subtracting label_offset="
-            f"{self.label_offset}: use label_offset=0 for 0-based labels ({where}).",
-            sources.LABEL_TOO_LARGE: f"has a label >= num_classes={self.num_classes} after "
-            f"subtracting label_offset={self.label_offset} ({where}). Check num_classes and "
-            "label_offset.",
-            sources.UNDECODABLE: "holds an image the decoder rejects (e.g. a JPEG whose frame "
-            "header says height 0, or whose Huffman tables are broken). Re-encode it from a good "
-            "copy (tpu_scale.data.write_tfrecords decodes every image and leaves out those it "
-            "cannot).",
-            sources.WRONG_FEATURE_TYPE: f"has the image feature {self.source.image_key!r} or the "
-            f"label feature {self.source.label_key!r} with another type than bytes and int64.",
-        }
 
     def _decode_example(self, image_bytes, label, crop_seed):
         # uint8 comes straight from the decode functions (rounded before the flip); the other
@@ -653,14 +507,6 @@ class ImageNetInput:
         if self.dtype == tf.uint8:
             return image, label
         return image_ops.normalize_image(image, self.dtype), label
-
-
-# The sequence number of the marker that ends an evaluation pass (after every record's).
-_END_SEQUENCE = 2**62
-# Records handed to the decode at once per thread of the pool (see `_decode_skipping_bad`).
-_DECODES_IN_FLIGHT = 4
-# Records parsed and checked per call (about 14 MB of ImageNet JPEGs per batch in flight).
-_PARSE_BATCH = 128
 
 
 def _pad_batch(images, labels, batch_size):
