@@ -87,6 +87,10 @@ class TrainConfig:
     global_batch_size: int = flag(128, "Examples per step over all replicas.")
     epochs: int = flag(6, "Training epochs.")
     bn_group_size: Optional[int] = flag(None, "Replicas per BN group. Default: span 64 examples.")
+    gradient_accumulation_steps: int = flag(1, "Micro-batches per update (effective batch x k).")
+    weight_update_sharding: bool = flag(
+        False, "Each replica updates 1/N of the weights (SGD, LARS)."
+    )
     gradient_reduction: str = flag("torus", "torus (2-D torus sum) or native (TensorFlow's).")
     mixed_precision: str = flag("float32", "float32, bfloat16 (TPU, CPU) or float16 (GPU).")
     input_dtype: str = flag("float", "float (host normalizes) or uint8 (the model normalizes).")
@@ -113,6 +117,7 @@ class TrainConfig:
 TRAINING_SETTINGS = (
     "data_dir tfds_name model image_size num_classes global_batch_size mixed_precision "
     "input_dtype num_cpu_replicas mesh_shape bn_group_size optimizer augmentation "
+    "gradient_accumulation_steps weight_update_sharding "
     "peak_learning_rate warmup_epochs weight_decay label_smoothing"
 ).split()
 FEW_STEPS = 300  # fewer optimizer steps in a whole run earn a hint to train longer
@@ -138,6 +143,11 @@ def check_flags(config):
     replicas = 1 if config.num_cpu_replicas is None else config.num_cpu_replicas
     if min(config.epochs, config.global_batch_size, replicas) < 1:
         raise ValueError("--epochs, --global_batch_size and --num_cpu_replicas must be at least 1.")
+    if config.gradient_accumulation_steps < 1:
+        raise ValueError(
+            f"--gradient_accumulation_steps={config.gradient_accumulation_steps}: give 1 (no "
+            "accumulation) or more micro-batches per update."
+        )
 
 
 def mesh_shape(text, replicas):
@@ -170,6 +180,7 @@ def train(config, extra_callbacks=()):
         num_cpu_replicas=config.num_cpu_replicas,
         mesh_shape=mesh_shape(config.mesh_shape, config.num_cpu_replicas) if one_host_cpu else None,
         gradient_reduction=config.gradient_reduction,
+        weight_update_sharding=config.weight_update_sharding,
     )
     replicas = strategy.num_replicas_in_sync
     import keras
@@ -228,10 +239,12 @@ def train(config, extra_callbacks=()):
             )
 
         # ---- recipe: optimizer, schedule, augmentation for this batch and dataset
+        # With gradient accumulation the recipe is the effective batch's, over optimizer steps.
+        accumulate = config.gradient_accumulation_steps
         recipe = schedules.recipe_for_batch(
-            config.global_batch_size,
+            config.global_batch_size * accumulate,
             config.epochs,
-            steps_per_epoch=steps,
+            steps_per_epoch=max(1, steps // accumulate),
             train_examples=inputs.train_examples,
             image_size=config.image_size,
             num_classes=inputs.num_classes,
@@ -257,7 +270,12 @@ def train(config, extra_callbacks=()):
                 **(shape or dict(image_size=size)),
             )
             model.compile(
-                optimizer=recipe.build_optimizer(steps, config.epochs),
+                # The schedule counts fit steps (micro-batches), as Keras's accumulation does.
+                optimizer=recipe.build_optimizer(
+                    steps,
+                    config.epochs,
+                    gradient_accumulation_steps=accumulate if accumulate > 1 else None,
+                ),
                 loss=losses.SmoothedSparseCategoricalCrossentropy(
                     recipe.label_smoothing, from_logits=True
                 ),
@@ -288,7 +306,8 @@ def train(config, extra_callbacks=()):
         mesh = "x".join(map(str, strategy.mesh.shape))
         logging.info(
             f"Training {config.epochs} epochs x {steps} steps of {config.global_batch_size} "
-            f"images on {replicas} replicas (mesh {mesh}); model_dir {config.model_dir or 'none'}"
+            f"images (effective batch {config.global_batch_size * accumulate}) on {replicas} "
+            f"replicas (mesh {mesh}); model_dir {config.model_dir or 'none'}"
         )
         show_bar = sys.stdout.isatty() if config.progress is None else config.progress
         with checkpointing.peer_failures_explained(strategy):

@@ -70,6 +70,20 @@ def test_a_run_resumes_names_what_changed_and_reports(tmp_path, caplog):
     assert again["finished_before"] and again["top_1"] == summary["top_1"]
 
 
+def test_accumulating_gradients_resumes_after_a_kill_and_counts_updates(tmp_path, caplog):
+    model_dir = str(tmp_path / "run")
+    config = tiny_config(epochs=2, model_dir=model_dir, gradient_accumulation_steps=2)
+    with pytest.raises(KeyboardInterrupt):
+        train_imagenet.train(config, extra_callbacks=[Interrupt(after_epochs=1)])
+    with caplog.at_level("INFO"):
+        summary = train_imagenet.train(config)
+    assert "Resuming from the backup after epoch 1 of 2" in caplog.text
+    assert "8 steps of 64 images (effective batch 128)" in caplog.text
+    # 512 examples at 64 a step: 8 fit steps an epoch, 4 updates; 2 epochs are 8 updates.
+    assert int(summary["model"].optimizer.iterations.numpy()) == 8
+    assert summary["top_1"] > 0.2  # 10 learnable classes, chance 0.1
+
+
 def test_uint8_input_and_one_step_epochs_learn_and_report_a_rate(tmp_path):
     # A training set smaller than the global batch: one step per epoch.
     summary = train_imagenet.train(
