@@ -23,7 +23,7 @@ the backup it resumes from, final.keras (read it with `tpu_scale.models.load_mod
 settings.json. The same command after an interruption resumes from the last finished epoch (a
 resumed run names every setting that changed); a SIGTERM makes every worker save and exit with
 code 143; on a finished run it says so and stops, and a larger --epochs continues it. Without
---model_dir everything goes to a temporary folder, removed at the end.
+--model_dir nothing is kept: no backup, checkpoint or log is written.
 
 A Cloud TPU with ImageNet in the classic layout (train-* and validation-* files): the paper's
 v3-1024 configuration, batch 32768 = 16 per core, LARS, BN groups of 4 cores = span 64 (the
@@ -293,9 +293,12 @@ def train(config, extra_callbacks=()):
         )
         logger = training.EpochLogger(config.global_batch_size, replicas, config.epochs)
         skipped = data.SkippedRecordsLogger(inputs.train, inputs.validation)  # bad records
-        run_callbacks = training.run_callbacks(
-            model_dir, strategy, keep_checkpoints=config.keep_checkpoints, loss_guard=guard
-        )
+        if config.model_dir:
+            run_callbacks = training.run_callbacks(
+                model_dir, strategy, keep_checkpoints=config.keep_checkpoints, loss_guard=guard
+            )
+        else:  # nothing is kept, so no backup, checkpoint or log is written each epoch
+            run_callbacks = [callbacks.AverageMovingStatistics(), guard]
         if config.model_dir:
             training.resuming_from(model_dir, config.epochs)
             training.record_settings(
@@ -364,7 +367,7 @@ def summary_line(summary):
 
 def outputs_lines(summary):
     if not summary.get("model_dir"):
-        return ["outputs: none kept (no --model_dir: the run wrote to a temporary folder, removed)"]
+        return ["outputs: none kept (no --model_dir)"]
     return [f"{name}: {path}" for name, path in summary["outputs"].items()]
 
 
