@@ -251,7 +251,7 @@ def test_options_are_set(records):
 def test_the_decode_runs_on_every_thread_of_the_pool(records):
     # Autotuning is off, so an AUTOTUNE parallelism would stay at its start value (at most 16): a
     # host with more cores than that must still decode on all of them (4 records in flight per
-    # thread, see `_DECODES_IN_FLIGHT`).
+    # thread, see `bad_records.DECODES_IN_FLIGHT`).
     from tensorflow.core.framework import graph_pb2
 
     inp = make_input(records[0], is_training=True, global_batch_size=4, threadpool_size=37)

@@ -5,7 +5,6 @@ Pure arithmetic on schedules: no collective runs here, so the whole file takes a
 """
 
 import json
-import os
 import subprocess
 import sys
 
@@ -401,31 +400,6 @@ def test_flat_schedule_is_one_all_reduce_and_pads_nothing():
 def test_choose_algorithm_needs_tensors():
     with pytest.raises(ValueError, match="at least one gradient tensor"):
         plan.choose_algorithm(plan.hardware_cluster("cpu", replicas_per_host=8), [])
-
-
-@pytest.mark.parametrize("preset, expected", [(None, "1"), ("0", "0")])
-def test_cli_calibrates_under_the_allocator_the_example_trains_with(
-    monkeypatch, tmp_path, preset, expected
-):
-    # The figures price the example's runs, which use TensorFlow's BFC allocator; a setting of the
-    # user's own wins.
-    import tpu_scale.plan.calibration
-
-    if preset is None:
-        monkeypatch.delenv("TF_CPU_ALLOCATOR_USE_BFC", raising=False)
-    else:
-        monkeypatch.setenv("TF_CPU_ALLOCATOR_USE_BFC", preset)
-    seen = {}
-
-    def fake_calibrate(sizes, repeats, model, log):
-        seen["allocator"] = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC")
-        return {"model": model, "repeats": repeats}
-
-    monkeypatch.setattr(tpu_scale.plan.calibration, "calibrate", fake_calibrate)
-    output = tmp_path / "calibration.json"
-    assert plan.main(["--calibrate", "--quick", "--json", "--output", str(output)]) == 0
-    assert seen == {"allocator": expected}
-    assert json.loads(output.read_text()) == {"model": "resnet50", "repeats": 3}
 
 
 def test_calibrate_stays_the_function_after_its_module_is_imported():

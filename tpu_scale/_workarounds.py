@@ -48,9 +48,8 @@ def replica_iterators_untuned():
     iterator's own thread remains (the user's pipeline keeps its autotuned parallelism). Datasets
     placed on a TPU keep their defaults (`takes_dataset_options`).
 
-    Measured with `python benchmarks/iterator_stall.py` (TF 2.21, Keras 3.15, 8 CPU replicas,
-    3-second iterators): 3 of 12 deletions stalled with this alone (2.1 s each), against 12 of 12
-    as TensorFlow comes (2.1-7.2 s each).
+    `python benchmarks/iterator_stall.py` measures how many deletions stall with it and without it
+    (benchmarks/README.md).
 
     Upstream: no report found; seen with TF 2.21, whose `multi_device_iterator_ops.
     _create_device_dataset` applies no options. How to tell it can go: the `default` mode of
@@ -106,16 +105,11 @@ def batch_scheduling(enabled=True):
     distributed dataset holds one such iterator per replica besides its source iterator
     (`replica_iterators_untuned` removes the per-replica ones' threads). Keras 3.15 drops the
     validation iterator at every `evaluate` (inside `fit` too) and the training iterator at the
-    end of `fit`. Epochs that take 3.5 s in the example took 5-80 s now and then
-    (`benchmarks/time_to_accuracy.py`).
+    end of `fit`, so a run's epochs now and then stall for many times their length.
 
-    Under SCHED_BATCH a woken thread does not preempt the deleting one. That made the race lost
-    less often when this was written (0 of 24 deletions stalled, against 13 of 32). Measured later
-    with `python benchmarks/iterator_stall.py` (TF 2.21, Keras 3.15, 8 CPU replicas, 3-second
-    iterators), it does much less alone: 4 and 7 of 12 deletions stalled in two runs (the longest
-    took 38 s), against 12 of 12 without it. With `replica_iterators_untuned` too, as
-    `create_strategy` applies them, 1 of 12 stalled (2.1 s). Threads that already run are
-    switched too.
+    Under SCHED_BATCH a woken thread does not preempt the deleting one, so the race is lost less
+    often; with `replica_iterators_untuned`, as `create_strategy` applies both, few deletions stall
+    (figures: benchmarks/README.md). Threads that already run are switched too.
 
     Upstream: no report found; seen with TF 2.16 to 2.21 on 2-core Linux hosts with 8 CPU replicas.
     How to tell it can go: `python benchmarks/iterator_stall.py` shows no stalled deletion in its

@@ -510,10 +510,10 @@ def uniform_cluster(
     )
 
 
-# CPU hosts: fitted on this machine (2-core x86_64 VM, 8 virtual CPU replicas, TensorFlow 2.21, its
-# BFC CPU allocator) by `python -m tpu_scale.plan --calibrate`; see benchmarks/README.md (planner
-# calibration). The loopback figures between two worker processes are fitted from
-# `benchmarks/all_reduce.py`'s two-process part.
+# CPU hosts: the defaults `"auto"` prices CPU options with, fitted by `python -m tpu_scale.plan
+# --calibrate` (8 virtual CPU replicas, BFC allocator; the run and its held-out check are in
+# benchmarks/README.md, Planner); `tpu_scale.plan.calibrate` fits another machine's own. Loopback
+# figures: `benchmarks/all_reduce.py`'s two-process part.
 CPU_FIGURES = {
     "call_seconds": 0.00501,
     "collective_launch_seconds": 0.000647,

@@ -2,7 +2,6 @@
 
 import argparse
 import json
-import os
 import sys
 
 from tpu_scale.plan.catalog import (
@@ -87,11 +86,7 @@ def main(argv=None):
     args = _parser().parse_args(argv)
     try:
         if args.calibrate:
-            # The allocator the example and the tests run with (see examples/train_imagenet.py):
-            # TensorFlow's default CPU allocator returns large buffers to the system and faults
-            # them in again on every call, which doubles a collective all-reduce's time here.
-            # Calibrating under another allocator than the training's would price another machine.
-            os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "1")
+            # `import tpu_scale` has selected the allocator the training runs with.
             from tpu_scale.plan.calibration import calibrate  # starts TensorFlow
 
             sizes = (2**12, 2**20, 2**23) if args.quick else (2**12, 2**18, 2**21, 2**23)
