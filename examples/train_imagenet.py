@@ -64,6 +64,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Sets TensorFlow's CPU allocator (TF_CPU_ALLOCATOR_USE_BFC=0 keeps the default); TensorFlow
 # itself starts in create_strategy, and the rest of the package after it.
 import tpu_scale  # noqa: E402
+from tpu_scale.mesh import smallest_group_for_span  # noqa: E402
 
 
 def flag(default, text):
@@ -189,6 +190,12 @@ def train(config, extra_callbacks=()):
 
     if config.bn_group_size is not None:
         strategy.mesh.group_assignment(config.bn_group_size)  # raises with the valid sizes
+    else:
+        # The smallest group spanning 64 examples, chosen here: under several workers the layers
+        # see no static batch size to choose it from.
+        per_replica = max(1, config.global_batch_size // replicas)
+        mesh = strategy.mesh
+        config.bn_group_size = smallest_group_for_span(mesh, per_replica, tiled=mesh.is_torus)
     if config.model_dir:
         finished = training.finished_run(config.model_dir, config.epochs)
         if finished is not None:

@@ -73,3 +73,40 @@ def test_a_training_input_or_no_examples_is_refused(strategy, records):
         data.exact_evaluation(validation, strategy, 179)
     with pytest.raises(ValueError, match="num_examples must be at least 1"):
         data.exact_evaluation(validation, strategy, 0)
+
+
+class _TwoWorkers:
+    """What exact_evaluation reads of a 2-worker strategy with 4 replicas (2 per worker)."""
+
+    num_replicas_in_sync = 4
+
+    class cluster_resolver:  # noqa: N801
+        @staticmethod
+        def cluster_spec():
+            class Spec:
+                def as_dict(self):
+                    return {"worker": ["localhost:1", "localhost:2"]}
+
+            return Spec()
+
+    def distribute_datasets_from_function(self, fn):
+        return fn
+
+
+def test_several_workers_get_the_longest_pipelines_steps(records):
+    evaluation_input = data.ImageNetInput(
+        f"{records}/validation-*", is_training=False, global_batch_size=32, image_size=16
+    )
+    counts = evaluation_input.source.records_per_shard(2)
+    files = sorted(
+        (path, count)
+        for path, count in evaluation_input.label_map.record_counts_by_path().items()
+        if "/validation-" in path
+    )
+    assert counts == [sum(c for _, c in files[0::2]), sum(c for _, c in files[1::2])]
+    assert sum(counts) == 179
+    evaluation = data.exact_evaluation(evaluation_input, _TwoWorkers(), 179)
+    # 8 examples a replica, 2 replicas a worker: the longer pipeline's batches, 2 a step.
+    assert evaluation.steps == max(-(-(-(-c // 8)) // 2) for c in counts)
+    # Fewer files than pipelines: each pass runs to its end (no known step count).
+    assert evaluation_input.source.records_per_shard(len(files) + 1) is None

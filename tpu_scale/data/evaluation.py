@@ -50,8 +50,10 @@ def exact_evaluation(eval_input, strategy, num_examples):
     whether it starts a new iterator or continues an old one. On a TPU the input is padded to
     full batches with zero weights (`pad_last_batch=True`) and the top-up batches are full and of
     zero weight, so every step has static shapes. Several input pipelines (one per host under
-    `MultiWorkerMirroredStrategy`, one per host of a TPU pod slice) read shards of unequal size, so
-    the steps are unknown here: each pass then runs to the end of its data (`steps` is None).
+    `MultiWorkerMirroredStrategy`, one per host of a TPU pod slice) read their own files: where
+    every file's record count is known (the label map of `write_tfrecords`), a pass is as many
+    steps as the longest pipeline's and the others are topped up to it; otherwise each pass runs
+    to the end of its data (`steps` is None, and Keras warns that the input ran out of data).
 
     Example:
 
@@ -91,9 +93,24 @@ def exact_evaluation(eval_input, strategy, num_examples):
     if _is_tpu(strategy) and not getattr(eval_input, "pad_last_batch", True):
         eval_input = copy.copy(eval_input)
         eval_input.pad_last_batch = True
-    if _input_pipelines(strategy) > 1:
-        return ExactEvaluation(strategy.distribute_datasets_from_function(eval_input.dataset), None)
-    steps = evaluation_steps(num_examples, batch, replicas)
+    pipelines = _input_pipelines(strategy)
+    if pipelines > 1:
+        # Each pipeline reads its own files: the pass is as long as the longest pipeline's.
+        source = getattr(eval_input, "source", None)
+        counts = (
+            source.records_per_shard(pipelines) if hasattr(source, "records_per_shard") else None
+        )
+        if counts is None:
+            return ExactEvaluation(
+                strategy.distribute_datasets_from_function(eval_input.dataset), None
+            )
+        replicas_fed = replicas // pipelines
+        steps = max(
+            evaluation_steps(count, batch // replicas * replicas_fed, replicas_fed)
+            for count in counts
+        )
+    else:
+        steps = evaluation_steps(num_examples, batch, replicas)
 
     def dataset(context):
         data = eval_input.dataset(context)
