@@ -377,3 +377,31 @@ def test_a_dying_peer_is_called_not_running_after_a_second_look(monkeypatch):
     monkeypatch.setattr(peers.time, "sleep", lambda seconds: None)
     with frozen:
         assert "does not answer: frozen" in str(peers.explain_peer_failure(error, cluster, 0.5))
+
+
+def test_a_port_that_resets_connections_is_named_not_running():
+    import socket
+    import struct
+    import threading
+
+    from tpu_scale.checkpointing import peers
+
+    server = socket.socket()
+    server.bind(("localhost", 0))
+    server.listen(1)
+
+    def reset():
+        # An exiting process: the connection is accepted, then reset.
+        connection, _ = server.accept()
+        connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        connection.close()
+
+    thread = threading.Thread(target=reset)
+    thread.start()
+    try:
+        state = peers.probe_task(f"localhost:{server.getsockname()[1]}", 5.0)
+    finally:
+        thread.join()
+        server.close()
+    assert state == "reset"
+    assert peers._PROBE_WORDS[state].startswith("is not running")

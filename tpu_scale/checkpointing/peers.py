@@ -46,8 +46,8 @@ def probe_task(address, timeout=2.0):
       timeout: seconds for the connection and for the answer.
 
     Returns:
-      `"answers"`, `"refused"` (no process listens), `"silent"` (frozen), `"closed"` or
-      `"unreachable: <error>"`.
+      `"answers"`, `"refused"` (no process listens), `"reset"` (the process is exiting),
+      `"silent"` (frozen), `"closed"` or `"unreachable: <error>"`.
     """
     host, port = address.rsplit(":", 1)
     try:
@@ -57,6 +57,8 @@ def probe_task(address, timeout=2.0):
             return "answers" if s.recv(9) else "closed"
     except ConnectionRefusedError:
         return "refused"
+    except (ConnectionResetError, BrokenPipeError):
+        return "reset"
     except socket.timeout:
         return "silent"
     except OSError as e:
@@ -65,6 +67,7 @@ def probe_task(address, timeout=2.0):
 
 _PROBE_WORDS = {
     "refused": "is not running (its port refuses connections)",
+    "reset": "is not running (its port resets connections: the process is exiting)",
     "silent": "accepts connections but does not answer: frozen (stopped, hung or overloaded)",
     "closed": "closes connections at once (shutting down)",
 }
