@@ -391,15 +391,6 @@ class TFDSSource:
         self.cycle_length = cycle_length
         self.description = f"tfds:{name}/{split}"
 
-    def records_per_shard(self, count):
-        """The records each of `count` input pipelines reads, in pipeline order, or None when a
-        file's count is unknown or there are fewer files than pipelines."""
-        files = self.list_files()
-        counts = [self.record_counts.get(path) for path in files]
-        if len(files) < count or None in counts:
-            return None
-        return [sum(counts[index::count]) for index in range(count)]
-
     def records(self, shard, *, repeat, shuffle_files, deterministic, seed, strict=True):
         import tensorflow_datasets as tfds
 
