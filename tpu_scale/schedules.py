@@ -493,11 +493,15 @@ def recipe_for_batch(
     ):
         if value is not None and (_not_integer(value) or value <= 0):
             raise ValueError(f"`{name}` must be an integer > 0 or None; received {value!r}.")
+    if steps_per_epoch is None and train_examples is not None:
+        steps_per_epoch = max(1, train_examples // global_batch_size)
     if optimizer is None:
         optimizer = "sgd" if global_batch_size < LARS_MIN_BATCH else "lars"
     if optimizer == "sgd":
-        total_steps = _total_steps(global_batch_size, total_epochs, steps_per_epoch, train_examples)
-        peak = sgd_learning_rate(global_batch_size, total_steps)
+        known = total_epochs is not None and steps_per_epoch is not None
+        peak = sgd_learning_rate(
+            global_batch_size, total_epochs * steps_per_epoch if known else None
+        )
         warmup = SGD_WARMUP_EPOCHS
     else:
         reference = reference_lars_hparams(global_batch_size)
@@ -505,8 +509,6 @@ def recipe_for_batch(
         first_batch = _REFERENCE_POINTS[0][0]
         if global_batch_size < first_batch:
             peak *= math.sqrt(global_batch_size / first_batch)
-    if steps_per_epoch is None and train_examples is not None:
-        steps_per_epoch = max(1, train_examples // global_batch_size)
     if steps_per_epoch is not None:
         warmup = max(warmup, MIN_WARMUP_STEPS / steps_per_epoch)
     if total_epochs is not None:
@@ -571,14 +573,6 @@ def default_augmentation(train_examples=None, total_epochs=None):
     if total_epochs is not None and total_epochs > LIGHT_AUGMENTATION_MIN_EPOCHS:
         return "light"
     return "none"
-
-
-def _total_steps(global_batch_size, total_epochs, steps_per_epoch, train_examples):
-    if steps_per_epoch is None and train_examples is not None:
-        steps_per_epoch = max(1, train_examples // global_batch_size)
-    if total_epochs is None or steps_per_epoch is None:
-        return None
-    return total_epochs * steps_per_epoch
 
 
 def _not_integer(value):
