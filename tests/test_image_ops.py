@@ -198,3 +198,24 @@ def test_decodable_image_check():
     }
     got = image_ops.is_decodable_image(tf.constant(list(cases))).numpy().tolist()
     assert got == list(cases.values())
+
+
+def test_host_jpeg_check_equals_the_pipelines():
+    jpeg = tf.io.encode_jpeg(np.zeros((64, 64, 3), np.uint8)).numpy()
+    padded = jpeg + b"\0" * 1000  # trailing padding within the searched tail
+    cases = [
+        jpeg,
+        padded,
+        jpeg + b"\0" * 2000,  # the end marker beyond the searched tail
+        jpeg[: len(jpeg) // 2],
+        jpeg[:-1],
+        jpeg[:3] + b"\xff\xd9",
+        b"\xff\xd8\xff",
+        b"\xff\xd9\xff\xd8",
+        b"",
+        tf.io.encode_png(np.zeros((8, 8, 3), np.uint8)).numpy(),
+    ]
+    graph = image_ops.is_complete_jpeg(tf.constant(cases)).numpy().tolist()
+    host = [image_ops.is_complete_jpeg_bytes(case) for case in cases]
+    assert host == graph
+    assert graph == [True, True, False, False, False, True, False, False, False, False]

@@ -163,11 +163,20 @@ def is_complete_jpeg(image_bytes):
     tail = tf.strings.substr(image_bytes, tail_start, zeros + _EOI_SEARCH_BYTES)
     tail = tf.io.decode_raw(tail, tf.uint8, fixed_length=_EOI_SEARCH_BYTES)
     has_end_marker = tf.reduce_any((tail[..., :-1] == 0xFF) & (tail[..., 1:] == 0xD9), axis=-1)
-    return (length >= 4) & tf.equal(head, _JPEG_START) & has_end_marker
+    return (length >= 4) & tf.equal(head, JPEG_START) & has_end_marker
 
 
-# The first bytes of the other formats `tf.io.decode_image` reads (WebP: "RIFF", a size, "WEBP").
-_JPEG_START = b"\xff\xd8\xff"
+def is_complete_jpeg_bytes(image_bytes):
+    """`is_complete_jpeg` of one image's Python bytes, computed on the host (the writer's check)."""
+    tail = image_bytes[-_EOI_SEARCH_BYTES:]
+    return (
+        len(image_bytes) >= 4 and image_bytes[:3] == JPEG_START and b"\xff\xd9" in tail
+    )
+
+
+# The first bytes of a JPEG, and of the other formats `tf.io.decode_image` reads (WebP: "RIFF", a
+# size, "WEBP").
+JPEG_START = b"\xff\xd8\xff"
 _OTHER_FORMAT_STARTS = (b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"BM")
 
 
@@ -180,7 +189,7 @@ def is_jpeg(image_bytes):
     Returns:
       A bool tensor of `image_bytes`'s shape.
     """
-    return tf.equal(tf.strings.substr(image_bytes, 0, 3), _JPEG_START)
+    return tf.equal(tf.strings.substr(image_bytes, 0, 3), JPEG_START)
 
 
 def is_decodable_image(image_bytes):

@@ -55,25 +55,29 @@ def as_rgb_jpeg(image_bytes, path=""):
 
 def checked_jpeg(image_bytes):
     """`as_rgb_jpeg`, raising `Skip` with the reason for a file that is not usable."""
-    if tf.io.is_jpeg(image_bytes):
+    if image_bytes[:3] == image_ops.JPEG_START:
         # The reader's structural check must accept what is stored: a JPEG without its end-of-image
         # marker is truncated even when libjpeg decodes the part that is there.
-        if not bool(image_ops.is_complete_jpeg(image_bytes)):
+        if not image_ops.is_complete_jpeg_bytes(image_bytes):
             raise Skip(CORRUPT_JPEG)
         try:
-            height, width, channels = tf.image.extract_jpeg_shape(image_bytes).numpy().tolist()
-            # Cameras store the sensor's pixels and a tag saying how to turn them; the decoder
-            # ignores the tag, so such photos are turned here, as a viewer shows them.
-            rotated = _exif_orientation(image_bytes) != 1
-            if channels in (1, 3) and not rotated:
-                tf.io.decode_jpeg(image_bytes, channels=3)
-                return image_bytes, height, width, False
-            tf.io.decode_jpeg(image_bytes, channels=3)  # the whole file decodes
-            image = (
-                _upright(image_bytes) if rotated else tf.io.decode_image(image_bytes, channels=3)
-            )
+            # Pillow reads the header only (size, components, EXIF); TensorFlow's decoder, the one
+            # the input pipeline runs, decodes the whole file.
+            height, width, channels, orientation = _jpeg_header(image_bytes)
+            pixels = tf.io.decode_jpeg(image_bytes, channels=3)
         except (tf.errors.InvalidArgumentError, OSError, SyntaxError, ValueError):
             raise Skip(CORRUPT_JPEG) from None
+        # Cameras store the sensor's pixels and a tag saying how to turn them; the decoder
+        # ignores the tag, so such photos are turned here, as a viewer shows them.
+        if orientation != 1:
+            try:
+                image = _upright(image_bytes)
+            except (OSError, SyntaxError, ValueError):
+                raise Skip(CORRUPT_JPEG) from None
+        elif channels in (1, 3):
+            return image_bytes, height, width, False
+        else:
+            image = pixels  # CMYK: libjpeg's RGB conversion, re-encoded
     else:
         try:
             image = tf.io.decode_image(image_bytes, channels=3, expand_animations=False)
@@ -83,13 +87,14 @@ def checked_jpeg(image_bytes):
     return jpeg, int(image.shape[0]), int(image.shape[1]), True
 
 
-def _exif_orientation(jpeg_bytes):
-    """The EXIF orientation tag (1-8; 1, upright, when there is none) of a JPEG, read with Pillow
-    from the file's header."""
+def _jpeg_header(jpeg_bytes):
+    """`(height, width, components, EXIF orientation)` of a JPEG, read by Pillow from its header
+    (orientation 1, upright, when there is no tag)."""
     from PIL import Image
 
     with Image.open(io.BytesIO(jpeg_bytes)) as image:
-        return image.getexif().get(_EXIF_ORIENTATION, 1)
+        width, height = image.size
+        return height, width, len(image.getbands()), image.getexif().get(_EXIF_ORIENTATION, 1)
 
 
 def _upright(jpeg_bytes):
