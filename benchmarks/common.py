@@ -18,7 +18,11 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
+# The checkout's package first: the benchmarks measure the code beside them, installed or not.
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
 
 # The CPU allocator the package selects on import (see tpu_scale/__init__.py): the benchmarks import
 # this module before TensorFlow starts, their child processes inherit the setting, and
