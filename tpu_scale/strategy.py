@@ -5,7 +5,8 @@ One call for every platform:
 
 * a TPU slice (a `tpu` name, `"local"`, or `TPU_NAME` in the environment): `TPUStrategy` with a
   device assignment built from the slice's topology; the mesh follows the physical torus;
-* several hosts (`TF_CONFIG` names more than one worker): `MultiWorkerMirroredStrategy`, optionally
+* several hosts (a `cluster_resolver`, or `TF_CONFIG` or a Slurm step naming more than one worker,
+  found by `tpu_scale.cluster`): `MultiWorkerMirroredStrategy`, optionally
   with several logical CPUs per worker; the mesh is workers x local replicas, so a mesh row never
   leaves a host;
 * GPUs: `MirroredStrategy` over them;
@@ -18,15 +19,13 @@ attributes: `mesh` (a `ReplicaMesh`) and `gradient_reduction` (`"torus"` or `"na
 in `tpu_scale._workarounds`.
 """
 
-import json
-import os
-
 import tensorflow as tf
 from absl import logging
 from tensorflow.python.autograph.core import ag_ctx as autograph_ctx
 from tensorflow.python.autograph.impl import api as autograph
 
 from tpu_scale import _workarounds, keras_hook, torus, weight_update
+from tpu_scale import cluster as cluster_lib
 from tpu_scale.context import mesh_of  # noqa: F401  (tpu_scale.mesh_of)
 from tpu_scale.mesh import ReplicaMesh
 from tpu_scale.plan import choice as plan_choice
@@ -156,17 +155,6 @@ class MultiWorkerMirroredStrategy(_MeshMixin, tf.distribute.MultiWorkerMirroredS
 # --------------------------------------------------------------------------- detection
 
 
-def _tf_config_workers():
-    config = os.environ.get("TF_CONFIG")
-    if not config:
-        return 0
-    try:
-        cluster = json.loads(config).get("cluster", {})
-    except json.JSONDecodeError as e:
-        raise ValueError(f"TF_CONFIG is not valid JSON ({e}): {config!r}") from e
-    return len(cluster.get("worker", [])) + len(cluster.get("chief", []))
-
-
 def _configure_cpu_replicas(num_cpu_replicas):
     """Makes `num_cpu_replicas` logical CPU devices exist, without starting TensorFlow's runtime."""
     cpu = tf.config.list_physical_devices("CPU")[0]
@@ -188,9 +176,9 @@ def _configure_cpu_replicas(num_cpu_replicas):
             ) from e
 
 
-def _connect_tpu(tpu):
+def _connect_tpu(tpu, resolver=None):
     try:
-        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=tpu)
+        resolver = resolver or tf.distribute.cluster_resolver.TPUClusterResolver(tpu=tpu)
         tf.config.experimental_connect_to_cluster(resolver)
         topology = tf.tpu.experimental.initialize_tpu_system(resolver)
     except Exception as e:  # resolver, connection and initialization each fail in their own way
@@ -200,14 +188,6 @@ def _connect_tpu(tpu):
             f"VM can reach it, or call create_strategy() without a TPU to use GPUs or CPUs."
         ) from e
     return resolver, topology
-
-
-def _requested_tpu(tpu):
-    if tpu is not None:
-        return tpu
-    if os.environ.get("TPU_NAME"):
-        return os.environ["TPU_NAME"]
-    return None
 
 
 def _gpu_type():
@@ -236,6 +216,7 @@ def _tpu_slice_name(topology):
 def create_strategy(
     tpu=None,
     *,
+    cluster_resolver=None,
     num_cpu_replicas=None,
     mesh_shape=None,
     gradient_reduction="torus",
@@ -250,9 +231,13 @@ def create_strategy(
       tpu: a TPU name or address, or `"local"` on a TPU VM. Defaults to `TPU_NAME` from the
         environment; with neither, no TPU is used. A TPU that was asked for and cannot be reached is
         an error, never a silent fall-back to CPU.
+      cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver` naming the cluster;
+        default: found from the environment (`TF_CONFIG`, a Slurm step), in the order and with the
+        errors of `tpu_scale.cluster`. The source is logged.
       num_cpu_replicas: virtual replicas on the CPU (when there is no GPU), or logical CPUs per
-        worker under `TF_CONFIG`. Creating them must happen before TensorFlow starts; later calls
-        with the same or a smaller count reuse the devices.
+        worker of a multi-worker cluster (default there: `TPU_SCALE_CPUS_PER_WORKER`, which
+        `python -m tpu_scale.launch --num_cpu_replicas` sets, else 1). Creating them must happen
+        before TensorFlow starts; later calls with the same or a smaller count reuse the devices.
       mesh_shape: `(rows, cols)` for a single host's replicas; default `(1, n)`. Multi-host meshes
         are workers x local replicas and TPU meshes follow the torus.
       gradient_reduction: `"torus"` (the 2-D reduction of `tpu_scale.torus`, used by `model.fit`) or
@@ -290,34 +275,35 @@ def create_strategy(
     ):
         raise ValueError(f"num_cpu_replicas must be a positive int, got {num_cpu_replicas!r}.")
 
-    tpu = _requested_tpu(tpu)
-    num_workers = _tf_config_workers()
+    found = cluster_lib.discover(tpu, cluster_resolver)
     with _workarounds.quiet_cuda_probe():
         tf.config.list_physical_devices()  # the first listing initializes every platform
-    if tpu is not None:
+    if found.is_tpu:
         if mesh_shape is not None:
             raise ValueError(
                 "mesh_shape cannot be set on a TPU: the mesh follows the slice's torus."
             )
-        resolver, topology = _connect_tpu(tpu)
+        resolver, topology = _connect_tpu(found.tpu, found.resolver)
         device_assignment = tf.tpu.experimental.DeviceAssignment.build(
             topology, num_replicas=topology.num_tasks * topology.num_tpus_per_task
         )
         strategy = TPUStrategy(resolver, experimental_device_assignment=device_assignment)
         mesh = ReplicaMesh.from_topology(topology, device_assignment)
-        kind = f"TPU {tpu}"
+        kind = f"TPU {found.tpu or type(found.resolver).__name__}"
         hardware = dict(kind="tpu", tpu_slice_name=_tpu_slice_name(topology))
-    elif num_workers > 1:
+    elif found.is_multi_worker:
         if mesh_shape is not None:
             raise ValueError(
-                "mesh_shape cannot be set with TF_CONFIG: the mesh is workers x local replicas."
+                f"mesh_shape cannot be set with several workers ({found.source}): the mesh is "
+                "workers x local replicas."
             )
+        num_cpu_replicas = num_cpu_replicas or cluster_lib.cpus_per_worker()
         if num_cpu_replicas and not tf.config.list_physical_devices("GPU"):
             _configure_cpu_replicas(num_cpu_replicas)
-        strategy = MultiWorkerMirroredStrategy(num_local_cpus=num_cpu_replicas)
+        strategy = MultiWorkerMirroredStrategy(found.resolver, num_local_cpus=num_cpu_replicas)
         local = len(strategy.extended.worker_devices)
         mesh = ReplicaMesh.for_workers(strategy.num_replicas_in_sync // local, local)
-        kind = f"{num_workers} workers x {local} {_workarounds.local_device_type(strategy)}"
+        kind = f"{mesh.shape[0]} workers x {local} {_workarounds.local_device_type(strategy)}"
         hardware = dict(
             kind=_workarounds.local_device_type(strategy).lower(),
             hosts=mesh.shape[0],
@@ -350,7 +336,7 @@ def create_strategy(
     if gradient_reduction == "torus":
         keras_hook.install(strategy, settings)
     if weight_update_sharding:
-        if tpu is not None:
+        if found.is_tpu:
             raise ValueError(
                 "weight_update_sharding=True works on one CPU or GPU host; not on a TPU yet."
             )
@@ -359,7 +345,7 @@ def create_strategy(
     _workarounds.replica_iterators_untuned()
     keras_hook.build_from_one_replica()
     keras_hook.accumulation_under_strategies()
-    on_cpus = tpu is None and _workarounds.local_device_type(strategy) == "CPU"
+    on_cpus = not found.is_tpu and _workarounds.local_device_type(strategy) == "CPU"
     if on_cpus:
         _workarounds.empty_batch_convolutions()
     if on_cpus and strategy.num_replicas_in_sync > 1:
@@ -371,7 +357,9 @@ def create_strategy(
     else:
         reduction = "TensorFlow's own"
     logging.info(
-        "tpu_scale: %s, %d replicas, mesh %dx%d, gradient sum %s",
+        "tpu_scale: cluster from %s (%s): %s, %d replicas, mesh %dx%d, gradient sum %s",
+        found.source,
+        found.description,
         kind,
         strategy.num_replicas_in_sync,
         mesh.shape[0],

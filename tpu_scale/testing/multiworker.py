@@ -1,7 +1,5 @@
-"""Runs a function in N localhost worker processes under `TF_CONFIG`.
-
-A real multi-host cluster on one
-machine.
+"""Runs a function in N localhost worker processes under `TF_CONFIG`: a real multi-host cluster
+on one machine.
 
 Each worker is a fresh Python process (a `MultiWorkerMirroredStrategy` must be created before any
 other TensorFlow op, and only once per process) with its own `TF_CONFIG` naming free localhost
@@ -12,43 +10,19 @@ does not finish in time.
 
     results = run_workers("test_strategy:worker_fit", num_workers=2, cpus_per_worker=2)
 
-Workers see `TPU_SCALE_CPUS_PER_WORKER` in their environment, so targets can pass it to
-`create_strategy`.
+Workers see `TPU_SCALE_CPUS_PER_WORKER` in their environment, which `create_strategy` uses when
+not given `num_cpu_replicas`. The processes, their `TF_CONFIG` and their output are handled by the
+launcher's helpers (`tpu_scale.launch`), as a `python -m tpu_scale.launch` run would handle them.
 """
 
-import json
 import os
 import pickle
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 
+from tpu_scale.launch import Workers, free_ports, tf_config, worker_environments
 
-def free_ports(count):
-    """`count` distinct free localhost ports (bound then released: enough for a test cluster)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("localhost", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def tf_config(ports, index):
-    """The `TF_CONFIG` of worker `index` in a cluster on `ports`: localhost port numbers, or
-    `"address:port"` strings."""
-    workers = [p if isinstance(p, str) else f"localhost:{p}" for p in ports]
-    return json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})
-
-
-def _tail(text, lines=60):
-    return "\n".join(text.splitlines()[-lines:])
+__all__ = ["free_ports", "run_workers", "tf_config"]
 
 
 def run_workers(
@@ -101,53 +75,25 @@ def _run_in(workdir, target, workers, prefixes, cpus_per_worker, kwargs, timeout
         pickle.dump(kwargs or {}, f)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
-    env["TPU_SCALE_CPUS_PER_WORKER"] = str(cpus_per_worker)
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    procs, logs = [], []
-    for i in range(num_workers):
-        log = open(os.path.join(workdir, f"worker{i}.log"), "w+")
-        worker_env = dict(env, TF_CONFIG=tf_config(workers, i))
-        procs.append(
-            subprocess.Popen(
-                list(prefixes[i])
-                + [sys.executable, "-m", "tpu_scale.testing.multiworker", target, workdir, str(i)],
-                env=worker_env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
-        )
-        logs.append(log)
-    deadline = time.monotonic() + timeout
-    failed = None
+    envs = worker_environments(num_workers, cpus_per_worker, base=env, addresses=workers)
+    module = [sys.executable, "-m", "tpu_scale.testing.multiworker", target, workdir]
+    cluster = Workers([list(prefixes[i]) + module + [str(i)] for i in range(num_workers)], envs)
     try:
-        while any(p.poll() is None for p in procs):
-            if any(p.poll() not in (None, 0) for p in procs):
-                failed = (
-                    "a worker failed"  # the others would wait for it until the collective timeout
-                )
-                break
-            if time.monotonic() > deadline:
-                failed = f"the cluster did not finish within {timeout} s"
-                break
-            time.sleep(0.2)
+        failed = cluster.wait(timeout)
+        codes = cluster.returncodes()
+        if failed is not None:
+            # The others would wait for it until the collective timeout.
+            failed = "a worker failed"
+        elif None in codes:
+            failed = f"the cluster did not finish within {timeout} s"
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    if failed is None and any(p.returncode for p in procs):
-        failed = "a worker failed"
+        cluster.kill()
     if failed:
-        report = []
-        for i, (p, log) in enumerate(zip(procs, logs)):
-            log.seek(0)
-            report.append(f"--- worker {i} (exit code {p.returncode}) ---\n{_tail(log.read())}")
-        for log in logs:
-            log.close()
+        report = [
+            f"--- worker {i} (exit code {code}) ---\n{cluster.tail(i)}"
+            for i, code in enumerate(cluster.returncodes())
+        ]
         raise RuntimeError(f"Multi-worker run of {target}: {failed}.\n" + "\n".join(report))
-    for log in logs:
-        log.close()
     results = []
     for i in range(num_workers):
         with open(os.path.join(workdir, f"result{i}.pkl"), "rb") as f:
