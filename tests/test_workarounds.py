@@ -204,3 +204,55 @@ def test_evaluate_a_validation_set_smaller_than_the_batch(strategy):
     )
     expected = np.mean(np.argmax(model(images).numpy(), -1) == labels.numpy())
     assert result["accuracy"] == pytest.approx(expected)
+
+
+def _slurm_step(monkeypatch, tmp_path, nodes, tasks_per_node, procid):
+    """A Slurm step's variables, on a PATH without nvidia-smi and with no CUDA_VISIBLE_DEVICES."""
+    tasks = sum(tasks_per_node)
+    per_node = ",".join(str(n) for n in tasks_per_node)
+    for name, value in {
+        "SLURM_PROCID": str(procid),
+        "SLURM_STEP_NUM_TASKS": str(tasks),
+        "SLURM_STEP_NODELIST": nodes,
+        "SLURM_STEP_TASKS_PER_NODE": per_node,
+        "PATH": str(tmp_path),
+    }.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+def test_slurm_cluster_resolver_on_cpu_nodes(monkeypatch, tmp_path):
+    from tensorflow.python.distribute.cluster_resolver import slurm_cluster_resolver as slurm_lib
+
+    _slurm_step(monkeypatch, tmp_path, "cpu[1-2]", [1, 1], procid=1)
+    # TensorFlow's own resolver: counting GPUs runs nvidia-smi; zero GPUs breaks its task layout.
+    with pytest.raises(FileNotFoundError, match="nvidia-smi"):
+        slurm_lib.SlurmClusterResolver()
+    with pytest.raises(ValueError, match="range"):
+        slurm_lib.SlurmClusterResolver(gpus_per_node=0).cluster_spec()
+
+    resolver = _workarounds.slurm_cluster_resolver()
+    assert resolver.cluster_spec().as_dict() == {"worker": ["cpu1:8888", "cpu2:8888"]}
+    assert resolver.get_task_info() == ("worker", 1)
+    assert resolver.num_accelerators() == {"GPU": 0}
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+    # Two tasks on one node get consecutive ports, as TensorFlow lays them out.
+    _slurm_step(monkeypatch, tmp_path, "localhost", [2], procid=0)
+    resolver = _workarounds.slurm_cluster_resolver(port_base=5000)
+    assert resolver.cluster_spec().as_dict() == {"worker": ["localhost:5000", "localhost:5001"]}
+    assert resolver.get_task_info() == ("worker", 0)
+
+
+def test_slurm_cluster_resolver_with_gpus_is_tensorflows(monkeypatch, tmp_path):
+    from tensorflow.python.distribute.cluster_resolver import slurm_cluster_resolver as slurm_lib
+
+    _slurm_step(monkeypatch, tmp_path, "gpu[1-2]", [2, 2], procid=3)
+    try:
+        ours = _workarounds.slurm_cluster_resolver(gpus_per_node=4)
+        theirs = slurm_lib.SlurmClusterResolver(gpus_per_node=4)
+        assert ours.cluster_spec().as_dict() == theirs.cluster_spec().as_dict()
+        assert ours.get_task_info() == theirs.get_task_info() == ("worker", 3)
+        assert ours.num_accelerators() == {"GPU": 2}
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"  # the node's second pair of GPUs
+    finally:
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)

@@ -11,6 +11,7 @@ to tell it can go. Users never call these: `create_strategy` and the strategy cl
   local_device_type         which kind of device a multi-worker strategy's replicas run on
   quiet_cuda_probe          the spurious "failed call to cuInit" error on machines without a GPU
   empty_batch_convolutions  oneDNN convolutions give an empty batch the wrong shape on some CPUs
+  slurm_cluster_resolver    TensorFlow's SlurmClusterResolver fails on nodes without GPUs
 
 Two more live in `keras_hook.py`, the only module that touches Keras's private API:
 
@@ -401,3 +402,64 @@ def _guard_empty_batch(call):
 
     guarded._empty_batch_guard = True
     return guarded
+
+
+# --------------------------------------------------------------------------- Slurm, CPU-only
+# nodes
+
+_slurm_resolver_class = None
+
+
+def slurm_cluster_resolver(port_base=8888, gpus_per_node=None, gpus_per_task=None):
+    """TensorFlow's `SlurmClusterResolver` for the current step, on GPU and CPU-only nodes.
+
+    Why: on a node without GPUs TensorFlow's resolver cannot build a cluster. Left to count the
+    GPUs itself it runs `nvidia-smi`, which a CPU node does not have (`FileNotFoundError`); told
+    `gpus_per_node=0`, its `cluster_spec()` pairs each task with a GPU slot through
+    `range(0, gpus_per_node, gpus_per_task)` and fails ("range() arg 3 must not be zero"). Here
+    the count is 0 where `CUDA_VISIBLE_DEVICES` is empty, or unset without `nvidia-smi`, and a node
+    without GPUs gets TensorFlow's own task layout (hosts sorted, ports from `port_base`) with no
+    GPU per task and `CUDA_VISIBLE_DEVICES` left alone. With GPUs, TensorFlow's resolver runs
+    unchanged.
+
+    Upstream: tensorflow/tensorflow#56894 ("SlurmClusterResolver cannot be configured to use no
+    GPUs", closed without a fix); seen with TF 2.9 to 2.21. How to tell it can go:
+    `tests/test_workarounds.py::test_slurm_cluster_resolver_on_cpu_nodes` fails at its check that
+    TensorFlow's own resolver fails there.
+
+    Args:
+      port_base: the first worker port on each node.
+      gpus_per_node: GPUs on each node; None counts them as TensorFlow does, 0 where it cannot.
+      gpus_per_task: GPUs per task; None shares a node's GPUs among its tasks.
+
+    Returns:
+      A `tf.distribute.cluster_resolver.SlurmClusterResolver`.
+    """
+    global _slurm_resolver_class
+    import shutil
+
+    from tensorflow.python.distribute.cluster_resolver import slurm_cluster_resolver as slurm_lib
+
+    if _slurm_resolver_class is None:
+
+        class SlurmClusterResolver(slurm_lib.SlurmClusterResolver):
+            def cluster_spec(self):
+                if self._gpus_per_task:
+                    return super().cluster_spec()
+                # One pretend GPU slot per task lets TensorFlow's loop lay out every task; the
+                # slots are never applied (auto_set_gpu off) and the count stays 0.
+                tasks = max(self._task_configuration.values())
+                saved = self._gpus_per_node, self._gpus_per_task, self._auto_set_gpu
+                self._gpus_per_node, self._gpus_per_task, self._auto_set_gpu = tasks, 1, False
+                try:
+                    return super().cluster_spec()
+                finally:
+                    self._gpus_per_node, self._gpus_per_task, self._auto_set_gpu = saved
+
+        _slurm_resolver_class = SlurmClusterResolver
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if gpus_per_node is None and not visible and (visible == "" or not shutil.which("nvidia-smi")):
+        gpus_per_node = 0  # TensorFlow would count "" as one GPU, and run a missing nvidia-smi
+    return _slurm_resolver_class(
+        port_base=port_base, gpus_per_node=gpus_per_node, gpus_per_task=gpus_per_task
+    )
