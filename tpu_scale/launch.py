@@ -29,6 +29,7 @@ import argparse
 import collections
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -82,14 +83,21 @@ def exit_code(returncode):
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _die_with_parent():
-    """In the child, before exec: a SIGKILL of the launcher takes its workers with it (Linux)."""
+def _parent_death_signal():
+    """A function for the child to run before exec, so that a SIGKILL of the launcher takes its
+    workers with it (Linux `prctl(PR_SET_PDEATHSIG)`); None elsewhere.
+
+    The library call is looked up here, in the parent: the child only calls it.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        pass
+        return None
+    return lambda: prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class Workers:
@@ -106,15 +114,19 @@ class Workers:
       on_line: called with (worker index, line without its newline) from a reader thread; None to
         keep the lines only.
       keep_lines: how many of each worker's last lines `tail` can return.
+      die_with_parent: on Linux, the workers are killed when this process dies, even by SIGKILL.
+        It runs code in the child before exec, which Python warns against in a process with many
+        threads (e.g. one that runs TensorFlow): the launcher's own process has none.
     """
 
-    def __init__(self, commands, envs, on_line=None, keep_lines=60):
+    def __init__(self, commands, envs, on_line=None, keep_lines=60, die_with_parent=False):
         if len(commands) != len(envs):
             raise ValueError(f"{len(commands)} commands for {len(envs)} environments.")
         self._on_line = on_line
         self._lock = threading.Lock()
         self._tails = [collections.deque(maxlen=keep_lines) for _ in commands]
         self.procs, self._readers = [], []
+        before_exec = _parent_death_signal() if die_with_parent else None
         try:
             for index, (command, env) in enumerate(zip(commands, envs)):
                 proc = subprocess.Popen(
@@ -124,7 +136,7 @@ class Workers:
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
                     start_new_session=True,
-                    preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                    preexec_fn=before_exec,
                 )
                 self.procs.append(proc)
                 reader = threading.Thread(target=self._read, args=(index, proc), daemon=True)
@@ -246,7 +258,11 @@ def _parse(argv):
         parser.error(f"--num_cpu_replicas={args.num_cpu_replicas}: give 1 or more.")
     # A Python file runs under this interpreter; anything else (an executable) as given.
     if command[0].endswith(".py"):
+        if not os.path.isfile(command[0]):
+            parser.error(f"no script {command[0]!r} (from {os.getcwd()}).")
         command = [sys.executable] + command
+    elif not shutil.which(command[0]):
+        parser.error(f"{command[0]!r} is neither a .py script nor a program on the PATH.")
     return args, command
 
 
@@ -269,7 +285,7 @@ def main(argv=None):
         workers.signal_all(signum if len(received) == 1 else signal.SIGKILL)
 
     previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
-    workers = Workers([command] * args.num_workers, envs, on_line)
+    workers = Workers([command] * args.num_workers, envs, on_line, die_with_parent=True)
     for s in STOP_SIGNALS:
         signal.signal(s, forward)
     try:
