@@ -1162,3 +1162,24 @@ def test_file_patterns_expand_the_home_folder(digits_records, monkeypatch):
     )
     assert here.source.patterns == [os.path.join(digits_records, "validation-*")]
     assert here.num_classes == 10  # the label map was found through the expanded path
+
+
+def test_pipelines_are_traced_without_autograph(tmp_path, monkeypatch):
+    # AutoGraph's conversion of the pipeline's functions adds seconds to every run's start; each
+    # function tf.data is given must be traced as written (`sources.graph_function`).
+    from tensorflow.python.autograph.impl import api
+
+    converted = []
+    real = api.converted_call
+
+    def recording(f, args, kwargs, caller_fn_scope=None, options=None):
+        if (getattr(f, "__module__", None) or "").startswith("tpu_scale"):  # not TensorFlow's
+            converted.append(getattr(f, "__qualname__", repr(f)))
+        return real(f, args, kwargs, caller_fn_scope=caller_fn_scope, options=options)
+
+    monkeypatch.setattr(api, "converted_call", recording)
+    pattern, _ = write_coded_records(str(tmp_path), 2, 6)
+    for is_training, cache in ((True, False), (False, False), (True, True)):
+        inp = make_input(pattern, is_training=is_training, global_batch_size=4, cache=cache)
+        next(iter(inp.dataset()))
+    assert converted == [], converted

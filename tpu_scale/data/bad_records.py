@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from tpu_scale.data import image_ops, sources
 from tpu_scale.data.schema import LABEL_MAP_FILE
+from tpu_scale.data.sources import graph_function
 
 logger = logging.getLogger("tpu_scale")
 
@@ -298,12 +299,16 @@ def decode_skipping_bad(
     if is_training:
         data = tf.data.Dataset.zip((data, tf.data.Dataset.random(seed=seed)))
         data = data.map(
-            lambda numbered, draw: parse_and_screen(*numbered, draw),
+            graph_function(lambda numbered, draw: parse_and_screen(*numbered, draw)),
             num_parallel_calls=tf.data.AUTOTUNE,
             deterministic=True,
         )
     else:
-        data = data.map(parse_and_screen, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        data = data.map(
+            graph_function(parse_and_screen),
+            num_parallel_calls=tf.data.AUTOTUNE,
+            deterministic=True,
+        )
     data = data.unbatch()
 
     def decode(image_bytes, label, crop_seed, sequence):
@@ -314,7 +319,9 @@ def decode_skipping_bad(
     # host has. The errors ignored after it are those of the decode alone: the stages before it
     # never fail (the reader stops at a broken file, the parser is guarded, see `sources`).
     examples = data.map(
-        decode, num_parallel_calls=DECODES_IN_FLIGHT * threads, deterministic=True
+        graph_function(decode),
+        num_parallel_calls=DECODES_IN_FLIGHT * threads,
+        deterministic=True,
     ).ignore_errors()
     if not is_training:
         blank = tf.zeros([image_size, image_size, 3], dtype)
@@ -351,9 +358,9 @@ def decode_skipping_bad(
             count = tf.reduce_sum(tf.cast(tf.not_equal(sequence, END_SEQUENCE), tf.int32))
             return images[:count], labels[:count]
 
-    examples = examples.map(account)
+    examples = examples.map(graph_function(account))
     if not is_training:
-        examples = examples.filter(lambda images, labels: tf.size(labels) > 0)
+        examples = examples.filter(graph_function(lambda images, labels: tf.size(labels) > 0))
     return examples
 
 

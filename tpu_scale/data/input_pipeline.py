@@ -43,6 +43,7 @@ from tpu_scale.data.sources import (
     TFDSSource,
     TFRecordSource,
     expand_patterns,
+    graph_function,
     shuffle_each_epoch,
 )
 
@@ -390,7 +391,9 @@ class ImageNetInput:
                 dtype=self.dtype,
             )
         if self.pad_last_batch:
-            examples = examples.map(lambda images, labels: _pad_batch(images, labels, batch_size))
+            examples = examples.map(
+                graph_function(lambda images, labels: _pad_batch(images, labels, batch_size))
+            )
         options = _pipeline_options(deterministic=deterministic, threadpool_size=self._threads)
         examples = examples.with_options(options)
         if self.data_service_address:
@@ -426,13 +429,14 @@ class ImageNetInput:
         data = records.batch(PARSE_BATCH)
         if self.is_training:
             data = tf.data.Dataset.zip((data, tf.data.Dataset.random(seed=seed)))
-            data = data.map(self._parse_and_check, num_parallel_calls=AUTOTUNE)
+            data = data.map(graph_function(self._parse_and_check), num_parallel_calls=AUTOTUNE)
         else:
             data = data.map(
-                lambda *batch: self._parse_and_check(batch), num_parallel_calls=AUTOTUNE
+                graph_function(lambda *batch: self._parse_and_check(batch)),
+                num_parallel_calls=AUTOTUNE,
             )
         data = data.unbatch()
-        return data.map(self._decode_example, num_parallel_calls=self._threads)
+        return data.map(graph_function(self._decode_example), num_parallel_calls=self._threads)
 
     def _parse_and_check(self, records, draw=None):
         """Parses a batch of records, fails on any record fault, and gives each record its crop

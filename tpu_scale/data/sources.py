@@ -60,6 +60,17 @@ _PROBE_RECORDS = 16
 _RECORDS_PER_COUNT = 16
 
 
+def graph_function(fn):
+    """`fn`, for a tf.data transformation, traced as written: without AutoGraph's conversion.
+
+    tf.data runs AutoGraph's source-to-source conversion on every function it is given, and on
+    every function those call, unless told not to. The pipeline's functions express all control
+    flow on tensors with TensorFlow ops (`tf.cond`, `tf.where`), so the conversion would change
+    nothing; it would only add seconds to each pipeline's construction at every start.
+    """
+    return tf.autograph.experimental.do_not_convert(fn)
+
+
 def shuffle_each_epoch(dataset, buffer_size, seed):
     """Repeats `dataset` forever, shuffled anew in each epoch `e` with the seed `seed + e`.
 
@@ -68,8 +79,10 @@ def shuffle_each_epoch(dataset, buffer_size, seed):
     skip to the step where it stopped and see what an uninterrupted run would have seen.
     """
     return tf.data.Dataset.range(2**62).flat_map(
-        lambda epoch: dataset.shuffle(
-            buffer_size, seed=seed + epoch, reshuffle_each_iteration=False
+        graph_function(
+            lambda epoch: dataset.shuffle(
+                buffer_size, seed=seed + epoch, reshuffle_each_iteration=False
+            )
         )
     )
 
@@ -235,7 +248,7 @@ class TFRecordSource:
             # boundaries.
             dataset = dataset.repeat()
         dataset = dataset.interleave(
-            read_file,
+            graph_function(read_file),
             cycle_length=min(self.cycle_length, len(files)),
             block_length=1,
             num_parallel_calls=AUTOTUNE,
@@ -272,7 +285,9 @@ class TFRecordSource:
             )
             return (index + count, bytes_read + tf.reduce_sum(lengths)), numbered
 
-        records = records.scan((tf.constant(0, tf.int64), tf.constant(0, tf.int64)), number)
+        records = records.scan(
+            (tf.constant(0, tf.int64), tf.constant(0, tf.int64)), graph_function(number)
+        )
         return records.unbatch()
 
     def _read_counted_file(self, filename, count):
@@ -366,7 +381,8 @@ def _parse_features(serialized, spec):
         )
 
         def parse_one(record):
-            attempt = tf.data.Dataset.from_tensors(record).map(parse).ignore_errors()
+            attempt = tf.data.Dataset.from_tensors(record).map(graph_function(parse))
+            attempt = attempt.ignore_errors()
             fallback = tf.data.Dataset.from_tensors(rejected)
             return attempt.concatenate(fallback).take(1).get_single_element()
 
@@ -374,8 +390,9 @@ def _parse_features(serialized, spec):
             return parse_one(records)
         return tf.map_fn(parse_one, records, fn_output_signature=(tf.string, tf.int64, tf.bool))
 
-    attempt = tf.data.Dataset.from_tensors(serialized).map(parse).ignore_errors()
-    fallback = tf.data.Dataset.from_tensors(serialized).map(parse_each)
+    attempt = tf.data.Dataset.from_tensors(serialized).map(graph_function(parse))
+    attempt = attempt.ignore_errors()
+    fallback = tf.data.Dataset.from_tensors(serialized).map(graph_function(parse_each))
     return attempt.concatenate(fallback).take(1).get_single_element()
 
 
@@ -426,7 +443,7 @@ class TFDSSource:
         def to_record(index, example):
             return origin, index, example[self.image_key], example[self.label_key]
 
-        return dataset.enumerate().map(to_record), False
+        return dataset.enumerate().map(graph_function(to_record)), False
 
     def parse(self, record):
         origin, index, image_bytes, label = record
