@@ -45,6 +45,10 @@ BENCHMARKS = {
     "batchnorm": (["benchmarks/batchnorm.py", "{quick}"], "batchnorm.json"),
     "all_reduce": (["benchmarks/all_reduce.py", "{quick}"], "all_reduce.json"),
     "input_pipeline": (["benchmarks/input_pipeline.py", "{quick}"], "input_pipeline.json"),
+    "input_pipeline_floor": (
+        ["benchmarks/input_pipeline_floor.py", "{quick}"],
+        "input_pipeline_floor.json",
+    ),
     "scaled_decode": (["benchmarks/scaled_decode.py", "{quick}"], "scaled_decode.json"),
     "plan_calibration": (
         [
