@@ -319,7 +319,6 @@ WORKERS = {
     "baseline_uint8_one_core": lambda args: worker_ours(
         args, "uint8", one_core=True, baseline=True
     ),
-    "baseline_uint8": lambda args: worker_ours(args, "uint8", baseline=True),
     "floor": worker_floor,
     "naive": worker_naive,
     "decode_one_core": worker_decode_one_core,
