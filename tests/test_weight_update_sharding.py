@@ -1,6 +1,7 @@
-"""Weight-update sharding (`create_strategy(..., weight_update_sharding=True)`): Keras SGD's
-update sharded over one host's replicas equals the unsharded one, holds 1/N of the momentum per
-replica, and checkpoints in Keras's own layout."""
+"""Weight-update sharding (`create_strategy(..., weight_update_sharding=True)`): the update of
+Keras's SGD, Adam and AdamW and of the package's LARS, sharded over one host's replicas, equals the
+unsharded one (float32 and mixed_bfloat16), holds 1/N of the optimizer state per replica, and
+checkpoints in Keras's own layout."""
 
 import keras
 import numpy as np
@@ -20,14 +21,14 @@ def _data():
     return x, y
 
 
-def _model(strategy, optimizer, weights=None):
+def _model(strategy, optimizer, weights=None, dtype=None):
     with strategy.scope():
         model = keras.Sequential(
             [
                 keras.Input((6,)),
-                keras.layers.Dense(8, activation="relu"),
-                keras.layers.BatchNormalization(),
-                keras.layers.Dense(3),
+                keras.layers.Dense(8, activation="relu", dtype=dtype),
+                keras.layers.BatchNormalization(dtype=dtype),
+                keras.layers.Dense(3, dtype=dtype),
             ]
         )
         if weights is not None:
@@ -45,34 +46,44 @@ def _sharded(mesh_shape):
     )
 
 
+OPTIMIZERS = {
+    "sgd": lambda options: keras.optimizers.SGD(0.1, **options),
+    "lars": lambda options: LARS(2.0, **options),
+    "adam": lambda options: keras.optimizers.Adam(0.01, **options),
+    "adamw": lambda options: keras.optimizers.AdamW(0.01, **options),
+}
+
+
 @pytest.mark.parametrize(
-    "mesh_shape, name, options",
+    "mesh_shape, name, options, dtype",
     [
-        ((1, 8), "sgd", dict(momentum=0.9)),
-        ((2, 4), "sgd", dict(momentum=0.9, nesterov=True, weight_decay=1e-2, clipnorm=1.0)),
-        ((2, 4), "lars", dict(momentum=0.9, weight_decay=1e-2)),
+        ((1, 8), "sgd", dict(momentum=0.9), None),
+        ((2, 4), "sgd", dict(momentum=0.9, nesterov=True, weight_decay=1e-2, clipnorm=1.0), None),
+        ((2, 4), "lars", dict(momentum=0.9, weight_decay=1e-2), None),
+        ((2, 4), "adamw", dict(weight_decay=1e-1, amsgrad=True), None),
+        ((1, 8), "adamw", dict(weight_decay=1e-1, clipnorm=1.0), "mixed_bfloat16"),
     ],
 )
-def test_sharded_update_equals_the_unsharded_one(mesh_shape, name, options, strategy):
+def test_sharded_update_equals_the_unsharded_one(mesh_shape, name, options, dtype, strategy):
     def optimizer():
-        if name == "lars":
-            return LARS(2.0, **options)
-        return keras.optimizers.SGD(0.1, **options)
+        return OPTIMIZERS[name](options)
 
     x, y = _data()
     keras.utils.set_random_seed(1)
-    sharded = _model(_sharded(mesh_shape), optimizer)
+    sharded = _model(_sharded(mesh_shape), optimizer, dtype=dtype)
     initial = sharded.get_weights()
-    plain = _model(strategy, optimizer, weights=initial)
+    plain = _model(strategy, optimizer, weights=initial, dtype=dtype)
     for model in (sharded, plain):
         model.fit(x, y, batch_size=BATCH, shuffle=False, epochs=1, verbose=0)
         assert int(model.optimizer.iterations.numpy()) == STEPS
+    # Mixed precision keeps float32 master weights, which the sharded update writes.
+    assert all(v.dtype == "float32" for v in sharded.trainable_variables)
     # 20 steps through batch norm amplify the rounding of sums taken in another order: two
     # unsharded runs, with TensorFlow's sum and with the torus sum, differ by up to 3e-5 here.
     for got, want, start in zip(sharded.get_weights(), plain.get_weights(), initial):
         assert not np.allclose(want, start, atol=1e-2)
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=3e-4)
-    # Every replica holds the same weights, and 1/8 of the momentum.
+    # Every replica holds the same weights, and 1/8 of the optimizer's state.
     for variable in sharded.trainable_variables:
         copies = [
             c.numpy()
@@ -80,22 +91,23 @@ def test_sharded_update_equals_the_unsharded_one(mesh_shape, name, options, stra
         ]
         for copy in copies[1:]:
             np.testing.assert_array_equal(copy, copies[0])
-    full = sum(int(np.prod(v.shape)) for v in plain.optimizer.momentums)
-    per_replica = int(np.prod(tpu_scale.weight_update.momentum_shards(sharded.optimizer).shape))
-    assert per_replica / full <= 0.15
-    assert not any(
-        "momentum" in v.path and v.shape != (per_replica,) for v in (sharded.optimizer.variables)
-    )
-    # The saved state is Keras's own: the unsharded optimizer's momentums, gathered.
+    slots = tpu_scale.weight_update.slot_shards(sharded.optimizer)
+    sizes = {v.path: int(np.prod(v.shape)) for v in plain.optimizer.variables}
+    full = sum(n for path, n in sizes.items() if any(name in path for name in slots))
+    per_replica = sum(int(np.prod(v.shape)) for v in slots.values())
+    assert slots and per_replica / full <= 0.15
+    trainable = {tuple(v.shape) for v in sharded.trainable_variables}
+    assert not any(tuple(v.shape) in trainable for v in sharded.optimizer.variables)
+    # The saved state is Keras's own: the unsharded optimizer's variables, gathered.
     state = tpu_scale.weight_update.full_state(sharded.optimizer)
-    momentums = state[-len(plain.optimizer.momentums) :]
-    for got, want in zip(momentums, plain.optimizer.momentums):
+    assert len(state) == len(plain.optimizer.variables)
+    for got, want in zip(state, plain.optimizer.variables):
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-3, atol=3e-4)
 
 
 def test_checkpoints_move_between_sharded_and_unsharded(tmp_path, strategy):
-    def optimizer():
-        return keras.optimizers.SGD(0.1, momentum=0.9)
+    def optimizer():  # three slots per variable, two of them saved interleaved
+        return keras.optimizers.Adam(0.01, amsgrad=True)
 
     x, y = _data()
     sharded_strategy = _sharded((1, 8))
@@ -126,10 +138,11 @@ def test_checkpoints_move_between_sharded_and_unsharded(tmp_path, strategy):
 
 def test_an_optimizer_it_cannot_shard_is_named():
     x, y = _data()
-    model = _model(_sharded((1, 8)), lambda: keras.optimizers.Adam(0.01))
+    model = _model(_sharded((1, 8)), lambda: keras.optimizers.RMSprop(0.01))
     with pytest.raises(ValueError, match="supports keras.optimizers.SGD") as raised:
         model.fit(x[:32], y[:32], batch_size=BATCH, epochs=1, verbose=0)
-    assert "got Adam" in str(raised.value) and "weight_update_sharding=False" in str(raised.value)
+    message = str(raised.value)
+    assert "got RMSprop" in message and "weight_update_sharding=False" in message
 
 
 def test_sharding_composes_with_gradient_accumulation(strategy):

@@ -467,7 +467,8 @@ _sharding_hooked = False
 
 
 def shard_weight_updates():
-    """Routes SGD's `build` and the optimizer's update and save through `tpu_scale.weight_update`.
+    """Routes SGD's and Adam's `build` (AdamW's too) and the optimizer's update and save through
+    `tpu_scale.weight_update`.
 
     Each wrapper runs Keras's own code unless the strategy (or the optimizer) is sharded; the
     restore goes through `_load_own_variables` (installed by `accumulation_under_strategies`).
@@ -480,11 +481,15 @@ def shard_weight_updates():
 
     accumulation_under_strategies()  # the restore of a sharded state lives in its load
     sgd_build = keras.optimizers.SGD.build
+    adam_build = keras.optimizers.Adam.build
     update_step = module.TFOptimizer._backend_update_step
     save = module.TFOptimizer.save_own_variables
 
     def build(self, variables):
         return weight_update.build_sgd(self, variables, sgd_build)
+
+    def build_adam(self, variables):
+        return weight_update.build_adam(self, variables, adam_build)
 
     def backend_update_step(self, grads, trainable_variables, learning_rate):
         indices = [self._get_variable_index(v) for v in trainable_variables]
@@ -499,6 +504,7 @@ def shard_weight_updates():
             store[str(i)] = value
 
     keras.optimizers.SGD.build = build
+    keras.optimizers.Adam.build = build_adam
     module.TFOptimizer._backend_update_step = backend_update_step
     module.TFOptimizer.save_own_variables = save_own_variables
     _sharding_hooked = True

@@ -2,32 +2,40 @@
 optimizer state.
 
 `create_strategy(..., weight_update_sharding=True)` registers the strategy here; `model.fit` then
-runs Keras's `keras.optimizers.SGD` (plain, momentum or Nesterov) and the package's
-`tpu_scale.optimizers.LARS` this way, with no change to the model or the optimizer:
+runs Keras's `keras.optimizers.SGD` (plain, momentum or Nesterov), `Adam` and `AdamW` (with or
+without `amsgrad`) and the package's `tpu_scale.optimizers.LARS` this way, with no change to the
+model or the optimizer:
 
-1. every replica's local gradients are fused into one flat buffer (in the order of the optimizer's
-   variables, padded to a multiple of N);
-2. reduce-scatter: replica `i` sums the `i`-th 1/N of every replica's buffer, on its own device;
-3. replica `i` applies the update to its 1/N of the fused weights, with its 1/N of the momentum
-   (one `sharded_momentum` variable of `ceil(parameters / N)` floats per replica, instead of a
-   momentum the size of the model on every replica). LARS's per-variable trust ratios take each
-   variable's weight and gradient norms as the sum of the shards' parts (every replica adds the
-   N small vectors of per-variable squared norms); its batch-norm and bias exclusions hold;
-4. all-gather: every replica concatenates the N updated pieces and writes its copy of the weights.
+1. the optimizer's variables, flattened and laid end to end in its order, are cut into N equal
+   shards (the last padded); replica `i` owns shard `i`: pieces of the variables (a variable
+   inside one shard is one whole piece, and only the at most N - 1 variables on a boundary are
+   cut);
+2. reduce-scatter: replica `i` sums every replica's gradient over its pieces, on its own device;
+3. replica `i` applies the update to its pieces with its shard of the optimizer state (one
+   `sharded_momentum`, `sharded_velocity`, ... variable of `ceil(parameters / N)` floats per
+   replica, instead of one slot the size of the model on every replica). LARS's per-variable
+   trust ratios take each variable's weight and gradient norms as the sum of its pieces' parts;
+   its batch-norm and bias exclusions hold;
+4. all-gather: every replica writes its copy of each variable from the updated pieces that cover
+   it.
 
-All replicas share the host's memory, so steps 2 and 4 are plain ops in the step graph, as the
-torus executor builds the phases inside a host (`collectives.in_graph_groups`). Clipping and
-weight decay run as Keras runs them, before the sum, on each replica's full gradient and weights;
-gradient accumulation (`gradient_accumulation_steps`) composes with it. The result equals Keras's
-unsharded update up to float rounding (the sums are the same, in another order).
+No fused buffer is built: concatenating, padding and slicing a model-sized buffer on every replica
+would cost more memory traffic than the update saves. All replicas share the host's memory, so
+steps 2 and 4 are plain ops in the step graph, as the torus executor builds the phases inside a
+host (`collectives.in_graph_groups`). Clipping and weight decay run as Keras runs them, before the
+update, on each replica's full gradient and weights (AdamW's decoupled decay, SGD's
+`weight_decay`); LARS folds its decay into the sharded update. Gradient accumulation
+(`gradient_accumulation_steps`) composes with it. Under mixed precision the variables and the
+state are float32 (Keras's master weights). The result equals Keras's unsharded update up to float
+rounding (the same arithmetic; the sums in another order).
 
-Checkpoints hold the full state in Keras's own layout (one momentum per variable, gathered from
-the replicas), so a backup, `final.keras` and `keras.models.load_model` are the same as without
+Checkpoints hold the full state in Keras's own layout (one slot per variable, gathered from the
+replicas), so a backup, `final.keras` and `keras.models.load_model` are the same as without
 sharding, and a run resumes on any replica count, sharded or not.
 
-Scope: one host (`MirroredStrategy` of `create_strategy`), `keras.optimizers.SGD` and
-`tpu_scale.optimizers.LARS`, every trainable variable of one floating dtype with a gradient at each
-step. Anything else is a clear error; Adam/AdamW, several hosts and TPUs are not sharded yet.
+Scope: one host (`MirroredStrategy` of `create_strategy`), the optimizers above, every trainable
+variable of one floating dtype with a gradient at each step. Anything else is a clear error;
+several hosts and TPUs are not sharded yet.
 
 Reference:
   Ying et al., "Image Classification at Supercomputer Scale", 2018 (arXiv:1811.06992), section 3.2
@@ -50,20 +58,26 @@ class Sharded:
     Args:
       strategy: the strategy it was built under.
       layout: the `Layout` of its variables.
-      momentum: its `sharded_momentum` variable (one shard per replica), or None without momentum.
+      kind: `"sgd"`, `"lars"` or `"adam"`: the update rule.
+      slots: its sharded state, in Keras's order: name (`"momentum"`, `"velocity"`,
+        `"velocity_hat"`) -> a variable of `layout.shard` elements per replica.
+      groups: the slot names Keras builds together, e.g. `[["momentum", "velocity"],
+        ["velocity_hat"]]` for Adam with `amsgrad` (their saved layout interleaves them).
       lars: for LARS, `(decays, adapts)`: per variable, whether it gets weight decay and a trust
-        ratio; None for SGD.
+        ratio; None otherwise.
     """
 
-    def __init__(self, strategy, layout, momentum, lars=None):
+    def __init__(self, strategy, layout, kind, slots, groups, lars=None):
         self.strategy = strategy
         self.layout = layout
-        self.momentum = momentum
+        self.kind = kind
+        self.slots = dict(slots)
+        self.groups = [list(g) for g in groups if g]
         self.lars = lars
 
 
 def enable(strategy):
-    """Makes `model.fit` under `strategy` shard SGD's weight update (see the module docstring).
+    """Makes `model.fit` under `strategy` shard the weight update (see the module docstring).
 
     Args:
       strategy: a one-host strategy made by `create_strategy` (all replicas in this process).
@@ -82,10 +96,17 @@ def enable(strategy):
 
 
 def momentum_shards(optimizer):
-    """The `sharded_momentum` variable of a sharded SGD or LARS (one shard per replica), else
+    """The `sharded_momentum` variable of a sharded optimizer (one shard per replica), else
     None."""
     state = _states.get(optimizer)
-    return state.momentum if state is not None else None
+    return state.slots.get("momentum") if state is not None else None
+
+
+def slot_shards(optimizer):
+    """A sharded optimizer's state variables (name -> one shard per replica); {} when it is not
+    sharded."""
+    state = _states.get(optimizer)
+    return dict(state.slots) if state is not None else {}
 
 
 def is_sharded(strategy):
@@ -94,7 +115,10 @@ def is_sharded(strategy):
 
 
 class Layout:
-    """Where each variable sits in the fused buffer, and each replica's share of it.
+    """Where each variable sits in the fused order, and each replica's share of it.
+
+    The variables, flattened and laid end to end in the optimizer's order, form `total` elements;
+    replica `i` owns positions `[i * shard, (i + 1) * shard)` (the last shards are padded).
 
     Args:
       variables: the optimizer's trainable variables, in its order.
@@ -110,11 +134,17 @@ class Layout:
         self.shard = -(-self.total // num_shards)
         self.padding = self.shard * num_shards - self.total
 
-    def segments(self):
-        """Per shard, the index of the variable each element belongs to (padding: the count)."""
-        owner = np.repeat(np.arange(len(self.sizes)), self.sizes)
-        owner = np.concatenate([owner, np.full(self.padding, len(self.sizes))])
-        return owner.reshape(self.num_shards, self.shard).astype(np.int32)
+    def pieces(self, i):
+        """Shard `i` as `(variable, start, end, offset)`: elements `[start, end)` of the flattened
+        variable sit at `offset` in the shard."""
+        first, last = i * self.shard, min((i + 1) * self.shard, self.total)
+        out = []
+        for var, (a, b) in enumerate(zip(self.offsets[:-1], self.offsets[1:])):
+            if b <= first or a >= last or a == b:
+                continue
+            start, end = max(first, a), min(last, b)
+            out.append((var, start - a, end - a, start - first))
+        return out
 
     def split(self, flat):
         """The per-variable pieces of a flat numpy buffer (at least `total` long)."""
@@ -125,8 +155,17 @@ class Layout:
 
 
 # --------------------------------------------------------------------------- what the Keras hooks
-# call (`keras_hook.shard_weight_updates` wraps SGD's `build` and the optimizer's update, save and
-# load)
+# call (`keras_hook.shard_weight_updates` wraps SGD's and Adam's `build` and the optimizer's
+# update, save and load)
+
+
+def _add_slots(optimizer, layout, variables, names):
+    return {
+        name: optimizer.add_variable(
+            (layout.shard,), dtype=variables[0].dtype, name=f"sharded_{name}"
+        )
+        for name in names
+    }
 
 
 def build_sgd(optimizer, variables, sgd_build):
@@ -148,12 +187,29 @@ def build_sgd(optimizer, variables, sgd_build):
     finally:
         optimizer.momentum = momentum
     layout = Layout(variables, strategy.num_replicas_in_sync)
-    shards = None
-    if momentum:
-        shards = optimizer.add_variable(
-            (layout.shard,), dtype=variables[0].dtype, name="sharded_momentum"
-        )
-    _states[optimizer] = Sharded(strategy, layout, shards)
+    slots = _add_slots(optimizer, layout, variables, ["momentum"] if momentum else [])
+    _states[optimizer] = Sharded(strategy, layout, "sgd", slots, [list(slots)])
+
+
+def build_adam(optimizer, variables, adam_build):
+    """Adam's (and AdamW's) `build` under a sharded strategy: its momentums and velocities (and
+    velocity hats with `amsgrad`) as one shard per replica instead of one per variable.
+
+    Args:
+      optimizer: a `keras.optimizers.Adam` or `AdamW`.
+      variables: its trainable variables.
+      adam_build: Keras's own `Adam.build`.
+    """
+    strategy = tf.distribute.get_strategy()
+    if optimizer.built or not is_sharded(strategy):
+        return adam_build(optimizer, variables)
+    _check_variables(variables)
+    super(keras.optimizers.Adam, optimizer).build(variables)  # Keras's base state only
+    layout = Layout(variables, strategy.num_replicas_in_sync)
+    names = ["momentum", "velocity"] + (["velocity_hat"] if optimizer.amsgrad else [])
+    slots = _add_slots(optimizer, layout, variables, names)
+    optimizer._momentums, optimizer._velocities = [], []
+    _states[optimizer] = Sharded(strategy, layout, "adam", slots, [names[:2], names[2:]])
 
 
 def build_lars(optimizer, variables, decays, adapts):
@@ -171,10 +227,10 @@ def build_lars(optimizer, variables, decays, adapts):
         return False
     _check_variables(variables)
     layout = Layout(variables, strategy.num_replicas_in_sync)
-    shards = optimizer.add_variable(
-        (layout.shard,), dtype=variables[0].dtype, name="sharded_momentum"
+    slots = _add_slots(optimizer, layout, variables, ["momentum"])
+    _states[optimizer] = Sharded(
+        strategy, layout, "lars", slots, [["momentum"]], lars=(list(decays), list(adapts))
     )
-    _states[optimizer] = Sharded(strategy, layout, shards, lars=(list(decays), list(adapts)))
     return True
 
 
@@ -199,11 +255,34 @@ def update(optimizer, grads, variables, indices, learning_rate):
 
 
 def full_state(optimizer):
-    """The optimizer's variables as numpy arrays in Keras's unsharded SGD layout, or None when it
-    is not sharded."""
+    """The optimizer's variables as numpy arrays in Keras's unsharded layout, or None when it is
+    not sharded."""
     if optimizer not in _states:
         return None
-    return _full_state(optimizer)
+    state = _states[optimizer]
+    values = []
+    for item in _keras_layout(optimizer, state):
+        if isinstance(item, list):  # slots built together: Keras interleaves them per variable
+            pieces = [state.layout.split(_gathered(state.strategy, v)) for v in item]
+            values.extend(p for per_variable in zip(*pieces) for p in per_variable)
+        else:
+            values.append(keras.ops.convert_to_numpy(item))
+    return values
+
+
+def _keras_layout(optimizer, state):
+    """The optimizer's variables in order, each group of sharded slots as one list where its
+    first member stands (Keras's `add_optimizer_variables` interleaves a group's slots per
+    variable: momentum, velocity, momentum, velocity, ...)."""
+    groups = {id(state.slots[g[0]]): [state.slots[n] for n in g] for g in state.groups}
+    members = {id(state.slots[n]) for g in state.groups for n in g}
+    out = []
+    for variable in optimizer.variables:
+        if id(variable) in groups:
+            out.append(groups[id(variable)])
+        elif id(variable) not in members:
+            out.append(variable)
+    return out
 
 
 def _check_variables(variables):
@@ -215,18 +294,6 @@ def _check_variables(variables):
         )
 
 
-def _full_state(optimizer):
-    """The optimizer's variables as numpy arrays, in Keras's unsharded SGD layout."""
-    state = _states[optimizer]
-    values = []
-    for variable in optimizer.variables:
-        if variable is state.momentum:
-            values.extend(state.layout.split(_gathered(state.strategy, variable)))
-        else:
-            values.append(keras.ops.convert_to_numpy(variable))
-    return values
-
-
 def _gathered(strategy, variable):
     """Every replica's shard of `variable`, concatenated in replica order."""
     parts = strategy.experimental_local_results(variable.value)
@@ -234,7 +301,7 @@ def _gathered(strategy, variable):
 
 
 def load_full_state(optimizer, store):
-    """Loads Keras's unsharded SGD layout into a sharded optimizer; False if it is not sharded.
+    """Loads Keras's unsharded layout into a sharded optimizer; False if it is not sharded.
 
     Args:
       optimizer: the optimizer `load_own_variables` was called on.
@@ -249,28 +316,28 @@ def load_full_state(optimizer, store):
     state = _states.get(optimizer)
     if state is None:
         return False
-    layout, sharded = state.layout, state.momentum
-    expected = len(optimizer.variables) - 1 + len(layout.sizes) if sharded is not None else None
-    expected = expected or len(optimizer.variables)
+    layout = state.layout
+    count = len(layout.sizes)
+    expected = len(optimizer.variables) + len(state.slots) * (count - 1)
     if len(store.keys()) != expected:
         raise ValueError(
             f"The saved optimizer state holds {len(store.keys())} variables; this sharded "
             f"{type(optimizer).__name__} expects {expected} (Keras's layout for its "
-            f"{len(layout.sizes)} trainable variables). Load a checkpoint of the same model and "
-            "optimizer."
+            f"{count} trainable variables). Load a checkpoint of the same model and optimizer."
         )
     index = 0
-    for variable in optimizer.variables:
-        if variable is sharded:
-            pieces = [np.reshape(store[str(index + j)], [-1]) for j in range(len(layout.sizes))]
-            index += len(layout.sizes)
+    for item in _keras_layout(optimizer, state):
+        if not isinstance(item, list):
+            item.assign(store[str(index)])
+            index += 1
+            continue
+        for k, variable in enumerate(item):
+            pieces = [np.reshape(store[str(index + j * len(item) + k)], [-1]) for j in range(count)]
             flat = np.concatenate(pieces + [np.zeros(layout.padding, pieces[0].dtype)])
             parts = state.strategy.experimental_local_results(variable.value)
             for i, part in enumerate(parts):
                 part.assign(flat[i * layout.shard : (i + 1) * layout.shard])
-        else:
-            variable.assign(store[str(index)])
-            index += 1
+        index += count * len(item)
     return True
 
 
@@ -283,7 +350,7 @@ def _sharded_update(optimizer, ctx, grads, variables, indices, learning_rate):
     if state is None:
         raise ValueError(
             "weight_update_sharding=True supports keras.optimizers.SGD (plain, momentum or "
-            "Nesterov) and tpu_scale.optimizers.LARS; got "
+            "Nesterov), Adam, AdamW and tpu_scale.optimizers.LARS; got "
             f"{type(optimizer).__name__}. Create the strategy with "
             "weight_update_sharding=False for other optimizers, or create the optimizer under "
             "the strategy's scope."
@@ -294,130 +361,157 @@ def _sharded_update(optimizer, ctx, grads, variables, indices, learning_rate):
             "weight_update_sharding=True needs a gradient for every trainable variable at every "
             "step; some had none (Keras warned which). Freeze them (trainable=False) instead."
         )
-    flat = tf.concat([tf.reshape(tf.convert_to_tensor(g), [-1]) for g in grads], 0)
-    flat = tf.pad(flat, [[0, layout.padding]])
+    grads = [tf.reshape(tf.convert_to_tensor(g), [-1]) for g in grads]
     values = [v.value if isinstance(v, keras.Variable) else v for v in variables]
-    ctx.merge_call(_update_in_graph, args=(optimizer, state, flat, values, learning_rate))
+    ctx.merge_call(_update_in_graph, args=(optimizer, state, grads, values, learning_rate))
 
 
-def _update_in_graph(strategy, optimizer, state, flat, variables, learning_rate):
-    """Reduce-scatter, sharded SGD, all-gather: plain ops on each replica's device."""
-    layout = state.layout
-    size = layout.shard
-    grads = strategy.experimental_local_results(flat)
-    copies = [strategy.experimental_local_results(v) for v in variables]
-    momentums = None
-    if state.momentum is not None:
-        momentums = strategy.experimental_local_results(state.momentum.value)
-    devices = strategy.extended.worker_devices
-    grads = [_grad_shard(grads, i, size, d) for i, d in enumerate(devices)]
-    weights = [_on(d, lambda i=i: _shard_of(copies, i, layout)) for i, d in enumerate(devices)]
-    if state.lars is not None:
-        shards = _lars(optimizer, state, grads, weights, momentums, devices, learning_rate)
-    else:
-        shards = []
-        for i, device in enumerate(devices):
-            with tf.device(device):
-                w, grad = weights[i], tf.cast(grads[i], weights[i].dtype)
-                rate = tf.cast(learning_rate, w.dtype)
-                if momentums is None:
-                    w = w - rate * grad
-                else:
-                    decay = tf.cast(optimizer.momentum, w.dtype)
-                    momentum = decay * momentums[i] - rate * grad
-                    momentums[i].assign(momentum)
-                    step = decay * momentum - rate * grad if optimizer.nesterov else momentum
-                    w = w + step
-                shards.append(w)
-    # All-gather: each replica writes each variable from the pieces of the shards it spans (no
-    # copy of the whole fused buffer per replica).
-    bounds = zip(layout.offsets[:-1], layout.offsets[1:])
-    pieces = [_pieces(shards, a, b, layout.shard) for a, b in bounds]
-    for i, device in enumerate(devices):
-        with tf.device(device):
-            for copy, parts, shape in zip(copies, pieces, layout.shapes):
-                value = parts[0] if len(parts) == 1 else tf.concat(parts, 0)
-                copy[i].assign(tf.reshape(value, shape))
+def _part(flat, a, b, size):
+    """`flat[a:b]`, without an op when it is all of `flat` (`size` long)."""
+    return flat if (a, b) == (0, size) else flat[a:b]
 
 
-def _pieces(shards, a, b, size):
-    """The slices of `shards` (each `size` long, in order) that cover fused positions [a, b)."""
-    parts = []
-    for j in range(a // size, (b - 1) // size + 1):
-        start, end = max(a, j * size) - j * size, min(b, (j + 1) * size) - j * size
-        parts.append(shards[j][start:end])
-    return parts
+def _update_in_graph(strategy, optimizer, state, grads, variables, learning_rate):
+    """Reduce-scatter, the sharded update, all-gather: plain ops on each replica's device.
 
-
-def _on(device, fn):
-    with tf.device(device):
-        return fn()
-
-
-def _grad_shard(grads, i, size, device):
-    """Reduce-scatter: replica `i` sums the `i`-th piece of every replica's fused gradient."""
-    with tf.device(device):
-        return tf.add_n([g[i * size : (i + 1) * size] for g in grads])
-
-
-def _lars(optimizer, state, grads, weights, momentums, devices, learning_rate):
-    """LARS on each replica's shard; the per-variable norms are group sums of the shards' parts.
-
-    Returns:
-      The updated weight shards, one per replica.
+    Each shard is a list of pieces of variables (a variable inside one shard is one piece, whole);
+    the update runs piece by piece, so no fused buffer is ever built: a whole variable's gradient
+    is summed straight from the replicas' gradients, and its updated value is written to every
+    replica's copy as it is.
     """
     layout = state.layout
-    decays, adapts = state.lars
-    count = len(layout.sizes)
-    dtype = weights[0].dtype
-    segments = layout.segments()  # per shard: the variable of each element (count = padding)
-    partial = []
+    devices = strategy.extended.worker_devices
+    grads = [[tf.reshape(g, [-1]) for g in strategy.experimental_local_results(x)] for x in grads]
+    copies = [strategy.experimental_local_results(v) for v in variables]
+    slots = {name: strategy.experimental_local_results(v.value) for name, v in state.slots.items()}
+    shards = []  # per replica: its pieces
     for i, device in enumerate(devices):
         with tf.device(device):
-            grad = tf.cast(grads[i], dtype)
-            ids = tf.constant(segments[i])
-            partial.append(
-                tf.stack(
-                    [
-                        tf.math.unsorted_segment_sum(tf.square(weights[i]), ids, count + 1),
-                        tf.math.unsorted_segment_sum(tf.square(grad), ids, count + 1),
-                    ]
+            shard = []
+            for var, a, b, offset in layout.pieces(i):
+                size = layout.sizes[var]
+                weight = _part(tf.reshape(copies[var][i], [-1]), a, b, size)
+                grad = tf.add_n([_part(g, a, b, size) for g in grads[var]])
+                shard.append(
+                    _Piece(
+                        var,
+                        weight,
+                        tf.cast(grad, weight.dtype),
+                        {name: s[i][offset : offset + b - a] for name, s in slots.items()},
+                    )
                 )
-            )
-    shards = []
-    wd_flags = np.array([bool(d) for d in decays] + [False])
-    adapt_flags = np.array([bool(a) for a in adapts] + [False])
+            shards.append(shard)
+    if state.kind == "lars":
+        _lars_scales(optimizer, state, shards, devices, learning_rate)
     for i, device in enumerate(devices):
         with tf.device(device):
-            sums = tf.add_n(partial)  # every shard's part of each variable's squared norms
-            w_norm, g_norm = tf.sqrt(sums[0]), tf.sqrt(sums[1])
-            weight_decay = tf.where(wd_flags, tf.cast(optimizer.weight_decay, dtype), 0.0)
-            usable = tf.logical_and(w_norm > 0.0, g_norm > 0.0)
-            denominator = tf.where(usable, g_norm + weight_decay * w_norm, 1.0)
-            trust = tf.where(
-                tf.logical_and(adapt_flags, usable),
-                tf.cast(optimizer.eta, dtype) * w_norm / denominator,
-                1.0,
-            )
-            ids = tf.constant(segments[i])
-            grad = tf.cast(grads[i], dtype)
-            update = grad + tf.gather(weight_decay, ids) * weights[i]
-            rate = tf.cast(learning_rate, dtype) * tf.gather(trust, ids)
-            velocity = momentums[i] * tf.cast(optimizer.momentum, dtype) + update * rate
-            momentums[i].assign(velocity)
-            shards.append(weights[i] - velocity)
-    return shards
+            for piece in shards[i]:
+                _UPDATES[state.kind](optimizer, piece, learning_rate)
+            for name, s in slots.items():
+                new = [p.slots[name] for p in shards[i]]
+                tail = layout.shard - sum(int(p.weight.shape[0]) for p in shards[i])
+                if tail:
+                    new.append(tf.zeros([tail], s[i].dtype))
+                s[i].assign(new[0] if len(new) == 1 else tf.concat(new, 0))
+    # All-gather: every replica writes each variable from the updated pieces that cover it.
+    parts = [[] for _ in layout.sizes]
+    for i, device in enumerate(devices):
+        for piece in shards[i]:
+            parts[piece.var].append((device, piece.weight))
+    for var, pieces in enumerate(parts):
+        with tf.device(pieces[0][0]):
+            value = pieces[0][1] if len(pieces) == 1 else tf.concat([p for _, p in pieces], 0)
+            value = tf.reshape(value, layout.shapes[var])
+        for i, device in enumerate(devices):
+            with tf.device(device):
+                copies[var][i].assign(value)
 
 
-def _shard_of(copies, i, layout):
-    """Replica `i`'s 1/N of the fused weights, read from its own copies of the variables."""
-    size = layout.shard
-    start, end = i * size, min((i + 1) * size, layout.total)
-    pieces = []
-    for copy, a, b in zip(copies, layout.offsets[:-1], layout.offsets[1:]):
-        if b <= start or a >= end:
-            continue
-        flat = tf.reshape(copy[i], [-1])
-        pieces.append(flat[max(start, a) - a : min(end, b) - a])
-    pieces.append(tf.zeros([(i + 1) * size - max(end, start)], copies[0][i].dtype))
-    return tf.concat(pieces, 0)
+class _Piece:
+    """One variable's piece in one shard: its weights, summed gradient and optimizer slots
+    (tensors, replaced by their updated values), and for LARS its learning-rate scale."""
+
+    def __init__(self, var, weight, grad, slots):
+        self.var = var
+        self.weight = weight
+        self.grad = grad
+        self.slots = slots
+        self.scale = None
+        self.decay = None
+
+
+def _sgd(optimizer, piece, learning_rate):
+    w, grad = piece.weight, piece.grad
+    rate = tf.cast(learning_rate, w.dtype)
+    if "momentum" not in piece.slots:
+        piece.weight = w - rate * grad
+        return
+    decay = tf.cast(optimizer.momentum, w.dtype)
+    momentum = decay * piece.slots["momentum"] - rate * grad
+    piece.slots["momentum"] = momentum
+    step = decay * momentum - rate * grad if optimizer.nesterov else momentum
+    piece.weight = w + step
+
+
+def _lars_scales(optimizer, state, shards, devices, learning_rate):
+    """Each piece's LARS learning rate and decay: the per-variable norms are group sums of the
+    pieces' squared norms (a variable split across shards adds its pieces' parts)."""
+    decays, adapts = state.lars
+    dtype = shards[0][0].weight.dtype if shards[0] else state.slots["momentum"].dtype
+    partial = [[] for _ in decays]  # per variable: (weight, gradient) squared norms of its pieces
+    for i, device in enumerate(devices):
+        with tf.device(device):
+            for piece in shards[i]:
+                if adapts[piece.var]:
+                    partial[piece.var].append(
+                        (
+                            tf.reduce_sum(tf.square(piece.weight)),
+                            tf.reduce_sum(tf.square(piece.grad)),
+                        )
+                    )
+    weight_decay = tf.cast(optimizer.weight_decay, dtype)
+    for i, device in enumerate(devices):
+        with tf.device(device):
+            rate = tf.cast(learning_rate, dtype)
+            for piece in shards[i]:
+                decay = weight_decay if decays[piece.var] else tf.zeros([], dtype)
+                piece.decay = decay
+                piece.scale = rate
+                if not adapts[piece.var]:
+                    continue
+                parts = partial[piece.var]
+                w_norm = tf.sqrt(tf.add_n([w for w, _ in parts]))
+                g_norm = tf.sqrt(tf.add_n([g for _, g in parts]))
+                usable = tf.logical_and(w_norm > 0.0, g_norm > 0.0)
+                denominator = tf.where(usable, g_norm + decay * w_norm, 1.0)
+                trust = tf.where(usable, tf.cast(optimizer.eta, dtype) * w_norm / denominator, 1.0)
+                piece.scale = rate * trust
+
+
+def _lars(optimizer, piece, learning_rate):
+    w, dtype = piece.weight, piece.weight.dtype
+    update = piece.grad + piece.decay * w
+    velocity = piece.slots["momentum"] * tf.cast(optimizer.momentum, dtype) + update * piece.scale
+    piece.slots["momentum"] = velocity
+    piece.weight = w - velocity
+
+
+def _adam(optimizer, piece, learning_rate):
+    # Keras's own arithmetic (`keras.optimizers.Adam.update_step`), constants included.
+    w, grad, dtype = piece.weight, piece.grad, piece.weight.dtype
+    rate = tf.cast(learning_rate, dtype)
+    step = tf.cast(optimizer.iterations + 1, dtype)
+    beta_1_power = tf.pow(tf.cast(optimizer.beta_1, dtype), step)
+    beta_2_power = tf.pow(tf.cast(optimizer.beta_2, dtype), step)
+    alpha = rate * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)
+    m, v = piece.slots["momentum"], piece.slots["velocity"]
+    m = m + (grad - m) * tf.cast(1 - optimizer.beta_1, dtype)
+    v = v + (tf.square(grad) - v) * tf.cast(1 - optimizer.beta_2, dtype)
+    piece.slots["momentum"], piece.slots["velocity"] = m, v
+    if "velocity_hat" in piece.slots:
+        v = tf.maximum(piece.slots["velocity_hat"], v)
+        piece.slots["velocity_hat"] = v
+    piece.weight = w - (m * alpha) / (tf.sqrt(v) + tf.cast(optimizer.epsilon, dtype))
+
+
+_UPDATES = {"sgd": _sgd, "lars": _lars, "adam": _adam}
