@@ -211,11 +211,11 @@ def discover(tpu=None, cluster_resolver=None, environ=None):
         if tpu is not None:
             raise ValueError("Give create_strategy tpu= or cluster_resolver=, not both.")
         if _is_tpu_resolver(cluster_resolver):
-            return Cluster("tpu", 1, "the TPUClusterResolver given", resolver=cluster_resolver)
+            return Cluster("tpu", 1, "a TPUClusterResolver", resolver=cluster_resolver)
         spec = cluster_resolver.cluster_spec().as_dict()
         workers = sum(len(spec.get(job, [])) for job in _MULTI_WORKER_JOBS)
         name = type(cluster_resolver).__name__
-        return Cluster("cluster_resolver", workers, f"the {name} given", resolver=cluster_resolver)
+        return Cluster("cluster_resolver", workers, f"a {name}", resolver=cluster_resolver)
 
     tpu_from = "tpu=" if tpu is not None else "TPU_NAME"
     tpu = tpu if tpu is not None else (environ.get("TPU_NAME") or None)
@@ -233,19 +233,19 @@ def discover(tpu=None, cluster_resolver=None, environ=None):
             "the one that does not describe this run (or pass cluster_resolver= to choose)."
         )
     if tpu is not None:
-        return Cluster("tpu", 1, f"TPU {tpu!r} ({tpu_from})", tpu=tpu)
+        return Cluster("tpu", 1, f"{tpu!r} from {tpu_from}", tpu=tpu)
     if workers > 1:
         import tensorflow as tf
 
         resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
         task = f"{resolver.task_type} {resolver.task_id}"
-        return Cluster("TF_CONFIG", workers, f"TF_CONFIG, task {task}", resolver=resolver)
+        return Cluster("TF_CONFIG", workers, f"task {task}", resolver=resolver)
     if tasks > 1:
         resolver = slurm_resolver(environ)
         resolver.cluster_spec()  # sets the task type and index
         description = (
-            f"Slurm step of {tasks} tasks (SLURM_PROCID {environ['SLURM_PROCID']}, nodes "
-            f"{environ['SLURM_STEP_NODELIST']}), task {resolver.task_type} {resolver.task_id}"
+            f"a step of {tasks} tasks on {environ['SLURM_STEP_NODELIST']}, SLURM_PROCID "
+            f"{environ['SLURM_PROCID']}: task {resolver.task_type} {resolver.task_id}"
         )
         return Cluster("Slurm", tasks, description, resolver=resolver)
     return Cluster("local", 1, "this host alone")
