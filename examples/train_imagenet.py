@@ -11,12 +11,12 @@ folder (nothing is downloaded) and trains a small ResNet on 8 virtual CPU replic
 
     python examples/train_imagenet.py
 
-Your own images (a folder with one sub-folder of images per class): the writer splits off a
-validation set and writes a label map (labels.json) with the classes and counts. On a CPU host
-this run then trains on one replica, the fastest layout there (benchmarks/cpu_layout.py):
+Your own images (a folder with one sub-folder of images per class): the first start converts them
+to records in the run's folder (records/, reused when the run resumes), with a validation split and
+a label map (labels.json) of the classes and counts. On a CPU host the run trains on one replica,
+the fastest layout there (benchmarks/cpu_layout.py):
 
-    python -m tpu_scale.data.write_tfrecords --image_dir ~/flowers --output_dir ~/flowers_records
-    python examples/train_imagenet.py --data_dir ~/flowers_records --model_dir ~/flowers_run
+    python examples/train_imagenet.py --image_dir ~/flowers --model_dir ~/flowers_run
 
 --model_dir keeps the run: checkpoints of the newest --keep_checkpoints epochs, TensorBoard logs,
 the backup it resumes from, final.keras (read it with `tpu_scale.models.load_model`), run.json and
@@ -76,6 +76,7 @@ class TrainConfig:
     """The run's settings, one per command-line flag; the defaults are the CPU default run."""
 
     tpu: Optional[str] = flag(None, "TPU name or address, or 'local' on a TPU VM.")
+    image_dir: Optional[str] = flag(None, "Folder of class folders of images (converted once).")
     data_dir: Optional[str] = flag(None, "Folder of TFRecords (train-*, validation-*).")
     tfds_name: Optional[str] = flag(None, "A TFDS dataset (e.g. imagenet2012) instead.")
     tfds_data_dir: Optional[str] = flag(None, "TFDS data directory.")
@@ -116,7 +117,7 @@ class TrainConfig:
 
 # What decides how a run trains: a resumed run names each of these that changed.
 TRAINING_SETTINGS = (
-    "data_dir tfds_name model image_size num_classes global_batch_size mixed_precision "
+    "image_dir data_dir tfds_name model image_size num_classes global_batch_size mixed_precision "
     "input_dtype num_cpu_replicas mesh_shape bn_group_size optimizer augmentation "
     "gradient_accumulation_steps weight_update_sharding "
     "peak_learning_rate warmup_epochs weight_decay label_smoothing"
@@ -139,8 +140,13 @@ def check_flags(config):
         value = getattr(config, name)
         if value not in allowed.split() and not (name == "optimizer" and value is None):
             raise ValueError(f"--{name}={value!r}: choose {' or '.join(allowed.split())}.")
-    if config.data_dir and config.tfds_name:
-        raise ValueError("Give --data_dir or --tfds_name, not both.")
+    if sum(bool(v) for v in (config.image_dir, config.data_dir, config.tfds_name)) > 1:
+        raise ValueError("Give one of --image_dir, --data_dir and --tfds_name.")
+    if config.image_dir and (config.tpu or os.environ.get("TF_CONFIG")):
+        raise ValueError(
+            "--image_dir converts the images on this host; for a TPU or several workers convert "
+            "them once (python -m tpu_scale.data.write_tfrecords) and pass --data_dir."
+        )
     replicas = 1 if config.num_cpu_replicas is None else config.num_cpu_replicas
     if min(config.epochs, config.global_batch_size, replicas) < 1:
         raise ValueError("--epochs, --global_batch_size and --num_cpu_replicas must be at least 1.")
@@ -168,7 +174,7 @@ def train(config, extra_callbacks=()):
     start = time.perf_counter()
     config = dataclasses.replace(config)
     check_flags(config)
-    synthetic = not (config.data_dir or config.tfds_name)
+    synthetic = not (config.image_dir or config.data_dir or config.tfds_name)
     if config.num_cpu_replicas is None:
         # The generated data show the 2x4 mesh; on a user's data one replica trains fastest on a
         # CPU host, where TensorFlow already spreads each operation over the cores.
@@ -218,6 +224,13 @@ def train(config, extra_callbacks=()):
 
         # ---- data: the records (or a generated dataset), their counts, exact evaluation
         data_dir = config.data_dir
+        if config.image_dir:  # converted on the first start, into the run's folder
+            data_dir = data.image_folder_records(
+                config.image_dir,
+                os.path.join(model_dir, "records"),
+                seed=config.seed,
+                strict=config.strict,
+            )
         if synthetic:
             data_dir = tempfile.mkdtemp(prefix="tpu_scale_synthetic_")
             cleanup.callback(shutil.rmtree, data_dir, ignore_errors=True)

@@ -1,11 +1,11 @@
 """A new user's path, end to end, on real images the package did not make: scikit-learn's digits.
 
 A folder of class folders (JPEGs and PNGs, with a truncated JPEG, a text file named .jpg and a .txt
-among them) -> `python -m tpu_scale.data.write_tfrecords --image_dir DIR --output_dir OUT` ->
-`python examples/train_imagenet.py --data_dir OUT ... --num_cpu_replicas 2`, killed after its
-second epoch and run again with the same command: it resumes, finishes, reaches a top-1 well above
-chance and names its outputs; a third run of the same command says the run is finished and trains
-nothing.
+among them) -> `python examples/train_imagenet.py --image_dir DIR --model_dir RUN ...
+--num_cpu_replicas 2`, which converts the folder (naming the files it skips), is killed after its
+second epoch and run again with the same command: it resumes on the records its first start wrote,
+finishes, reaches a top-1 well above chance and names its outputs; a third run of the same command
+says the run is finished and trains nothing.
 """
 
 import os
@@ -37,7 +37,7 @@ def readme_evaluation(model_path, records, image_size):
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     for old, new in [
         ('"~/flowers_run/final.keras"', repr(model_path)),
-        ('"~/flowers_records/validation-*"', repr(os.path.join(records, "validation-*"))),
+        ('"~/flowers_run/records/validation-*"', repr(os.path.join(records, "validation-*"))),
         ("image_size=64", f"image_size={image_size}"),
     ]:
         assert old in code, f"the README's evaluation no longer contains {old!r}"
@@ -45,12 +45,12 @@ def readme_evaluation(model_path, records, image_size):
     return code
 
 
-def _train_command(records, model_dir):
+def _train_command(images, model_dir):
     return [
         sys.executable,
         EXAMPLE,
-        "--data_dir",
-        records,
+        "--image_dir",
+        images,
         "--image_size",
         "16",
         "--model_dir",
@@ -90,51 +90,31 @@ def _kill_after(command, pattern, timeout, log_path):
 
 
 @pytest.fixture(scope="module")
-def records(tmp_path_factory):
-    images = str(tmp_path_factory.mktemp("digits"))
-    count = write_digits_folder(images)
-    out = str(tmp_path_factory.mktemp("records"))
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tpu_scale.data.write_tfrecords",
-            "--image_dir",
-            images,
-            "--output_dir",
-            out,
-        ],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return out, count, done.stdout
+def images(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("digits"))
+    return folder, write_digits_folder(folder)
 
 
-def test_the_writer_reports_what_it_skipped(records):
-    out, count, report = records
-    assert "cut_off.jpg" in report and "not_an_image.jpg" in report and "notes.txt" in report
+def test_interrupted_training_resumes_and_learns(images, tmp_path):
+    folder, count = images
+    model_dir = str(tmp_path / "run")
+    out = os.path.join(model_dir, "records")
+    command = _train_command(folder, model_dir)
+    first = _kill_after(command, r"epoch 2/10:", 600, str(tmp_path / "first.log"))
+    assert "epoch 2/10:" in first, first[-3000:]
+    # The folder's conversion named what it skipped, and stored every real digit.
+    assert "cut_off.jpg" in first and "not_an_image.jpg" in first and "notes.txt" in first
     from tpu_scale.data import read_label_map
 
     label_map = read_label_map(out)
-    assert label_map.num_classes == 10
     assert label_map.class_names == tuple(f"digit_{i}" for i in range(10))
-    assert sum(label_map.counts.values()) == count  # every real digit, none of the broken files
+    assert sum(label_map.counts.values()) == count
     assert label_map.counts["validation"] == pytest.approx(0.1 * count, abs=10)
-
-
-def test_interrupted_training_resumes_and_learns(records, tmp_path):
-    out, _, _ = records
-    model_dir = str(tmp_path / "run")
-    command = _train_command(out, model_dir)
-    first = _kill_after(command, r"epoch 2/10:", 600, str(tmp_path / "first.log"))
-    assert "epoch 2/10:" in first, first[-3000:]
 
     second = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=900)
     text = second.stdout + second.stderr
     assert second.returncode == 0, text[-4000:]
+    assert f"written earlier to {out}" in text  # the first start's records, not converted again
     assert "Resuming from the backup after epoch 2 of 10" in text
     assert "epoch 1/10:" not in text and "epoch 10/10:" in text
     top_1 = float(re.search(r"top-1 ([0-9.]+) \(chance 0.1000\)", text).group(1))
@@ -157,9 +137,7 @@ def test_interrupted_training_resumes_and_learns(records, tmp_path):
     found = re.search(r"top-1 ([0-9.]+) on (\d+) validation images", evaluation.stdout)
     assert found, evaluation.stdout
     evaluated, total = float(found.group(1)), int(found.group(2))
-    from tpu_scale.data import read_label_map
-
-    assert total == read_label_map(out).counts["validation"]
+    assert total == label_map.counts["validation"]
     assert abs(evaluated - top_1) <= 1 / total + 1e-4, (evaluated, total, top_1)
     assert f"final model: {os.path.join(model_dir, 'final.keras')}" in text
     assert len(os.listdir(os.path.join(model_dir, "checkpoints"))) == 3

@@ -500,3 +500,21 @@ def test_exif_rotated_photos_are_stored_upright(tmp_path, orientation):
     elif got.shape == np.asarray(photo).shape:
         # ...and far from the pixels as stored (a mirror or a half turn of a photograph).
         assert np.abs(got.astype(int) - np.asarray(photo).astype(int)).mean() > 20.0
+
+
+def test_image_folder_records_converts_once_and_names_the_skipped_files(tmp_path, caplog):
+    from tpu_scale import data
+
+    image_dir = tmp_path / "images"
+    write_digit_folders(str(image_dir), indices=range(30))
+    records = str(tmp_path / "run" / "records")
+    with caplog.at_level("INFO"):
+        assert data.image_folder_records(str(image_dir), records) == records
+    assert "cut_in_half.jpg" in caplog.text  # the conversion's report, in the run's log
+    label_map = os.path.join(records, "labels.json")
+    written = os.stat(label_map).st_mtime_ns
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        assert data.image_folder_records(str(image_dir), records) == records
+    assert os.stat(label_map).st_mtime_ns == written  # a resumed run reads the first records
+    assert "written earlier" in caplog.text and "cut_in_half.jpg" not in caplog.text

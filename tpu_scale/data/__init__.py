@@ -3,6 +3,7 @@
 ImageNetInput            the train / eval pipeline (`.dataset(input_context)`, `.from_tfds`)
 SyntheticImageNetInput   random batches with no I/O (the input-free bound of a step)
 write_tfrecords          class folders of images -> train/validation TFRecords + labels.json
+image_folder_records     the same, converted on a training script's first start, reused after
 read_label_map           the label map next to the shards: classes, label offset, counts
 records_inputs           a folder of records (or TFDS) -> train / validation inputs and counts
 exact_evaluation         the distributed evaluation that counts every example once
@@ -26,6 +27,7 @@ _PUBLIC = {
     "SyntheticImageNetInput": "tpu_scale.data.synthetic",
     "make_synthetic_imagenet": "tpu_scale.data.synthetic",
     "write_tfrecords": "tpu_scale.data.write_tfrecords",
+    "image_folder_records": "tpu_scale.data.write_tfrecords",
     "TFRecordSummary": "tpu_scale.data.write_tfrecords",
     "SkippedRecordsLogger": "tpu_scale.data.bad_records",
     "RecordInputs": "tpu_scale.data.records",
@@ -48,6 +50,7 @@ __all__ = [
     "TFRecordSummary",
     "evaluation_steps",
     "exact_evaluation",
+    "image_folder_records",
     "image_ops",
     "make_synthetic_imagenet",
     "read_label_map",

@@ -284,6 +284,8 @@ def _refuse_image_folder(data_dir, train_pattern):
             records = data_dir.rstrip("/") + "_records"
             raise ValueError(
                 f"data_dir {data_dir} holds folders of images (e.g. {name.rstrip('/')}/), not "
-                "TFRecords. Convert them first: python -m tpu_scale.data.write_tfrecords "
-                f"--image_dir {data_dir} --output_dir {records}, then train on {records}."
+                f"TFRecords. Train on them as they are (examples/train_imagenet.py --image_dir "
+                f"{data_dir}; data.image_folder_records in a script), or convert them once: "
+                f"python -m tpu_scale.data.write_tfrecords --image_dir {data_dir} --output_dir "
+                f"{records}, then train on {records}."
             )

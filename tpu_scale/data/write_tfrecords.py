@@ -480,6 +480,43 @@ def write_tfrecords(
     )
 
 
+def image_folder_records(
+    image_dir: str, records_dir: str, *, seed: int = 0, strict: bool = False
+) -> str:
+    """The records of a folder of class folders of images, converted on first use.
+
+    The training script's path from a user's own images: `write_tfrecords` with its defaults
+    (a stratified 10% validation split) into `records_dir`, its report logged (every skipped file
+    named); a `records_dir` that already holds a finished conversion (its `labels.json` written) is
+    used as it is, so a resumed run reads the records its first start wrote. Delete `records_dir`
+    to convert the folder again.
+
+    Args:
+      image_dir: a folder with one sub-folder of images per class.
+      records_dir: the folder of the records (created).
+      seed: seed of the validation split and the shuffles.
+      strict: fail, naming them, instead of skipping files that are not usable images.
+
+    Returns:
+      `records_dir`, for `records_inputs(records_dir, ...)` or `ImageNetInput`.
+
+    Raises:
+      ValueError: as `write_tfrecords` does (no class folders, no usable image, ...).
+    """
+    from absl import logging
+
+    if tf.io.gfile.exists(os.path.join(records_dir, LABEL_MAP_FILE)):
+        logging.info(
+            f"Reading the records of {image_dir} written earlier to {records_dir} (delete that "
+            "folder to convert the images again)."
+        )
+        return records_dir
+    start = time.monotonic()
+    summary = write_tfrecords(image_dir, records_dir, seed=seed, strict=strict)
+    logging.info(f"{summary.describe()}\n  in {time.monotonic() - start:.1f} s")
+    return records_dir
+
+
 def main(argv: Sequence[str] | None = None) -> TFRecordSummary:
     """The command line: converts, prints the summary; errors exit with status 1 and one message."""
     parser = argparse.ArgumentParser(
