@@ -14,11 +14,10 @@ file named .jpg; the writer skips and names them. The Keras contender's folder h
 
 Contenders, each a fresh process started from here:
 
-    package  the README's two commands, with nothing else:
-                 python -m tpu_scale.data.write_tfrecords --image_dir IMAGES --output_dir RECORDS
-                 python examples/train_imagenet.py --data_dir RECORDS --image_size S --epochs E
+    package  the README's one command for a folder of images, with nothing else:
+                 python examples/train_imagenet.py --image_dir IMAGES --image_size S --epochs E
                      --global_batch_size B --seed K --noprogress
-             timed from the writer's launch (its time counts).
+             (the run converts the folder to records before it trains; that time counts).
     keras    Keras by hand, this script's own child (`--_keras`): the folder read with
              `keras.utils.image_dataset_from_directory(validation_split=0.1, subset="both")`, a
              small ResNet of 3 stages (16, 32, 64 wide, about 80K parameters, Keras
@@ -93,15 +92,13 @@ def first_reaching(epochs, threshold):
     return None
 
 
-def timed_run(command, threshold, timeout, env, before=()):
-    """Runs `command` (after `before`, the commands timed with it) to its last epoch.
+def timed_run(command, threshold, timeout, env):
+    """Runs `command` to its last epoch.
 
     Returns a dict: the epochs seen (top-1 and seconds since launch), the epoch and seconds that
     first reached `threshold` (None if none did), why the run ended, and the end of its output.
     """
     start = time.monotonic()
-    for step in before:
-        subprocess.run(step, check=True, capture_output=True, env=env, cwd=ROOT, timeout=timeout)
     proc = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
@@ -175,18 +172,15 @@ def _env(workdir):
     return env
 
 
-def commands(workdir, images, clean, cfg, seed):
-    """Per contender: the commands timed before its run, and the run."""
-    records = os.path.join(workdir, f"records_{seed}")
-    writer = [sys.executable, "-m", "tpu_scale.data.write_tfrecords", "--image_dir", images]
-    writer += ["--output_dir", records, "--overwrite"]
+def commands(images, clean, cfg, seed):
+    """Each contender's command."""
     common = ["--image_size", str(cfg["image_size"]), "--epochs", str(cfg["epochs"])]
     common += ["--seed", str(seed)]
-    package = [sys.executable, EXAMPLE, "--data_dir", records, "--noprogress"]
+    package = [sys.executable, EXAMPLE, "--image_dir", images, "--noprogress"]
     package += common + ["--global_batch_size", str(cfg["batch"])]
     keras = [sys.executable, os.path.abspath(__file__), "--_keras", "--image_dir", clean]
     keras += common + ["--batch", str(cfg["batch"])]
-    return {"package": ([writer], package), "keras": ((), keras)}
+    return {"package": package, "keras": keras}
 
 
 # --------------------------------------------------------------------------- Keras by hand
@@ -297,19 +291,16 @@ def run_dataset(name, cfg, repeats, names):
     out = {"settings": cfg, "runs": []}
     with tempfile.TemporaryDirectory(prefix="tpu_scale_tta_") as workdir:
         images, clean = prepare_folders(workdir, name)
-        shown = commands("WORK", "IMAGES", "IMAGES_CLEAN", cfg, "K")
+        shown = commands("IMAGES", "IMAGES_CLEAN", cfg, "K")
         out["commands"] = {
-            n: [
-                " ".join(os.path.relpath(a, ROOT) if a.startswith(ROOT) else a for a in c[1:])
-                for c in list(before) + [run]
-            ]
-            for n, (before, run) in shown.items()
+            n: " ".join(os.path.relpath(a, ROOT) if a.startswith(ROOT) else a for a in c[1:])
+            for n, c in shown.items()
         }
         for seed in range(repeats):
             for contender in names if seed % 2 == 0 else names[::-1]:
                 print(f"  {name}, {contender}, seed {seed}:", flush=True)
-                before, command = commands(workdir, images, clean, cfg, seed)[contender]
-                run = timed_run(command, cfg["threshold"], TIMEOUT_S, _env(workdir), before)
+                command = commands(images, clean, cfg, seed)[contender]
+                run = timed_run(command, cfg["threshold"], TIMEOUT_S, _env(workdir))
                 out["runs"].append({"contender": contender, "seed": seed, **run})
                 if run["ended"] != "last epoch":
                     print(f"    ended: {run['ended']}:", *run["output_tail"][-8:], sep="\n")
