@@ -244,6 +244,58 @@ def test_cli_json_shape():
     assert result["input"]["per_host"] == pytest.approx(4100)
 
 
+# --------------------------------------------------------------------------- the weight update
+
+
+@pytest.mark.parametrize(
+    "name, per_core_batch, replicas, chips, per_replica_bandwidth, chip_rate",
+    [
+        ("v3-1024", 16, 1024, 512, 900e9 / 2, 1025.0),  # a v3 core: half its chip's HBM
+        ("v3-1024", 32, 1024, 512, 900e9 / 2, 1025.0),
+        ("v4-1024", 32, 512, 512, 1200e9, 1025 * 275 / 123),  # 512 chips, one replica each
+    ],
+)
+def test_weight_update_figures_match_a_hand_calculation(
+    name, per_core_batch, replicas, chips, per_replica_bandwidth, chip_rate
+):
+    out = _cli("--slice", name, "--per_core_batch", str(per_core_batch), "--json")
+    assert out.returncode == 0, out.stderr
+    w = json.loads(out.stdout)["weight_update"]
+    params = 25_583_592  # ResNet-50; LARS reads w, g, m, w and g again, writes m and w: 7 x 4 B
+    shard = -(-params // replicas)
+    replicated = params * 28 / per_replica_bandwidth
+    sharded = shard * 28 / per_replica_bandwidth
+    step = per_core_batch * replicas / (chips * chip_rate)
+    assert w["optimizer"] == "lars" and w["bytes_per_param"] == 28
+    assert w["replicated_seconds"] == pytest.approx(replicated)
+    assert w["sharded_seconds"] == pytest.approx(sharded)
+    assert w["state_bytes_per_replica"] == {"replicated": params * 4, "sharded": shard * 4}
+    assert w["share_of_step"]["replicated"] == pytest.approx(replicated / step)
+    assert w["step_speedup"] == pytest.approx(step / (step - replicated + sharded))
+
+
+def test_weight_update_of_a_model_whose_state_matters():
+    cluster = plan.tpu_slice("v3-1024")
+    w = plan.plan(cluster, "vit_b16", optimizer="adamw", per_core_batch=4)["weight_update"]
+    params = plan.MODELS["vit_b16"]
+    assert w["replicated_seconds"] == pytest.approx(params * 36 / 450e9)
+    assert w["state_bytes_per_replica"]["replicated"] == params * 8  # two float32 moments
+    assert w["state_bytes_per_replica"]["sharded"] == -(-params // 1024) * 8
+    # Its step time is not ResNet-50's: no share without a target rate for this model.
+    assert w["share_of_step"] is None and w["step_speedup"] is None
+    given = plan.plan(
+        cluster, "vit_b16", optimizer="adamw", per_core_batch=4, target_images_per_sec=1e5
+    )["weight_update"]
+    assert given["share_of_step"]["replicated"] == pytest.approx(
+        w["replicated_seconds"] / (4 * 1024 / 1e5)
+    )
+    text = plan.format_plan(plan.plan(cluster, "vit_b16", optimizer="adamw"))
+    assert "weight update (adamw)" in text and "692.5 MB -> 676.3 kB" in text
+    with pytest.raises(ValueError, match="Unknown optimizer 'rmsprop'"):
+        plan.plan(cluster, "vit_b16", optimizer="rmsprop")
+    assert plan.plan(_uniform(2, 4), params=1000)["weight_update"] is None  # no memory figure
+
+
 def test_cli_table_and_gpu(capsys):
     assert (
         plan.main(

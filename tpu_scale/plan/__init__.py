@@ -5,7 +5,10 @@ An alpha-beta cost model prices the gradient-summation schedules of `tpu_scale.t
 all-reduce of the shard along columns, all-gather along rows) and the paper's bidirectional 2-D
 form, for TPU slices by name and for GPU clusters, and `choose_algorithm` decides what `"auto"` runs
 (see `tpu_scale.plan.choice`). It also says how many images per second each host must feed and which
-BN group size gives a span of 64-128 examples.
+BN group size gives a span of 64-128 examples, and what the optimizer update costs per step with
+every replica updating every weight and with the update sharded (`weight_update_sharding=True`):
+its time, its share of the step, the predicted step-time gain and the optimizer state per replica
+(`tpu_scale.plan.update`).
 
     python -m tpu_scale.plan --slice v3-2048 --model resnet50 --per_core_batch 16
     python -m tpu_scale.plan --hosts 32 --gpus_per_host 8 --gpu a100 --json
@@ -35,8 +38,9 @@ Every hardware figure is listed with its source, or labelled as an assumption, i
 and `GPU_TYPES`; a cluster's `sources` lists the ones it uses, and the plan prints them.
 
 The parts: `catalog` (models, hardware, cluster builders), `cost` (the pricing), `sizing` (input
-rate, BN groups), `report` (the plan and its table), `cli`; `plot` (matplotlib) and `calibration`
-(TensorFlow) are imported only when used, so `import tpu_scale.plan` needs neither.
+rate, BN groups), `update` (the weight update), `report` (the plan and its table), `cli`; `plot`
+(matplotlib) and `calibration` (TensorFlow) are imported only when used, so `import
+tpu_scale.plan` needs neither.
 
 Reference:
   Ying et al., "Image Classification at Supercomputer Scale", 2018 (arXiv:1811.06992), section 3.3.
@@ -64,6 +68,7 @@ from tpu_scale.plan.cli import main
 from tpu_scale.plan.cost import pack_sizes, price_algorithms, price_schedule
 from tpu_scale.plan.report import format_plan, plan
 from tpu_scale.plan.sizing import input_rate, suggest_bn_group
+from tpu_scale.plan.update import UPDATE_BYTES_PER_PARAM, weight_update
 
 # matplotlib and TensorFlow only when the plot or the calibration is asked for.
 __getattr__ = _lazy.attributes(
@@ -107,4 +112,6 @@ __all__ = [
     "suggest_bn_group",
     "tpu_slice",
     "uniform_cluster",
+    "UPDATE_BYTES_PER_PARAM",
+    "weight_update",
 ]

@@ -104,6 +104,8 @@ class Cluster:
         of memory traffic): a phase whose groups sit on one host is then priced as the plain ops
         the executor builds (`cost.in_graph_load`). None: every phase is a collective (TPU, GPU).
       replicas_per_host: replicas on one host, for `host_memory` (the mesh's rows are hosts).
+      memory_bandwidth: bytes/s of memory one replica's optimizer update runs at (its share of
+        its chip's or host's memory); 0 when unknown (the plan then prices no weight update).
     """
 
     name: str
@@ -121,6 +123,7 @@ class Cluster:
     phase_overhead: float = 0.0
     host_memory: Link = None
     replicas_per_host: int = 0
+    memory_bandwidth: float = 0.0
 
     @property
     def num_replicas(self):
@@ -187,18 +190,16 @@ TPU_GENERATIONS = {
         "pod": (16, 16),
         "chips_per_host": 4,
         "images_per_sec_per_chip": 1025 * 45 / 123,
+        "hbm_bandwidth": 700e9,
         "shapes": {8: (2, 2), 32: (4, 4), 128: (8, 8), 256: (16, 8), 512: (16, 16)},
         "sources": (
             "TPU v2: 4 inter-chip links per chip at 496 Gbit/s each way (Jouppi et al. 2020, CACM, "
             "'A Domain-Specific Supercomputer for Training Deep Neural Networks'); 256-chip pod "
-            "as a 16x16 "
-            "2-D torus; 2 cores and 700 GB/s HBM per chip (same source).",
+            "as a 16x16 2-D torus; 2 cores and 700 GB/s HBM per chip (same source).",
             "TPU v2 slice shapes (8->2x2, 32->4x4, 128->8x8, 256->16x8, 512->16x16 chips): "
-            "assumption, by "
-            "the v3 pattern of the notes.",
+            "assumption, by the v3 pattern of the notes.",
             "TPU v2 input rate 1025 img/s x 45/123 TFLOPS = ~375 img/s per chip: assumption (v3 "
-            "paper rate "
-            "scaled by peak bf16 FLOPs).",
+            "paper rate scaled by peak bf16 FLOPs).",
         ),
     },
     "v3": {
@@ -211,6 +212,7 @@ TPU_GENERATIONS = {
         "pod": (32, 32),
         "chips_per_host": 4,
         "images_per_sec_per_chip": 1025.0,
+        "hbm_bandwidth": 900e9,
         "shapes": {
             8: (2, 2),
             32: (4, 4),
@@ -223,13 +225,14 @@ TPU_GENERATIONS = {
         },
         "sources": (
             "TPU v3: 4 inter-chip links per chip at ~656 Gbit/s each way; 1024-chip pod as a "
-            "32x32 2-D torus; "
-            "pod all-reduce bandwidth documented as 340 TB/s (Jouppi et al. 2020; project notes).",
+            "32x32 2-D torus; pod all-reduce bandwidth documented as 340 TB/s (Jouppi et al. "
+            "2020; project notes).",
             "TPU v3 slice shapes: 8->2x2, 32->4x4, 128->8x8, 256->16x8, 512->16x16, 1024->32x16, "
-            "2048->32x32 "
-            "chips (project notes); 64->8x4 is an assumption by the same pattern.",
+            "2048->32x32 chips (project notes); 64->8x4 is an assumption by the same pattern.",
             "TPU v3: ~1,025 img/s per chip, 4 chips per host for ResNet-50 (Ying et al. 2018).",
             "TPU v3 on-chip core-to-core path priced at half the chip's 900 GB/s HBM: assumption.",
+            "TPU v3: 900 GB/s HBM per chip, 2 cores (Jouppi et al. 2020, CACM); each core's "
+            "optimizer update at half of it.",
         ),
     },
     "v4": {
@@ -242,6 +245,7 @@ TPU_GENERATIONS = {
         "pod": (16, 16, 16),
         "chips_per_host": 4,
         "images_per_sec_per_chip": 1025 * 275 / 123,
+        "hbm_bandwidth": 1200e9,
         "shapes": {
             8: (2, 2, 1),
             16: (2, 2, 2),
@@ -257,30 +261,27 @@ TPU_GENERATIONS = {
         },
         "sources": (
             "TPU v4: 4096-chip pod, 3-D mesh/torus, 6 links per chip, all-reduce bandwidth 1.1 "
-            "PB/s per pod "
-            "(Cloud TPU v4 documentation); per link 1.1 PB/s / (4096 x 6) = 45 GB/s each way, "
-            "derived.",
+            "PB/s per pod (Cloud TPU v4 documentation); per link 1.1 PB/s / (4096 x 6) = 45 GB/s "
+            "each way, derived.",
             "TPU v4: one replica per chip (megacore); the 3-D shape is folded to a 2-D mesh of "
-            "rows = y*z, "
-            "cols = x, as ReplicaMesh.from_topology does; a dimension wraps when it is a multiple "
-            "of 4: "
-            "assumption from the documented torus shapes.",
+            "rows = y*z, cols = x, as ReplicaMesh.from_topology does; a dimension wraps when it "
+            "is a multiple of 4: assumption from the documented torus shapes.",
             "TPU v4 slice shapes (v4-8 -> 2x2x1 ... v4-8192 -> 16x16x16 chips): default "
             "topologies, assumption.",
             "TPU v4 input rate 1025 img/s x 275/123 TFLOPS = ~2,290 img/s per chip: assumption.",
+            "TPU v4: 1,200 GB/s HBM per chip (Jouppi et al. 2023, ISCA, 'TPU v4: An Optically "
+            "Reconfigurable Supercomputer ...'), all of it for the chip's one replica.",
         ),
     },
 }
 
 _TORUS_ASSUMPTION = (
     "Sub-pod TPU v2/v3 slices: only a dimension spanning the whole pod has wrap-around links; a "
-    "shorter "
-    "dimension is a line, whose ring gets one direction's bandwidth: assumption."
+    "shorter dimension is a line, whose ring gets one direction's bandwidth: assumption."
 )
 _ALPHA_ASSUMPTION = (
     "Per-step latency (alpha) of 1 us per inter-chip step and 0.5 us per on-chip step: assumption "
-    "(order of "
-    "magnitude of a hop plus synchronisation); override with alpha_us."
+    "(order of magnitude of a hop plus synchronisation); override with alpha_us."
 )
 
 # GPU clusters: NVLink per GPU per direction; network per host, all NICs together.
@@ -289,22 +290,25 @@ GPU_TYPES = {
         "nvlink_bandwidth": 150e9,
         "network_bandwidth": 4 * 100 * _GBIT,
         "images_per_sec": 1200.0,
-        "source": "V100 SXM2: NVLink 300 GB/s total (150 GB/s each way); DGX-1: 4x 100 Gbit/s EDR "
-        "InfiniBand per host (NVIDIA datasheets).",
+        "hbm_bandwidth": 900e9,
+        "source": "V100 SXM2: NVLink 300 GB/s (150 GB/s each way), 900 GB/s HBM2;"
+        " DGX-1: 4x 100 Gbit/s EDR InfiniBand per host (NVIDIA datasheets).",
     },
     "a100": {
         "nvlink_bandwidth": 300e9,
         "network_bandwidth": 8 * 200 * _GBIT,
         "images_per_sec": 2500.0,
-        "source": "A100 SXM4: NVLink 600 GB/s total (300 GB/s each way); DGX A100: 8x 200 Gbit/s "
-        "HDR InfiniBand per host (NVIDIA datasheets).",
+        "hbm_bandwidth": 1555e9,
+        "source": "A100 SXM4: NVLink 600 GB/s (300 GB/s each way), 1,555 GB/s HBM2;"
+        " DGX A100: 8x 200 Gbit/s HDR InfiniBand per host (NVIDIA datasheets).",
     },
     "h100": {
         "nvlink_bandwidth": 450e9,
         "network_bandwidth": 8 * 400 * _GBIT,
         "images_per_sec": 5000.0,
-        "source": "H100 SXM5: NVLink 900 GB/s total (450 GB/s each way); DGX H100: 8x 400 Gbit/s "
-        "NDR InfiniBand per host (NVIDIA datasheets).",
+        "hbm_bandwidth": 3350e9,
+        "source": "H100 SXM5: NVLink 900 GB/s (450 GB/s each way), 3.35 TB/s HBM3;"
+        " DGX H100: 8x 400 Gbit/s NDR InfiniBand per host (NVIDIA datasheets).",
     },
 }
 _GPU_ASSUMPTIONS = (
@@ -429,6 +433,7 @@ def tpu_slice(name, alpha_us=None, wraparound="pod"):
         tuple(shape),
         spec["images_per_sec_per_chip"],
         sources,
+        memory_bandwidth=spec["hbm_bandwidth"] / per_chip,
     )
 
 
@@ -471,6 +476,7 @@ def gpu_cluster(hosts, gpus_per_host, gpu="a100", alpha_us=None):
         spec["images_per_sec"] * gpus_per_host,
         (spec["source"],) + _GPU_ASSUMPTIONS,
         flat_rings=True,
+        memory_bandwidth=spec["hbm_bandwidth"],
     )
 
 
@@ -582,6 +588,7 @@ def cpu_cluster(hosts, replicas_per_host, figures=None, mesh_shape=None):
         phase_overhead=f["collective_launch_seconds"],
         host_memory=memory,
         replicas_per_host=int(replicas_per_host),
+        memory_bandwidth=f["memory_bandwidth"] / replicas_per_host,  # the host's, shared
     )
 
 

@@ -14,6 +14,7 @@ from tpu_scale.plan.catalog import (
     tpu_slice,
 )
 from tpu_scale.plan.report import format_plan, plan
+from tpu_scale.plan.update import OPTIMIZERS
 
 
 def _parser():
@@ -47,6 +48,12 @@ def _parser():
     )
     p.add_argument(
         "--target_images_per_sec", type=float, help="job target, for the per-host input rate"
+    )
+    p.add_argument(
+        "--optimizer",
+        default="lars",
+        choices=OPTIMIZERS,
+        help="the weight update to price, replicated and sharded (default lars)",
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument(
@@ -107,6 +114,7 @@ def main(argv=None):
                 args.dtype,
                 args.per_core_batch,
                 args.target_images_per_sec,
+                args.optimizer,
             )
             if args.plot:
                 from tpu_scale.plan.plot import plot_scaling  # imports matplotlib

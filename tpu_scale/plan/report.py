@@ -5,6 +5,8 @@ import numpy as np
 from tpu_scale.plan.catalog import gradient_bytes
 from tpu_scale.plan.cost import price_algorithms
 from tpu_scale.plan.sizing import input_rate, suggest_bn_group
+from tpu_scale.plan.update import SOURCES as UPDATE_SOURCES
+from tpu_scale.plan.update import weight_update
 
 
 def plan(
@@ -14,6 +16,7 @@ def plan(
     dtype="float32",
     per_core_batch=None,
     target_images_per_sec=None,
+    optimizer="lars",
 ):
     """Everything the CLI prints, as a JSON-ready dict.
 
@@ -22,10 +25,13 @@ def plan(
       model, params, dtype: the gradient (see `gradient_bytes`); default model `"resnet50"`.
       per_core_batch: examples per replica, for the BN group and the step-time share; optional.
       target_images_per_sec: the job's target; default the node's known rate.
+      optimizer: the update to price, one of `tpu_scale.plan.update.OPTIMIZERS`.
 
     Returns:
       dict with `cluster`, `model`, `algorithms` (per algorithm: `steps`, `seconds`, ...), `best`,
-      `input`, `bn_group` (or None), `step` (or None) and `sources`.
+      `input`, `bn_group` (or None), `step` (or None), `weight_update` (see
+      `tpu_scale.plan.update.weight_update`; its shares of the step only with a step time whose
+      rate fits the model: ResNet-50 at the node's known rate, or a given target) and `sources`.
     """
     if model is None and params is None:
         model = "resnet50"
@@ -45,8 +51,10 @@ def plan(
         "input": rate,
         "bn_group": None,
         "step": None,
+        "weight_update": None,
         "sources": list(cluster.sources),
     }
+    step_seconds = None
     if per_core_batch is not None:
         bn = suggest_bn_group(cluster.mesh, per_core_batch)
         bn[f"{cluster.node}s_per_group"] = len(np.unique(cluster.node_ids()[bn["first_group"]]))
@@ -63,6 +71,12 @@ def plan(
                 for a, v in algorithms.items()
             },
         }
+    known_rate = target_images_per_sec is not None or model == "resnet50"
+    result["weight_update"] = weight_update(
+        cluster, num_params, optimizer, step_seconds if known_rate else None
+    )
+    if result["weight_update"] is not None:
+        result["sources"] += list(UPDATE_SOURCES)
     return result
 
 
@@ -125,5 +139,22 @@ def format_plan(result):
             f"{format_seconds(s['seconds_at_target'])} per step at the "
             f"target rate; {result['best']} takes {share:.1%} of it if not overlapped"
         )
+    w = result.get("weight_update")
+    if w:
+        state = w["state_bytes_per_replica"]
+        lines.append(
+            f"weight update ({w['optimizer']}): {format_seconds(w['replicated_seconds'])} per step "
+            f"replicated, {format_seconds(w['sharded_seconds'])} sharded "
+            f"(weight_update_sharding=True); optimizer state per replica "
+            f"{format_bytes(state['replicated'])} -> {format_bytes(state['sharded'])}"
+        )
+        if w["share_of_step"]:
+            share = w["share_of_step"]
+            lines.append(
+                f"  {share['replicated']:.1%} of the step replicated, {share['sharded']:.2%} "
+                f"sharded: predicted step {w['step_speedup']:.3f}x faster with sharding"
+            )
+        else:
+            lines.append("  its share of the step: give --target_images_per_sec for this model")
     lines += ["", "figures and assumptions:"] + [f"  - {s}" for s in result["sources"]]
     return "\n".join(lines)
