@@ -29,6 +29,7 @@ setup(
             "ruff",
             "tensorflow-datasets",
             "pillow",
+            "pyyaml",
             "matplotlib",
             "scikit-learn",
         ],

@@ -34,14 +34,14 @@ learning rate and warmup come from the batch size; a v3-8 takes --global_batch_s
         --model resnet50 --image_size 224 --global_batch_size 32768 --epochs 72 \
         --bn_group_size 4 --mixed_precision bfloat16 --model_dir gs://my-bucket/runs/v3-1024
 
-Two GPU hosts (run on each host with its own task index; the mesh's rows are the hosts; the
-model_dir on a filesystem both hosts read):
+Several hosts: every host runs the same command; create_strategy finds the cluster from TF_CONFIG
+(Kubeflow's TFJob, an indexed Kubernetes Job: examples/kubernetes/train_imagenet.yaml) or from a
+Slurm step (srun: examples/slurm/train_imagenet.sbatch). The mesh's rows are the hosts; the
+model_dir on a filesystem every host reads. Two workers on this machine, each with its TF_CONFIG
+(examples/README.md also has the TPU VM pod command):
 
-    TF_CONFIG='{"cluster": {"worker": ["host1:2222", "host2:2222"]},
-                "task": {"type": "worker", "index": 0}}' \
-    python examples/train_imagenet.py --data_dir /data/imagenet --model resnet50 \
-        --image_size 224 --global_batch_size 512 --epochs 90 --mixed_precision float16 \
-        --model_dir /shared/run
+    python -m tpu_scale.launch --num_workers 2 -- examples/train_imagenet.py \
+        --num_cpu_replicas 2 --epochs 2 --model_dir /tmp/two_workers
 """
 
 import contextlib
@@ -64,7 +64,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Sets TensorFlow's CPU allocator (TF_CPU_ALLOCATOR_USE_BFC=0 keeps the default); TensorFlow
 # itself starts in create_strategy, and the rest of the package after it.
 import tpu_scale  # noqa: E402
-from tpu_scale.mesh import smallest_group_for_span  # noqa: E402
+from tpu_scale import cluster  # noqa: E402
+from tpu_scale.mesh import parse_mesh_shape, smallest_group_for_span  # noqa: E402
 
 
 def flag(default, text):
@@ -90,9 +91,7 @@ class TrainConfig:
     epochs: int = flag(6, "Training epochs.")
     bn_group_size: Optional[int] = flag(None, "Replicas per BN group. Default: span 64 examples.")
     gradient_accumulation_steps: int = flag(1, "Micro-batches per update (effective batch x k).")
-    weight_update_sharding: bool = flag(
-        False, "Each replica updates 1/N of the weights (SGD, LARS)."
-    )
+    weight_update_sharding: bool = flag(False, "Each replica updates 1/N of the weights.")
     gradient_reduction: str = flag("torus", "torus (2-D torus sum) or native (TensorFlow's).")
     mixed_precision: str = flag("float32", "float32, bfloat16 (TPU, CPU) or float16 (GPU).")
     input_dtype: str = flag("float", "float (host normalizes) or uint8 (the model normalizes).")
@@ -142,7 +141,7 @@ def check_flags(config):
             raise ValueError(f"--{name}={value!r}: choose {' or '.join(allowed.split())}.")
     if sum(bool(v) for v in (config.image_dir, config.data_dir, config.tfds_name)) > 1:
         raise ValueError("Give one of --image_dir, --data_dir and --tfds_name.")
-    if config.image_dir and (config.tpu or os.environ.get("TF_CONFIG")):
+    if config.image_dir and cluster.discover(config.tpu).source != "local":
         raise ValueError(
             "--image_dir converts the images on this host; for a TPU or several workers convert "
             "them once (python -m tpu_scale.data.write_tfrecords) and pass --data_dir."
@@ -157,18 +156,6 @@ def check_flags(config):
         )
 
 
-def mesh_shape(text, replicas):
-    """The one-host mesh: `text` (ROWSxCOLS) if given, else the squarest for `replicas`."""
-    if not text:
-        rows = max(d for d in range(1, math.isqrt(replicas) + 1) if replicas % d == 0)
-        return rows, replicas // rows
-    try:
-        rows, cols = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise ValueError(f"--mesh_shape={text!r} must look like ROWSxCOLS, e.g. 2x4.") from None
-    return rows, cols
-
-
 def train(config, extra_callbacks=()):
     """Trains and evaluates; returns the summary (`top_1`, `images_per_second`, ...)."""
     start = time.perf_counter()
@@ -180,41 +167,43 @@ def train(config, extra_callbacks=()):
         # CPU host, where TensorFlow already spreads each operation over the cores.
         config.num_cpu_replicas = 8 if synthetic else 1
 
-    # ---- strategy: the hardware and its replica mesh
-    one_host_cpu = not (config.tpu or os.environ.get("TF_CONFIG"))
+    # ---- strategy: the hardware and its replica mesh. One host's CPU replicas take a mesh
+    # shape; several workers (TF_CONFIG, a Slurm step) are workers x local replicas, and a TPU
+    # follows its torus.
+    one_host_cpu = cluster.discover(config.tpu).source == "local"
     strategy = tpu_scale.create_strategy(
         config.tpu,
         num_cpu_replicas=config.num_cpu_replicas,
-        mesh_shape=mesh_shape(config.mesh_shape, config.num_cpu_replicas) if one_host_cpu else None,
+        mesh_shape=parse_mesh_shape(config.mesh_shape, config.num_cpu_replicas)
+        if one_host_cpu
+        else None,
         gradient_reduction=config.gradient_reduction,
         weight_update_sharding=config.weight_update_sharding,
     )
-    replicas = strategy.num_replicas_in_sync
+    replicas, mesh = strategy.num_replicas_in_sync, strategy.mesh
     import keras
 
     from tpu_scale import callbacks, checkpointing, data, losses, models, schedules, training
 
-    if config.bn_group_size is not None:
-        strategy.mesh.group_assignment(config.bn_group_size)  # raises with the valid sizes
-    else:
+    if config.bn_group_size is None:
         # The smallest group spanning 64 examples, chosen here: under several workers the layers
         # see no static batch size to choose it from.
         per_replica = max(1, config.global_batch_size // replicas)
-        mesh = strategy.mesh
         config.bn_group_size = smallest_group_for_span(mesh, per_replica, tiled=mesh.is_torus)
-    if config.model_dir:
-        finished = training.finished_run(config.model_dir, config.epochs)
-        if finished is not None:
-            logging.info(
-                f"{config.model_dir} already holds a finished run of {finished['epochs']} epochs "
-                f"(top-1 {finished['top_1']:.4f}); nothing to train. Pass a larger --epochs to "
-                "continue it, or another --model_dir for a new run."
-            )
-            return dict(finished, finished_before=True, model=None)
+    mesh.group_assignment(config.bn_group_size)  # raises with the valid sizes
+    finished = config.model_dir and training.finished_run(config.model_dir, config.epochs)
+    if finished:
+        logging.info(
+            f"{config.model_dir} already holds a finished run of {finished['epochs']} epochs "
+            f"(top-1 {finished['top_1']:.4f}); nothing to train. Pass a larger --epochs to "
+            "continue it, or another --model_dir for a new run."
+        )
+        return dict(finished, finished_before=True, model=None)
 
     with contextlib.ExitStack() as cleanup:
-        policy = keras.mixed_precision.global_policy()
-        cleanup.callback(keras.mixed_precision.set_global_policy, policy)
+        cleanup.callback(
+            keras.mixed_precision.set_global_policy, keras.mixed_precision.global_policy()
+        )
         if config.mixed_precision != "float32":
             keras.mixed_precision.set_global_policy(f"mixed_{config.mixed_precision}")
         keras.utils.set_random_seed(config.seed)
@@ -222,14 +211,13 @@ def train(config, extra_callbacks=()):
         if not config.model_dir:
             cleanup.callback(shutil.rmtree, model_dir, ignore_errors=True)
 
-        # ---- data: the records (or a generated dataset), their counts, exact evaluation
+        # ---- data: the records (a user's images, converted once, or a generated dataset), their
+        # counts, exact evaluation
         data_dir = config.data_dir
-        if config.image_dir:  # converted on the first start, into the run's folder
+        if config.image_dir:
+            records = os.path.join(model_dir, "records")
             data_dir = data.image_folder_records(
-                config.image_dir,
-                os.path.join(model_dir, "records"),
-                seed=config.seed,
-                strict=config.strict,
+                config.image_dir, records, seed=config.seed, strict=config.strict
             )
         if synthetic:
             data_dir = tempfile.mkdtemp(prefix="tpu_scale_synthetic_")
@@ -258,8 +246,8 @@ def train(config, extra_callbacks=()):
                 f"{math.ceil(FEW_STEPS / steps)}) or a smaller --global_batch_size."
             )
 
-        # ---- recipe: optimizer, schedule, augmentation for this batch and dataset
-        # With gradient accumulation the recipe is the effective batch's, over optimizer steps.
+        # ---- recipe: optimizer, schedule, augmentation for this batch and dataset; with gradient
+        # accumulation, the effective batch's, over optimizer steps
         accumulate = config.gradient_accumulation_steps
         recipe = schedules.recipe_for_batch(
             config.global_batch_size * accumulate,
@@ -307,30 +295,29 @@ def train(config, extra_callbacks=()):
             f"augmentation {recipe.augmentation}"
         )
 
-        # ---- callbacks: backups, preemption, checkpoints, TensorBoard, statistics, guard
+        # ---- callbacks: backups, preemption, checkpoints, TensorBoard, statistics, guard; without
+        # a model_dir nothing is kept, so no backup, checkpoint or log is written
         guard = callbacks.LossGuard(
             learning_rate_flag="--peak_learning_rate", optimizer_flag="--optimizer"
         )
-        logger = training.EpochLogger(config.global_batch_size, replicas, config.epochs)
-        skipped = data.SkippedRecordsLogger(inputs.train, inputs.validation)  # bad records
+        run_callbacks = [callbacks.AverageMovingStatistics(), guard]
         if config.model_dir:
             run_callbacks = training.run_callbacks(
                 model_dir, strategy, keep_checkpoints=config.keep_checkpoints, loss_guard=guard
             )
-        else:  # nothing is kept, so no backup, checkpoint or log is written each epoch
-            run_callbacks = [callbacks.AverageMovingStatistics(), guard]
-        if config.model_dir:
             training.resuming_from(model_dir, config.epochs)
             training.record_settings(
                 model_dir, {k: getattr(config, k) for k in TRAINING_SETTINGS}, strategy
             )
+        logger = training.EpochLogger(config.global_batch_size, replicas, config.epochs)
+        skipped = data.SkippedRecordsLogger(inputs.train, inputs.validation)  # bad records
 
         # ---- fit, then one more exact evaluation of the final model
-        mesh = "x".join(map(str, strategy.mesh.shape))
         logging.info(
             f"Training {config.epochs} epochs x {steps} steps of {config.global_batch_size} "
             f"images (effective batch {config.global_batch_size * accumulate}) on {replicas} "
-            f"replicas (mesh {mesh}); model_dir {config.model_dir or 'none'}"
+            f"replicas (mesh {'x'.join(map(str, mesh.shape))}); model_dir "
+            f"{config.model_dir or 'none'}"
         )
         show_bar = sys.stdout.isatty() if config.progress is None else config.progress
         with checkpointing.peer_failures_explained(strategy):
@@ -363,32 +350,11 @@ def train(config, extra_callbacks=()):
             "eval_examples": inputs.validation_examples,
             "eval_skipped": inputs.validation.skipped_records,
         }
-        outputs = {}
+        outputs = None
         if config.model_dir:
             record = dict(summary, config=dataclasses.asdict(config))
             outputs = training.save_run(model_dir, model, record, strategy)
         return dict(summary, model=model, model_dir=config.model_dir, outputs=outputs)
-
-
-def summary_line(summary):
-    rate = lambda value, form="%.0f": "n/a" if value is None else form % value  # noqa: E731
-    return (
-        f"top-1 {summary['top_1']:.4f} (chance {1 / summary['num_classes']:.4f}) | "
-        f"{rate(summary['images_per_second'])} images/s "
-        f"({rate(summary['images_per_second_per_replica'], '%.1f')} per replica) | "
-        f"wall {summary['wall_seconds']:.0f} s"
-        + (
-            f" | {summary['eval_skipped']} bad validation records skipped"
-            if summary.get("eval_skipped")
-            else ""
-        )
-    )
-
-
-def outputs_lines(summary):
-    if not summary.get("model_dir"):
-        return ["outputs: none kept (no --model_dir)"]
-    return [f"{name}: {path}" for name, path in summary["outputs"].items()]
 
 
 def main(argv):
@@ -400,8 +366,10 @@ def main(argv):
     except (ValueError, TrainingDiverged) as e:
         print(f"error: {e}", file=sys.stderr)  # once: absl's logging.error would repeat it
         return 2
-    print(summary_line(summary))
-    print("\n".join(outputs_lines(summary)))
+    from tpu_scale import training
+
+    print(training.summary_line(summary))
+    print("\n".join(training.outputs_lines(summary.get("outputs"))))
     return 0
 
 
@@ -409,8 +377,7 @@ if __name__ == "__main__":
     kinds = {int: flags.DEFINE_integer, float: flags.DEFINE_float, bool: flags.DEFINE_bool}
     for field in dataclasses.fields(TrainConfig):
         kind = next((k for k in kinds if k.__name__ in str(field.type)), str)
-        define = kinds.get(kind, flags.DEFINE_string)
-        define(field.name, field.default, field.metadata["help"])
+        kinds.get(kind, flags.DEFINE_string)(field.name, field.default, field.metadata["help"])
     logging.set_verbosity(logging.INFO)
     # TensorFlow's own INFO lines (one per reduction it traces) would drown the progress lines.
     import logging as python_logging

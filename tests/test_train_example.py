@@ -18,6 +18,9 @@ sys.path.insert(
 
 import train_imagenet  # noqa: E402
 
+from tpu_scale import training  # noqa: E402
+from tpu_scale.mesh import parse_mesh_shape  # noqa: E402
+
 
 def tiny_config(**overrides):
     # Two replicas, not the default run's eight: tracing the step for each replica is most of a
@@ -62,10 +65,10 @@ def test_a_run_resumes_names_what_changed_and_reports(tmp_path, caplog):
     assert "Resuming from the backup after epoch 1 of 2" in caplog.text
     assert "started with other settings: --image_size 32 -> 24." in caplog.text
     assert "--global_batch_size" not in caplog.text  # only what changed
-    line = train_imagenet.summary_line(summary)
+    line = training.summary_line(summary)
     assert line.startswith("top-1 ") and "images/s" in line and "wall" in line
     assert summary["top_1"] > 0.2  # 10 learnable classes, chance 0.1
-    assert f"final model: {model_dir}/final.keras" in train_imagenet.outputs_lines(summary)
+    assert f"final model: {model_dir}/final.keras" in training.outputs_lines(summary["outputs"])
     again = train_imagenet.train(tiny_config(epochs=2, model_dir=model_dir))
     assert again["finished_before"] and again["top_1"] == summary["top_1"]
 
@@ -92,7 +95,7 @@ def test_uint8_input_and_one_step_epochs_learn_and_report_a_rate(tmp_path):
         )
     )
     assert summary["images_per_second"] > 0
-    assert "nan" not in train_imagenet.summary_line(summary)
+    assert "nan" not in training.summary_line(summary)
     with open(tmp_path / "run" / "run.json") as f:
         record = json.loads(f.read(), parse_constant=lambda name: pytest.fail(f"{name} in JSON"))
     assert record["images_per_second"] > 0 and record["wall_seconds"] > 0
@@ -138,7 +141,7 @@ def test_bad_flags_fail_at_start(overrides, message):
     ],
 )
 def test_the_mesh_is_the_flag_or_the_squarest(replicas, flag, shape):
-    assert train_imagenet.mesh_shape(flag, replicas) == shape
+    assert parse_mesh_shape(flag, replicas) == shape
 
 
 def test_a_diverging_run_stops_and_names_the_flag(tmp_path):

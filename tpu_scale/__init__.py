@@ -9,7 +9,9 @@ Subpackages and modules, imported on first use (`tpu_scale.data`, or `from tpu_s
 `layers` (grouped batch norm), `collectives` (group sums over the mesh), `torus` (2-D gradient
 summation), `data` (records to inputs, exact evaluation, the input pipeline), `optimizers`,
 `schedules` (the recipe), `losses`, `callbacks`, `training` (a run's callbacks and folder),
-`checkpointing`, `models`, `plan` (the pod-scale cost model), `testing`.
+`checkpointing`, `models`, `plan` (the pod-scale cost model), `cluster` (where a run's cluster
+comes from: TPU, `TF_CONFIG`, Slurm), `launch` (`python -m tpu_scale.launch`, local workers),
+`testing`.
 
 Importing the package selects TensorFlow's BFC allocator for the CPU (unless
 `TF_CPU_ALLOCATOR_USE_BFC` is already set; `0` keeps TensorFlow's default): the default allocator

@@ -238,3 +238,20 @@ def smallest_group_for_span(mesh, per_replica_batch, span=64, tiled=False):
             continue
         return g
     return mesh.num_replicas
+
+
+def parse_mesh_shape(text, replicas):
+    """The one-host mesh of a `ROWSxCOLS` flag (e.g. `"2x4"`), or the squarest for `replicas`
+    when `text` is empty.
+
+    Raises:
+      ValueError: if `text` is not of the form ROWSxCOLS.
+    """
+    if not text:
+        rows = max(d for d in _divisors(replicas) if d * d <= replicas)
+        return rows, replicas // rows
+    try:
+        rows, cols = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--mesh_shape={text!r} must look like ROWSxCOLS, e.g. 2x4.") from None
+    return rows, cols

@@ -294,6 +294,33 @@ class EpochLogger(keras.callbacks.Callback):
         return self.images / self.seconds if self.seconds else None
 
 
+def summary_line(summary):
+    """The run's last line: `top-1 X (chance Y) | N images/s (M per replica) | wall S s`, and the
+    bad validation records skipped, if any.
+
+    Args:
+      summary: a dict with `top_1`, `num_classes`, `images_per_second`,
+        `images_per_second_per_replica` (either None when not measured), `wall_seconds` and
+        optionally `eval_skipped`.
+    """
+    line = (
+        f"top-1 {summary['top_1']:.4f} (chance {1 / summary['num_classes']:.4f}) | "
+        f"{_rate(summary['images_per_second'])} images/s "
+        f"({_rate(summary['images_per_second_per_replica'], '%.1f')} per replica) | "
+        f"wall {summary['wall_seconds']:.0f} s"
+    )
+    if summary.get("eval_skipped"):
+        line += f" | {summary['eval_skipped']} bad validation records skipped"
+    return line
+
+
+def outputs_lines(outputs):
+    """One line per output of `save_run` (`description: path`); None: nothing was kept."""
+    if outputs is None:
+        return ["outputs: none kept (no --model_dir)"]
+    return [f"{name}: {path}" for name, path in outputs.items()]
+
+
 def _rate(value, form="%.0f"):
     return "n/a" if value is None else form % value
 
