@@ -54,8 +54,8 @@ def _pipeline_options(*, deterministic, threadpool_size):
     options = tf.data.Options()
     # No autotuning: the decode runs on every thread of the pool (`_decode`), which is what
     # autotuning settles on for a CPU-bound map, and the model that autotuning keeps (a clock read
-    # and a bookkeeping step around every element of every stage, and its own thread) cost the
-    # uint8 training path 7% of its CPU per image on 2 cores (benchmarks/README.md).
+    # and a bookkeeping step around every element of every stage, and its own thread) costs the
+    # training path CPU per image.
     options.autotune.enabled = False
     # One private pool sized to the host: the pipeline's threads do not compete with TF's inter-op
     # pool.
