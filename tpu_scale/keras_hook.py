@@ -489,7 +489,8 @@ def shard_weight_updates():
         return weight_update.build_sgd(self, variables, sgd_build)
 
     def build_adam(self, variables):
-        return weight_update.build_adam(self, variables, adam_build)
+        if weight_update.build_adam(self, variables, adam_build):
+            self._momentums, self._velocities = [], []  # the sharded slots stand for them
 
     def backend_update_step(self, grads, trainable_variables, learning_rate):
         indices = [self._get_variable_index(v) for v in trainable_variables]

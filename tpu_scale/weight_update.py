@@ -199,17 +199,21 @@ def build_adam(optimizer, variables, adam_build):
       optimizer: a `keras.optimizers.Adam` or `AdamW`.
       variables: its trainable variables.
       adam_build: Keras's own `Adam.build`.
+
+    Returns:
+      True when the state was built sharded.
     """
     strategy = tf.distribute.get_strategy()
     if optimizer.built or not is_sharded(strategy):
-        return adam_build(optimizer, variables)
+        adam_build(optimizer, variables)
+        return False
     _check_variables(variables)
     super(keras.optimizers.Adam, optimizer).build(variables)  # Keras's base state only
     layout = Layout(variables, strategy.num_replicas_in_sync)
     names = ["momentum", "velocity"] + (["velocity_hat"] if optimizer.amsgrad else [])
     slots = _add_slots(optimizer, layout, variables, names)
-    optimizer._momentums, optimizer._velocities = [], []
     _states[optimizer] = Sharded(strategy, layout, "adam", slots, [names[:2], names[2:]])
+    return True
 
 
 def build_lars(optimizer, variables, decays, adapts):
