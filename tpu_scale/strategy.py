@@ -252,9 +252,10 @@ def create_strategy(
       gradient_dtype: with `"torus"`: `"bfloat16"` carries the phases between hosts in bfloat16
         (half the bytes on the network; sums within a host stay float32); None keeps the gradients'
         dtype.
-      weight_update_sharding: True to shard the update of `keras.optimizers.SGD` and
-        `tpu_scale.optimizers.LARS` over the replicas of one host: gradients reduce-scattered, each
-        replica updating 1/N of the weights with 1/N of the momentum, the weights all-gathered
+      weight_update_sharding: True to shard the update of `keras.optimizers.SGD`, `Adam`, `AdamW`
+        and `tpu_scale.optimizers.LARS` over the replicas of one host: gradients reduce-scattered,
+        each replica updating 1/N of the weights with 1/N of the optimizer state, the weights
+        all-gathered
         (`tpu_scale.weight_update`). Checkpoints keep Keras's unsharded layout. Other optimizers,
         several hosts and TPUs raise a clear error.
 

@@ -169,9 +169,7 @@ def is_complete_jpeg(image_bytes):
 def is_complete_jpeg_bytes(image_bytes):
     """`is_complete_jpeg` of one image's Python bytes, computed on the host (the writer's check)."""
     tail = image_bytes[-_EOI_SEARCH_BYTES:]
-    return (
-        len(image_bytes) >= 4 and image_bytes[:3] == JPEG_START and b"\xff\xd9" in tail
-    )
+    return len(image_bytes) >= 4 and image_bytes[:3] == JPEG_START and b"\xff\xd9" in tail
 
 
 # The first bytes of a JPEG, and of the other formats `tf.io.decode_image` reads (WebP: "RIFF", a
