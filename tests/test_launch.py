@@ -242,6 +242,28 @@ def test_launcher_preempts_and_resumes_and_slurm_builds_the_same_cluster(tmp_pat
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_the_example_trains_on_two_launched_workers(tmp_path):
+    # The README's two-worker command, shrunk: both workers train the same model on the generated
+    # data and log the same losses, and the chief saves the final model.
+    example = os.path.join(ROOT, "examples", "train_imagenet.py")
+    proc = _launch(
+        "--num_workers", "2", "--", example, "--image_size", "16", "--epochs", "2",
+        "--synthetic_train_examples", "128", "--synthetic_eval_examples", "32",
+        "--global_batch_size", "32", "--num_cpu_replicas", "1", "--noprogress",
+        "--model_dir", str(tmp_path / "run"),
+    )  # fmt: skip
+    out, err = proc.communicate(timeout=400)
+    text = out + err
+    assert proc.returncode == 0, text[-4000:]
+    losses = {}
+    for worker, epoch, loss in re.findall(r"\[worker (\d)\].*epoch (\d)/2:.*loss ([0-9.]+)", text):
+        losses.setdefault(epoch, {})[worker] = loss
+    assert set(losses) == {"1", "2"}, text[-4000:]
+    assert all(set(by_worker) == {"0", "1"} for by_worker in losses.values()), losses
+    assert all(len(set(by_worker.values())) == 1 for by_worker in losses.values()), losses
+    assert os.path.exists(tmp_path / "run" / "final.keras")
+
+
 def test_a_failing_worker_stops_the_others_and_is_named():
     proc = _launch("--num_workers", "3", "--grace_seconds", "5", "--", THIS, "fail", "120")
     out, err = proc.communicate(timeout=60)
