@@ -255,9 +255,8 @@ def create_strategy(
       weight_update_sharding: True to shard the update of `keras.optimizers.SGD`, `Adam`, `AdamW`
         and `tpu_scale.optimizers.LARS` over the replicas of one host: gradients reduce-scattered,
         each replica updating 1/N of the weights with 1/N of the optimizer state, the weights
-        all-gathered
-        (`tpu_scale.weight_update`). Checkpoints keep Keras's unsharded layout. Other optimizers,
-        several hosts and TPUs raise a clear error.
+        all-gathered (`tpu_scale.weight_update`). Checkpoints keep Keras's unsharded layout. Other
+        optimizers, several hosts and TPUs raise a clear error.
 
     Returns:
       A strategy with `.mesh` (`ReplicaMesh`) and `.gradient_reduction`. Keras optimizers'
