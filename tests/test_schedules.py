@@ -142,11 +142,14 @@ def test_recipe_below_16k_is_momentum_sgd_on_the_linear_rule(batch):
 
 
 def test_short_runs_get_a_higher_rate():
-    # A few hundred steps: 1.6 * sqrt(batch / 256): 0.8 at batch 64, 2.26 at 512, 3.2 at 1024.
+    # A few hundred steps: 1.6 * sqrt(batch / 256): 0.8 at batch 64, 2.26 at 512 and above.
     assert recipe_for_batch(64, 15, steps_per_epoch=25).peak_learning_rate == pytest.approx(0.8)
     assert recipe_for_batch(512, 30, train_examples=3600).peak_learning_rate == pytest.approx(
         1.6 * np.sqrt(2)
     )
+    for batch in (1024, 4096):
+        short = recipe_for_batch(batch, 30, steps_per_epoch=5)
+        assert short.peak_learning_rate == pytest.approx(1.6 * np.sqrt(2))
     # ImageNet-length runs: the linear rule itself.
     imagenet = recipe_for_batch(256, 90, train_examples=1281167)
     assert imagenet.peak_learning_rate == pytest.approx(0.1)

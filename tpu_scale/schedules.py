@@ -254,10 +254,12 @@ LARS_MIN_BATCH = 16384
 # Momentum SGD, runs of LONG_RUN_STEPS optimizer steps or more (or of unknown length): peak rate
 # SGD_LEARNING_RATE_AT_256 * batch / 256, the linear scaling rule of Goyal et al. (2017) for
 # 90-epoch ImageNet runs. Runs of SHORT_RUN_STEPS or fewer: SHORT_RUN_RATE_AT_256 * sqrt(batch /
-# 256). Between the two lengths, the rate moves geometrically from one to the other.
+# 256), up to its value at SHORT_RUN_MAX_BATCH. Between the two lengths, the rate moves
+# geometrically from one to the other.
 SGD_LEARNING_RATE_AT_256 = 0.1
 SHORT_RUN_RATE_AT_256 = 1.6
 SHORT_RUN_STEPS = 1_000
+SHORT_RUN_MAX_BATCH = 512
 LONG_RUN_STEPS = 20_000
 SGD_WARMUP_EPOCHS = 2.0
 # The warmup is at least this many optimizer steps when the steps per epoch are known: an epoch
@@ -420,6 +422,7 @@ def recipe_for_batch(
     | optimizer | momentum SGD (Nesterov, 0.9) below batch 16384; LARS (`eta=0.001`) from 16384 |
     | SGD peak rate | `sgd_learning_rate(batch, total_steps)`: `0.1 * batch / 256` for runs of |
     | | 20,000 steps or more, or of unknown length; `1.6 * sqrt(batch / 256)` up to 1,000 steps |
+    | | (at most 2.26, its value at batch 512) |
     | LARS peak rate, warmup | `reference_lars_hparams(batch)`: 25, 34, 35 and 5, 12, 34 epochs at |
     | | 16K, 32K, 64K, the paper's settings unchanged |
     | warmup | SGD 2 epochs; at least 50 optimizer steps; at most 40% of the run |
@@ -526,9 +529,11 @@ def sgd_learning_rate(global_batch_size, total_steps=None):
     - Long runs (`LONG_RUN_STEPS`, 20,000 steps, or more) and runs of unknown length: the linear
       scaling rule, `0.1 * batch / 256` (Goyal et al., 2017: ResNet-50, 90 ImageNet epochs).
     - Short runs (`SHORT_RUN_STEPS`, 1,000 steps, or fewer): `1.6 * sqrt(batch / 256)`, 0.8 at
-      batch 64 and 2.26 at 512. A run of a few hundred steps must travel in them as far as a long
-      run does in tens of thousands, at a higher rate; its best rate grows about as the square
-      root of the batch (Krizhevsky, 2014; Hoffer et al., 2017).
+      batch 64 and 2.26 at 512, and 2.26 from there on (`SHORT_RUN_MAX_BATCH`). A run of a few
+      hundred steps must travel in them as far as a long run does in tens of thousands, at a
+      higher rate; its best rate grows about as the square root of the batch (Krizhevsky, 2014;
+      Hoffer et al., 2017) up to a point: past batch 512 a short run's steps are too few for
+      momentum SGD to settle at a larger rate, and the loss stalls or blows up at the peak.
     - In between, geometric in the number of steps from the short run's rate to the long run's.
 
     Args:
@@ -541,7 +546,8 @@ def sgd_learning_rate(global_batch_size, total_steps=None):
     long_run = SGD_LEARNING_RATE_AT_256 * global_batch_size / 256
     if total_steps is None:
         return long_run
-    short_run = SHORT_RUN_RATE_AT_256 * math.sqrt(global_batch_size / 256)
+    batch = min(global_batch_size, SHORT_RUN_MAX_BATCH)
+    short_run = SHORT_RUN_RATE_AT_256 * math.sqrt(batch / 256)
     position = math.log(max(total_steps, SHORT_RUN_STEPS) / SHORT_RUN_STEPS) / math.log(
         LONG_RUN_STEPS / SHORT_RUN_STEPS
     )
