@@ -14,6 +14,7 @@ import tensorflow as tf
 
 import tpu_scale.strategy  # its MirroredStrategy has private collective keys: tests share a process
 from tpu_scale.data import ImageNetInput, SyntheticImageNetInput, image_ops, make_synthetic_imagenet
+from tpu_scale.data.bad_records import PARSE_BATCH
 from tpu_scale.data.schema import make_example, read_label_map
 
 NUM_CLASSES = 5
@@ -256,13 +257,16 @@ def test_the_decode_runs_on_every_thread_of_the_pool(records):
 
     inp = make_input(records[0], is_training=True, global_batch_size=4, threadpool_size=37)
     graph = graph_pb2.GraphDef.FromString(inp.dataset()._as_serialized_graph().numpy())
-    nodes = {node.name: node for node in graph.node}
-    (decode,) = [
-        node
-        for node in graph.node
-        if node.op == "ParallelMapDatasetV2" and nodes[node.input[0]].op == "UnbatchDataset"
+    # The decode sits in the function that builds each iterator's stream (see
+    # `bad_records.decode_skipping_bad`); a function's inputs read "node:output:index".
+    bodies = [list(graph.node)] + [list(f.node_def) for f in graph.library.function]
+    (parallelism,) = [
+        nodes[decode.input[1].split(":")[0]].attr["value"].tensor.int64_val
+        for nodes in ({node.name: node for node in body} for body in bodies)
+        for decode in nodes.values()
+        if decode.op == "ParallelMapDatasetV2"
+        and nodes[decode.input[0].split(":")[0]].op == "UnbatchDataset"
     ]
-    parallelism = nodes[decode.input[1]].attr["value"].tensor.int64_val
     assert list(parallelism) == [4 * 37]
 
 
@@ -595,6 +599,40 @@ def write_record_counts(directory, counts):
     names = [f"class_{i}" for i in range(NUM_CLASSES)]
     files = {f"train-{i:05d}-of-{len(counts):05d}": n for i, n in enumerate(counts)}
     write_label_map(directory, names, 1, record_counts=files)
+
+
+def test_an_iterator_left_behind_makes_no_false_reports(tmp_path, caplog):
+    # Keras's fit draws one batch from an iterator to build the model and drops it; records that
+    # iterator listed must not be taken for the decoder's rejects by the next one.
+    make_bad = RECORD_FAULTS["frame height 0"][0]
+    pattern, _ = write_records_with(str(tmp_path), {5: make_bad}, num_files=2, per_file=20)
+    # Files of known counts: a parse batch then leaves gaps in the numbers where the files end,
+    # at other places in each iterator's shuffled stream.
+    write_record_counts(str(tmp_path), [20, 20])
+    inp = make_input(
+        pattern,
+        is_training=True,
+        global_batch_size=4,
+        num_classes=NUM_CLASSES,
+        seed=3,
+        max_bad_fraction=0.5,
+    )
+    dataset = inp.dataset()
+    behind = iter(dataset)
+    next(behind)
+    ahead = iter(dataset)
+    for _ in range(PARSE_BATCH):
+        next(ahead)
+    # `behind` lists records that `ahead` has long taken out (parsing ahead of its decode), then
+    # is dropped.
+    for _ in range(PARSE_BATCH // 4):
+        next(behind)
+    del behind
+    for _ in range(PARSE_BATCH):
+        next(ahead)
+    named = {r.getMessage().split(":")[0] for r in caplog.records if "Skipped" in r.getMessage()}
+    assert named == {f"Skipped record 5 of {tmp_path}/train-00000-of-00002"}
+    assert set(inp.skipped_by_reason) == {"undecodable image"}
 
 
 @pytest.mark.parametrize(

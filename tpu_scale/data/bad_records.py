@@ -32,8 +32,11 @@ logger = logging.getLogger("tpu_scale")
 MIN_BAD_RECORDS_TO_STOP = 10
 # Bad records an error message names.
 _NAMES_IN_ERROR = 5
-# The sequence number of the marker that ends an evaluation pass (after every record's).
-END_SEQUENCE = 2**62
+# A record's key in the table of names: the number of its iterator above these bits, its place
+# in that iterator's stream below them.
+SEQUENCE_BITS = 40
+# The place of the marker that ends an evaluation pass (after every record's).
+END_SEQUENCE = 2**SEQUENCE_BITS - 1
 # Records handed to the decode at once per thread of the pool (see `decode_skipping_bad`).
 DECODES_IN_FLIGHT = 4
 # Records parsed and checked per call (about 14 MB of ImageNet JPEGs per batch in flight).
@@ -204,6 +207,7 @@ def decode_skipping_bad(
     make_crop_seeds,
     decode_example,
     records_read,
+    iterators_started,
     is_training,
     seed,
     batch_size,
@@ -223,6 +227,12 @@ def decode_skipping_bad(
     name as soon as the next record comes out. An evaluation pass ends with a marker that
     reports the last ones. Whether the run must stop is checked once per batch.
 
+    Every iterator of the dataset numbers its records in a stream of its own: the table's keys
+    carry the iterator's number (counted in `iterators_started` when it starts) above
+    `SEQUENCE_BITS`. An iterator takes out only its own records, and drops without a report
+    those an earlier iterator left behind, e.g. the iterator `model.fit` draws a first batch from
+    to build the model and then discards while its threads still parse.
+
     The records come out of the parse and of the decode in order (whatever `deterministic`
     says), so that a number left behind is a reject and not a record still being decoded. The
     order costs no CPU time, and the decode keeps every thread busy while one slow image holds
@@ -239,6 +249,8 @@ def decode_skipping_bad(
       make_crop_seeds: `(size, draw)` -> the crop seeds of a batch of `size` records.
       decode_example: `(image_bytes, label, crop_seed)` -> `(image, label)`.
       records_read: the int64 variable counting the records read.
+      iterators_started: the int64 variable counting the iterators started (of this dataset or
+        of others: each iterator gets a number no other one had).
       is_training: drop the last partial batch (evaluation keeps it, and ends with a marker that
         reports the decoder's last rejects).
       seed: the seed of the per-batch crop seed draws (training).
@@ -263,105 +275,122 @@ def decode_skipping_bad(
         )
         return stop.insert(tf.constant([0], tf.int64), tf.reshape(message, [1]))
 
-    def parse_and_screen(number, records, draw=None):
-        origin, index, image_bytes, stored_label, fault = parse(records)
-        size = tf.size(index)
-        counted = records_read.assign_add(tf.cast(size, tf.int64))
-        sequence = number * PARSE_BATCH + tf.range(size, dtype=tf.int64)
-        record_names = tf.strings.join(["record ", tf.strings.as_string(index), " of ", origin])
-        # Every record is in the table from here on: one that goes missing is still named.
-        listed = names.insert(sequence, record_names)
-        with tf.control_dependencies([listed]):
-            fault, labels = record_faults(
-                image_bytes, stored_label, fault, label_offset, num_classes
+    def one_iterator(iterator):
+        """The batches of one iterator, whose records' keys carry its number `iterator`."""
+        first_key = tf.bitwise.left_shift(iterator, SEQUENCE_BITS)
+
+        def parse_and_screen(number, records, draw=None):
+            origin, index, image_bytes, stored_label, fault = parse(records)
+            size = tf.size(index)
+            counted = records_read.assign_add(tf.cast(size, tf.int64))
+            sequence = first_key + number * PARSE_BATCH + tf.range(size, dtype=tf.int64)
+            record_names = tf.strings.join(["record ", tf.strings.as_string(index), " of ", origin])
+            # Every record is in the table from here on: one that goes missing is still named.
+            listed = names.insert(sequence, record_names)
+            with tf.control_dependencies([listed]):
+                fault, labels = record_faults(
+                    image_bytes, stored_label, fault, label_offset, num_classes
+                )
+            crop_seeds = make_crop_seeds(size, draw)
+            bad = tf.not_equal(fault, sources.OK)
+            parts = (image_bytes, labels, crop_seeds, sequence)
+
+            def drop_bad():
+                with tf.control_dependencies([counted]):
+                    reported = report(
+                        tf.boolean_mask(record_names, bad), tf.boolean_mask(fault, bad)
+                    )
+                with tf.control_dependencies([reported]):
+                    unlisted = names.remove(tf.boolean_mask(sequence, bad))
+                with tf.control_dependencies([unlisted]):
+                    good = tf.logical_not(bad)
+                    return tuple(tf.boolean_mask(part, good) for part in parts)
+
+            # Only a batch that holds a bad record is masked: masking copies every record.
+            image_bytes, labels, crop_seeds, sequence = tf.cond(
+                tf.reduce_any(bad), drop_bad, lambda: parts
             )
-        crop_seeds = make_crop_seeds(size, draw)
-        bad = tf.not_equal(fault, sources.OK)
-        parts = (image_bytes, labels, crop_seeds, sequence)
+            with tf.control_dependencies([counted, listed]):
+                return tf.identity(image_bytes), labels, crop_seeds, sequence
 
-        def drop_bad():
-            with tf.control_dependencies([counted]):
-                reported = report(tf.boolean_mask(record_names, bad), tf.boolean_mask(fault, bad))
-            with tf.control_dependencies([reported]):
-                unlisted = names.remove(tf.boolean_mask(sequence, bad))
-            with tf.control_dependencies([unlisted]):
-                good = tf.logical_not(bad)
-                return tuple(tf.boolean_mask(part, good) for part in parts)
+        data = records.batch(PARSE_BATCH).enumerate()
+        if is_training:
+            data = tf.data.Dataset.zip((data, tf.data.Dataset.random(seed=seed)))
+            data = data.map(
+                graph_function(lambda numbered, draw: parse_and_screen(*numbered, draw)),
+                num_parallel_calls=tf.data.AUTOTUNE,
+                deterministic=True,
+            )
+        else:
+            data = data.map(
+                graph_function(parse_and_screen),
+                num_parallel_calls=tf.data.AUTOTUNE,
+                deterministic=True,
+            )
+        data = data.unbatch()
 
-        # Only a batch that holds a bad record is masked: masking copies every record.
-        image_bytes, labels, crop_seeds, sequence = tf.cond(
-            tf.reduce_any(bad), drop_bad, lambda: parts
-        )
-        with tf.control_dependencies([counted, listed]):
-            return tf.identity(image_bytes), labels, crop_seeds, sequence
+        def decode(image_bytes, label, crop_seed, sequence):
+            return (*decode_example(image_bytes, label, crop_seed), sequence)
 
-    data = records.batch(PARSE_BATCH).enumerate()
-    if is_training:
-        data = tf.data.Dataset.zip((data, tf.data.Dataset.random(seed=seed)))
-        data = data.map(
-            graph_function(lambda numbered, draw: parse_and_screen(*numbered, draw)),
-            num_parallel_calls=tf.data.AUTOTUNE,
+        # Decodes on every thread of the pipeline's pool: autotuning is off (the input pipeline's
+        # options), and AUTOTUNE would then stay at its start value, at most 16 however many
+        # cores a host has. The errors ignored after it are those of the decode alone: the
+        # stages before it never fail (the reader stops at a broken file, the parser is guarded,
+        # see `sources`).
+        examples = data.map(
+            graph_function(decode),
+            num_parallel_calls=DECODES_IN_FLIGHT * threads,
             deterministic=True,
+        ).ignore_errors()
+        end_key = first_key + END_SEQUENCE
+        if not is_training:
+            blank = tf.zeros([image_size, image_size, 3], dtype)
+            end = (blank, tf.constant(-1, tf.int32), end_key)
+            examples = examples.concatenate(tf.data.Dataset.from_tensors(end))
+        examples = examples.batch(
+            batch_size,
+            # Training shapes must be static for the accelerator; evaluation keeps every example.
+            drop_remainder=is_training,
         )
-    else:
-        data = data.map(
-            graph_function(parse_and_screen),
-            num_parallel_calls=tf.data.AUTOTUNE,
-            deterministic=True,
-        )
-    data = data.unbatch()
 
-    def decode(image_bytes, label, crop_seed, sequence):
-        return (*decode_example(image_bytes, label, crop_seed), sequence)
+        def account(images, labels, sequence):
+            taken = names.remove(sequence)
+            with tf.control_dependencies([taken]):
+                waiting, waiting_names = names.export()
+            waiting, waiting_names = tf.reshape(waiting, [-1]), tf.reshape(waiting_names, [-1])
+            owner = tf.bitwise.right_shift(waiting, SEQUENCE_BITS)
+            lost = tf.equal(owner, iterator) & (waiting < tf.reduce_max(sequence))
+            # Left behind by an earlier iterator, which no longer takes records out.
+            abandoned = owner < iterator
 
-    # Decodes on every thread of the pipeline's pool: autotuning is off (the input pipeline's
-    # options), and AUTOTUNE would then stay at its start value, at most 16 however many cores a
-    # host has. The errors ignored after it are those of the decode alone: the stages before it
-    # never fail (the reader stops at a broken file, the parser is guarded, see `sources`).
-    examples = data.map(
-        graph_function(decode),
-        num_parallel_calls=DECODES_IN_FLIGHT * threads,
-        deterministic=True,
-    ).ignore_errors()
-    if not is_training:
-        blank = tf.zeros([image_size, image_size, 3], dtype)
-        end = (blank, tf.constant(-1, tf.int32), tf.constant(END_SEQUENCE, tf.int64))
-        examples = examples.concatenate(tf.data.Dataset.from_tensors(end))
-    examples = examples.batch(
-        batch_size,
-        # Training shapes must be static for the accelerator; evaluation keeps every example.
-        drop_remainder=is_training,
-    )
-
-    def account(images, labels, sequence):
-        taken = names.remove(sequence)
-        with tf.control_dependencies([taken]):
-            waiting, waiting_names = names.export()
-        waiting, waiting_names = tf.reshape(waiting, [-1]), tf.reshape(waiting_names, [-1])
-        lost = waiting < tf.reduce_max(sequence)
-
-        def report_lost():
-            lost_names = tf.boolean_mask(waiting_names, lost)
-            codes = tf.fill(tf.shape(lost_names), sources.UNDECODABLE)
-            with tf.control_dependencies([report(lost_names, codes)]):
-                with tf.control_dependencies([names.remove(tf.boolean_mask(waiting, lost))]):
+            def report_lost():
+                lost_names = tf.boolean_mask(waiting_names, lost)
+                codes = tf.fill(tf.shape(lost_names), sources.UNDECODABLE)
+                with tf.control_dependencies([report(lost_names, codes)]):
                     return tf.constant(True)
 
-        reported = tf.cond(tf.reduce_any(lost), report_lost, lambda: tf.constant(False))
-        with tf.control_dependencies([reported]):
-            message = stop.lookup(tf.constant([0], tf.int64))[0]
-        check = tf.debugging.Assert(tf.equal(message, ""), [message])
-        with tf.control_dependencies([check]):
-            if is_training:
-                return tf.identity(images), tf.identity(labels)
-            # Only the last batch holds the end marker (as its last row).
-            count = tf.reduce_sum(tf.cast(tf.not_equal(sequence, END_SEQUENCE), tf.int32))
-            return images[:count], labels[:count]
+            reported = tf.cond(tf.reduce_any(lost), report_lost, lambda: tf.constant(False))
+            with tf.control_dependencies([reported]):
+                removed = names.remove(tf.boolean_mask(waiting, lost | abandoned))
+            with tf.control_dependencies([removed]):
+                message = stop.lookup(tf.constant([0], tf.int64))[0]
+            check = tf.debugging.Assert(tf.equal(message, ""), [message])
+            with tf.control_dependencies([check]):
+                if is_training:
+                    return tf.identity(images), tf.identity(labels)
+                # Only the last batch holds the end marker (as its last row).
+                count = tf.reduce_sum(tf.cast(tf.not_equal(sequence, end_key), tf.int32))
+                return images[:count], labels[:count]
 
-    examples = examples.map(graph_function(account))
-    if not is_training:
-        examples = examples.filter(graph_function(lambda images, labels: tf.size(labels) > 0))
-    return examples
+        examples = examples.map(graph_function(account))
+        if not is_training:
+            examples = examples.filter(graph_function(lambda images, labels: tf.size(labels) > 0))
+        return examples
+
+    # The iterator's number is drawn once, when it starts.
+    start = tf.data.Dataset.from_tensors(tf.constant(1, tf.int64))
+    start = start.map(graph_function(lambda one: iterators_started.assign_add(one)))
+    return start.flat_map(graph_function(one_iterator))
 
 
 class SkippedRecordsLogger(keras.callbacks.Callback):

@@ -253,6 +253,9 @@ class ImageNetInput:
             self._records_read = tf.Variable(
                 tf.constant(0, tf.int64), trainable=False, name="records_read"
             )
+            self._iterators_started = tf.Variable(
+                tf.constant(0, tf.int64), trainable=False, name="iterators_started"
+            )
 
     @classmethod
     def from_tfds(
@@ -383,6 +386,7 @@ class ImageNetInput:
                 make_crop_seeds=self._crop_seeds,
                 decode_example=self._decode_example,
                 records_read=self._records_read,
+                iterators_started=self._iterators_started,
                 is_training=self.is_training,
                 seed=seed,
                 batch_size=batch_size,
