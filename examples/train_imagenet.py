@@ -46,7 +46,6 @@ model_dir on a filesystem every host reads. Two workers on this machine, each wi
 
 import contextlib
 import dataclasses
-import math
 import os
 import shutil
 import sys
@@ -121,7 +120,6 @@ TRAINING_SETTINGS = (
     "gradient_accumulation_steps weight_update_sharding "
     "peak_learning_rate warmup_epochs weight_decay label_smoothing"
 ).split()
-FEW_STEPS = 300  # fewer optimizer steps in a whole run earn a hint to train longer
 
 
 class TrainingDiverged(RuntimeError):
@@ -146,14 +144,10 @@ def check_flags(config):
             "--image_dir converts the images on this host; for a TPU or several workers convert "
             "them once (python -m tpu_scale.data.write_tfrecords) and pass --data_dir."
         )
-    replicas = 1 if config.num_cpu_replicas is None else config.num_cpu_replicas
-    if min(config.epochs, config.global_batch_size, replicas) < 1:
-        raise ValueError("--epochs, --global_batch_size and --num_cpu_replicas must be at least 1.")
-    if config.gradient_accumulation_steps < 1:
-        raise ValueError(
-            f"--gradient_accumulation_steps={config.gradient_accumulation_steps}: give 1 (no "
-            "accumulation) or more micro-batches per update."
-        )
+    counts = "epochs global_batch_size num_cpu_replicas gradient_accumulation_steps".split()
+    for name, value in ((name, getattr(config, name)) for name in counts):
+        if value is not None and value < 1:
+            raise ValueError(f"--{name}={value}: it must be at least 1.")
 
 
 def train(config, extra_callbacks=()):
@@ -239,12 +233,8 @@ def train(config, extra_callbacks=()):
         source.update(data_dir=data_dir, dtype=dtype, validation_examples=config.eval_examples)
         inputs = data.records_inputs(**source)
         steps = inputs.steps_per_epoch()
-        if not synthetic and steps * config.epochs < FEW_STEPS:
-            logging.warning(
-                f"{config.epochs} epochs of {steps} steps are only {steps * config.epochs} steps: "
-                "a small dataset learns more with more epochs (--epochs "
-                f"{math.ceil(FEW_STEPS / steps)}) or a smaller --global_batch_size."
-            )
+        if not synthetic and training.short_run_hint(steps, config.epochs):
+            logging.warning(training.short_run_hint(steps, config.epochs))
 
         # ---- recipe: optimizer, schedule, augmentation for this batch and dataset; with gradient
         # accumulation, the effective batch's, over optimizer steps
@@ -260,9 +250,7 @@ def train(config, extra_callbacks=()):
             augmentation=config.augmentation,
         )
         given = ("peak_learning_rate", "warmup_epochs", "weight_decay", "label_smoothing")
-        recipe = dataclasses.replace(
-            recipe, **{k: getattr(config, k) for k in given if getattr(config, k) is not None}
-        )
+        recipe = recipe.with_settings(**{k: getattr(config, k) for k in given})
         inputs = inputs.with_input_arguments(**recipe.input_arguments)  # its crops and flips
         # Raises, with the fix, if the global batch does not divide over the replicas.
         validation = data.exact_evaluation(inputs.validation, strategy, inputs.validation_examples)
@@ -289,11 +277,7 @@ def train(config, extra_callbacks=()):
                 ),
                 weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="top_1")],
             )
-        logging.info(
-            f"Model {config.model}: {model.count_params()} parameters; {recipe.optimizer}, peak "
-            f"LR {recipe.peak_learning_rate:.3g}, warmup {recipe.warmup_epochs:.2f} epochs, "
-            f"augmentation {recipe.augmentation}"
-        )
+        logging.info(f"{config.model}: {model.count_params()} parameters; {recipe.describe()}")
 
         # ---- callbacks: backups, preemption, checkpoints, TensorBoard, statistics, guard; without
         # a model_dir nothing is kept, so no backup, checkpoint or log is written

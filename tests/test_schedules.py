@@ -275,6 +275,26 @@ def test_recipe_builds_its_optimizers():
     }
 
 
+def test_recipe_with_settings_changes_only_the_settings_given():
+    recipe = recipe_for_batch(512, 30, steps_per_epoch=10)
+    changed = recipe.with_settings(peak_learning_rate=1.5, warmup_epochs=None, weight_decay=0.0)
+    assert changed.peak_learning_rate == 1.5 and changed.weight_decay == 0.0
+    assert changed.warmup_epochs == recipe.warmup_epochs
+    assert (
+        dataclasses.replace(
+            changed, peak_learning_rate=recipe.peak_learning_rate, weight_decay=recipe.weight_decay
+        )
+        == recipe
+    )
+    assert recipe.with_settings() == recipe
+    assert changed.describe() == (
+        f"sgd, peak LR 1.5, warmup {recipe.warmup_epochs:.2f} epochs, augmentation "
+        f"{recipe.augmentation}"
+    )
+    with pytest.raises(TypeError, match="learning_rate"):
+        recipe.with_settings(learning_rate=0.1)
+
+
 def test_recipe_checks_its_arguments():
     for bad in (0, -64, 64.5, "64", True):
         with pytest.raises(ValueError, match="global_batch_size"):

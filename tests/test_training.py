@@ -108,6 +108,15 @@ def test_a_fit_script_resumes_to_the_same_weights_and_evaluates_every_example_on
     assert training.finished_run(resumed_dir, EPOCHS + 1) is None
 
 
+def test_a_short_run_gets_the_epochs_that_would_make_it_long_enough():
+    assert training.short_run_hint(2, 30) == (
+        "30 epochs of 2 steps are only 60 steps: a small dataset learns more with more epochs "
+        "(--epochs 150) or a smaller --global_batch_size."
+    )
+    assert training.short_run_hint(7, 10, few_steps=70) == ""
+    assert training.short_run_hint(7, 10, few_steps=71).startswith("10 epochs of 7 steps")
+
+
 def test_the_callbacks_keep_moving_statistics_first_and_the_guard_given():
     guard = tpu_scale.callbacks.LossGuard()
     strategy = tf.distribute.get_strategy()

@@ -333,6 +333,21 @@ class Recipe:
                 f"{self.augmentation!r}."
             )
 
+    def with_settings(self, **settings):
+        """A copy with the given settings changed; those given as None keep the recipe's value
+        (as command-line flags left unset do).
+
+        Example: `recipe.with_settings(peak_learning_rate=flags.peak_learning_rate)`.
+        """
+        return dataclasses.replace(self, **{k: v for k, v in settings.items() if v is not None})
+
+    def describe(self) -> str:
+        """One line for a run's log: the optimizer, its peak rate, the warmup, the augmentation."""
+        return (
+            f"{self.optimizer}, peak LR {self.peak_learning_rate:.3g}, warmup "
+            f"{self.warmup_epochs:.2f} epochs, augmentation {self.augmentation}"
+        )
+
     @property
     def input_arguments(self):
         """The `ImageNetInput` keyword arguments of the recipe's augmentation (training crop and

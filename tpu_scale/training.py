@@ -24,6 +24,7 @@ weights; fit's validation, the checkpoints and the saved model see the same batc
 """
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -189,6 +190,23 @@ def record_settings(model_dir, settings, strategy):
         with tf.io.gfile.GFile(path, "w") as f:
             json.dump(settings, f, indent=2, default=str)
     return []
+
+
+# A run of fewer optimizer steps than this earns `short_run_hint`.
+FEW_STEPS = 300
+
+
+def short_run_hint(steps_per_epoch, epochs, few_steps=FEW_STEPS):
+    """Advice for a run of fewer than `few_steps` steps in all (a small dataset or a large
+    batch), naming the epochs that would reach them; "" for a longer run."""
+    total = steps_per_epoch * epochs
+    if total >= few_steps:
+        return ""
+    return (
+        f"{epochs} epochs of {steps_per_epoch} steps are only {total} steps: a small dataset "
+        f"learns more with more epochs (--epochs {math.ceil(few_steps / steps_per_epoch)}) or a "
+        "smaller --global_batch_size."
+    )
 
 
 def finished_run(model_dir, epochs):
