@@ -18,12 +18,11 @@ the fastest layout there (benchmarks/cpu_layout.py):
 
     python examples/train_imagenet.py --image_dir ~/flowers --model_dir ~/flowers_run
 
---model_dir keeps the run: checkpoints of the newest --keep_checkpoints epochs, TensorBoard logs,
-the backup it resumes from, final.keras (read it with `tpu_scale.models.load_model`), run.json and
-settings.json. The same command after an interruption resumes from the last finished epoch (a
-resumed run names every setting that changed); a SIGTERM makes every worker save and exit with
-code 143; on a finished run it says so and stops, and a larger --epochs continues it. Without
---model_dir nothing is kept: no backup, checkpoint or log is written.
+--model_dir keeps the run: checkpoints, TensorBoard logs, the backup it resumes from, final.keras
+(read it with `tpu_scale.models.load_model`), run.json and settings.json. The same command after an
+interruption resumes from the last finished epoch, naming every setting that changed; a SIGTERM
+makes every worker save and exit with code 143; a larger --epochs continues a finished run.
+Without --model_dir nothing is written.
 
 A Cloud TPU with ImageNet in the classic layout (train-* and validation-* files): the paper's
 v3-1024 configuration, batch 32768 = 16 per core, LARS, BN groups of 4 cores = span 64 (the
@@ -34,11 +33,9 @@ learning rate and warmup come from the batch size; a v3-8 takes --global_batch_s
         --model resnet50 --image_size 224 --global_batch_size 32768 --epochs 72 \
         --bn_group_size 4 --mixed_precision bfloat16 --model_dir gs://my-bucket/runs/v3-1024
 
-Several hosts: every host runs the same command; create_strategy finds the cluster from TF_CONFIG
-(Kubeflow's TFJob, an indexed Kubernetes Job: examples/kubernetes/train_imagenet.yaml) or from a
-Slurm step (srun: examples/slurm/train_imagenet.sbatch). The mesh's rows are the hosts; the
-model_dir on a filesystem every host reads. Two workers on this machine, each with its TF_CONFIG
-(examples/README.md also has the TPU VM pod command):
+Several hosts: every host runs the same command, with a --model_dir they all read;
+create_strategy finds the cluster in TF_CONFIG (examples/kubernetes/) or a Slurm step
+(examples/slurm/), and the mesh's rows are the hosts. Two workers on this machine:
 
     python -m tpu_scale.launch --num_workers 2 -- examples/train_imagenet.py \
         --num_cpu_replicas 2 --epochs 2 --model_dir /tmp/two_workers
@@ -185,13 +182,8 @@ def train(config, extra_callbacks=()):
         per_replica = max(1, config.global_batch_size // replicas)
         config.bn_group_size = smallest_group_for_span(mesh, per_replica, tiled=mesh.is_torus)
     mesh.group_assignment(config.bn_group_size)  # raises with the valid sizes
-    finished = config.model_dir and training.finished_run(config.model_dir, config.epochs)
-    if finished:
-        logging.info(
-            f"{config.model_dir} already holds a finished run of {finished['epochs']} epochs "
-            f"(top-1 {finished['top_1']:.4f}); nothing to train. Pass a larger --epochs to "
-            "continue it, or another --model_dir for a new run."
-        )
+    if config.model_dir and (finished := training.finished_run(config.model_dir, config.epochs)):
+        logging.info(training.finished_message(config.model_dir, finished))
         return dict(finished, finished_before=True, model=None)
 
     with contextlib.ExitStack() as cleanup:

@@ -219,6 +219,15 @@ def finished_run(model_dir, epochs):
     return record if record.get("epochs", 0) >= epochs else None
 
 
+def finished_message(model_dir, record):
+    """What a run says when `model_dir` already holds `record`, a finished run (`finished_run`)."""
+    return (
+        f"{model_dir} already holds a finished run of {record['epochs']} epochs (top-1 "
+        f"{record['top_1']:.4f}); nothing to train. Pass a larger --epochs to continue it, or "
+        "another --model_dir for a new run."
+    )
+
+
 def save_run(model_dir, model, record, strategy):
     """Saves the final model and the run's record in `model_dir` (the chief only).
 
