@@ -334,11 +334,8 @@ class Recipe:
             )
 
     def with_settings(self, **settings):
-        """A copy with the given settings changed; those given as None keep the recipe's value
-        (as command-line flags left unset do).
-
-        Example: `recipe.with_settings(peak_learning_rate=flags.peak_learning_rate)`.
-        """
+        """A copy with the given settings changed; one given as None (a flag left unset) keeps the
+        recipe's value."""
         return dataclasses.replace(self, **{k: v for k, v in settings.items() if v is not None})
 
     def describe(self) -> str:
