@@ -136,6 +136,44 @@ def test_checkpoints_move_between_sharded_and_unsharded(tmp_path, strategy):
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_sharded_run_resumes_on_another_replica_count(tmp_path):
+    # 10 steps on 8 replicas, saved, then 10 more on 4 replicas from the saved file: sharded
+    # throughout, and unsharded throughout, end on the same weights.
+    def optimizer():
+        return keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True)
+
+    x, y = _data()
+    half = len(x) // 2
+    keras.utils.set_random_seed(1)
+    initial = None
+    final = {}
+    for sharded in (True, False):
+        first, second = (
+            tpu_scale.create_strategy(
+                num_cpu_replicas=n, gradient_reduction="native", weight_update_sharding=sharded
+            )
+            for n in (8, 4)
+        )
+        model = _model(first, optimizer, initial)
+        initial = model.get_weights()
+        model.fit(x[:half], y[:half], batch_size=BATCH, shuffle=False, epochs=1, verbose=0)
+        path = str(tmp_path / f"sharded_{sharded}.weights.h5")
+        model.save_weights(path)
+        resumed = _model(second, optimizer)
+        with second.scope():
+            resumed.optimizer.build(resumed.trainable_variables)
+        resumed.load_weights(path)
+        assert int(resumed.optimizer.iterations.numpy()) == STEPS // 2
+        if sharded:
+            assert tpu_scale.weight_update.slot_shards(resumed.optimizer)["momentum"].shape == (
+                -(-sum(int(np.prod(v.shape)) for v in resumed.trainable_variables) // 4),
+            )
+        resumed.fit(x[half:], y[half:], batch_size=BATCH, shuffle=False, epochs=1, verbose=0)
+        final[sharded] = resumed.get_weights()
+    for got, want in zip(final[True], final[False]):
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=3e-4)
+
+
 def test_an_optimizer_it_cannot_shard_is_named():
     x, y = _data()
     model = _model(_sharded((1, 8)), lambda: keras.optimizers.RMSprop(0.01))

@@ -1,5 +1,5 @@
-"""Weight-update sharding on one host: each replica updates 1/N of the weights and holds 1/N of the
-optimizer state.
+"""Weight-update sharding: each of a host's N replicas updates 1/N of the weights and holds 1/N of
+the optimizer state.
 
 `create_strategy(..., weight_update_sharding=True)` registers the strategy here; `model.fit` then
 runs Keras's `keras.optimizers.SGD` (plain, momentum or Nesterov), `Adam` and `AdamW` (with or
@@ -33,9 +33,16 @@ Checkpoints hold the full state in Keras's own layout (one slot per variable, ga
 replicas), so a backup, `final.keras` and `keras.models.load_model` are the same as without
 sharding, and a run resumes on any replica count, sharded or not.
 
-Scope: one host (`MirroredStrategy` of `create_strategy`), the optimizers above, every trainable
+Several workers (`MultiWorkerMirroredStrategy`, one mesh row per worker): step 2 is the torus
+sum's first two phases, the reduce-scatter along the worker's row (plain ops) and the sum of each
+shard down its mesh column (a collective op across the workers, on a buffer of the replica's
+shard); steps 3 and 4 stay on each worker. Every worker thus repeats the update of its replicas'
+shards: the state per replica is 1/N of the model for N replicas per worker, not 1/(all
+replicas), and a checkpoint needs no gathering across workers.
+
+Scope: the strategies of `create_strategy` on CPUs or GPUs, the optimizers above, every trainable
 variable of one floating dtype with a gradient at each step. Anything else is a clear error;
-several hosts and TPUs are not sharded yet.
+TPUs are not sharded yet.
 
 Reference:
   Ying et al., "Image Classification at Supercomputer Scale", 2018 (arXiv:1811.06992), section 3.2
@@ -47,6 +54,8 @@ import weakref
 import keras
 import numpy as np
 import tensorflow as tf
+
+from tpu_scale import collectives
 
 _strategies = weakref.WeakSet()
 _states = weakref.WeakKeyDictionary()  # optimizer -> Sharded, for the optimizers built sharded
@@ -80,19 +89,27 @@ def enable(strategy):
     """Makes `model.fit` under `strategy` shard the weight update (see the module docstring).
 
     Args:
-      strategy: a one-host strategy made by `create_strategy` (all replicas in this process).
+      strategy: a strategy made by `create_strategy`: one host's replicas, or several workers'
+        with one mesh row per worker.
 
     Raises:
-      ValueError: when some replicas live in other processes.
+      ValueError: when the mesh's rows are not the workers' replicas.
     """
-    if len(strategy.extended.worker_devices) != strategy.num_replicas_in_sync:
+    local = len(strategy.extended.worker_devices)
+    mesh = getattr(strategy, "mesh", None)
+    if local != strategy.num_replicas_in_sync and (mesh is None or mesh.shape[1] != local):
         raise ValueError(
-            "weight_update_sharding=True works on one host (every replica in this process); this "
-            f"strategy has {strategy.num_replicas_in_sync} replicas, "
-            f"{len(strategy.extended.worker_devices)} of them here. Use "
-            "weight_update_sharding=False across hosts."
+            "weight_update_sharding=True across workers needs one mesh row per worker (the "
+            f"default); this strategy's mesh is {mesh.shape if mesh else None} with {local} "
+            "replicas per worker. Leave mesh_shape unset, or use weight_update_sharding=False."
         )
     _strategies.add(strategy)
+
+
+def disable(strategy):
+    """Stops sharding the update of optimizers built from now on under `strategy` (those built
+    sharded stay sharded)."""
+    _strategies.discard(strategy)
 
 
 def momentum_shards(optimizer):
@@ -186,7 +203,7 @@ def build_sgd(optimizer, variables, sgd_build):
         sgd_build(optimizer, variables)
     finally:
         optimizer.momentum = momentum
-    layout = Layout(variables, strategy.num_replicas_in_sync)
+    layout = Layout(variables, len(strategy.extended.worker_devices))
     slots = _add_slots(optimizer, layout, variables, ["momentum"] if momentum else [])
     _states[optimizer] = Sharded(strategy, layout, "sgd", slots, [list(slots)])
 
@@ -209,7 +226,7 @@ def build_adam(optimizer, variables, adam_build):
         return False
     _check_variables(variables)
     super(keras.optimizers.Adam, optimizer).build(variables)  # Keras's base state only
-    layout = Layout(variables, strategy.num_replicas_in_sync)
+    layout = Layout(variables, len(strategy.extended.worker_devices))
     names = ["momentum", "velocity"] + (["velocity_hat"] if optimizer.amsgrad else [])
     slots = _add_slots(optimizer, layout, variables, names)
     _states[optimizer] = Sharded(strategy, layout, "adam", slots, [names[:2], names[2:]])
@@ -230,7 +247,7 @@ def build_lars(optimizer, variables, decays, adapts):
     if not is_sharded(strategy):
         return False
     _check_variables(variables)
-    layout = Layout(variables, strategy.num_replicas_in_sync)
+    layout = Layout(variables, len(strategy.extended.worker_devices))
     slots = _add_slots(optimizer, layout, variables, ["momentum"])
     _states[optimizer] = Sharded(
         strategy, layout, "lars", slots, [["momentum"]], lars=(list(decays), list(adapts))
@@ -367,7 +384,21 @@ def _sharded_update(optimizer, ctx, grads, variables, indices, learning_rate):
         )
     grads = [tf.reshape(tf.convert_to_tensor(g), [-1]) for g in grads]
     values = [v.value if isinstance(v, keras.Variable) else v for v in variables]
-    ctx.merge_call(_update_in_graph, args=(optimizer, state, grads, values, learning_rate))
+    if len(ctx.strategy.extended.worker_devices) == ctx.strategy.num_replicas_in_sync:
+        ctx.merge_call(_update_in_graph, args=(optimizer, state, grads, values, learning_rate))
+        return
+    # Several workers: this replica's shard of the gradient, summed in its worker's row (plain ops)
+    # and then down its mesh column, across the workers (a collective op): the torus sum's first
+    # two phases.
+    mesh = ctx.strategy.mesh
+    flat = tf.concat(grads + [tf.zeros([layout.padding], grads[0].dtype)], 0)
+    shard = collectives.reduce_scatter(flat, mesh.row_groups(), in_graph=True)
+    shard = collectives.group_sum(shard, mesh.column_groups())
+    ctx.merge_call(
+        _update_in_graph,
+        args=(optimizer, state, None, values, learning_rate),
+        kwargs={"summed": shard},
+    )
 
 
 def _part(flat, a, b, size):
@@ -375,17 +406,23 @@ def _part(flat, a, b, size):
     return flat if (a, b) == (0, size) else flat[a:b]
 
 
-def _update_in_graph(strategy, optimizer, state, grads, variables, learning_rate):
+def _update_in_graph(strategy, optimizer, state, grads, variables, learning_rate, summed=None):
     """Reduce-scatter, the sharded update, all-gather: plain ops on each replica's device.
 
     Each shard is a list of pieces of variables (a variable inside one shard is one piece, whole);
     the update runs piece by piece, so no fused buffer is ever built: a whole variable's gradient
     is summed straight from the replicas' gradients, and its updated value is written to every
-    replica's copy as it is.
+    replica's copy as it is. Under several workers the gradient comes summed instead: `summed`,
+    each replica's shard of the sum over every worker.
     """
     layout = state.layout
     devices = strategy.extended.worker_devices
-    grads = [[tf.reshape(g, [-1]) for g in strategy.experimental_local_results(x)] for x in grads]
+    if summed is not None:
+        summed = strategy.experimental_local_results(summed)
+    else:
+        grads = [
+            [tf.reshape(g, [-1]) for g in strategy.experimental_local_results(x)] for x in grads
+        ]
     copies = [strategy.experimental_local_results(v) for v in variables]
     slots = {name: strategy.experimental_local_results(v.value) for name, v in state.slots.items()}
     shards = []  # per replica: its pieces
@@ -395,7 +432,10 @@ def _update_in_graph(strategy, optimizer, state, grads, variables, learning_rate
             for var, a, b, offset in layout.pieces(i):
                 size = layout.sizes[var]
                 weight = _part(tf.reshape(copies[var][i], [-1]), a, b, size)
-                grad = tf.add_n([_part(g, a, b, size) for g in grads[var]])
+                if summed is not None:
+                    grad = summed[i][offset : offset + b - a]
+                else:
+                    grad = tf.add_n([_part(g, a, b, size) for g in grads[var]])
                 shard.append(
                     _Piece(
                         var,
