@@ -467,8 +467,8 @@ _sharding_hooked = False
 
 
 def shard_weight_updates():
-    """Routes SGD's and Adam's `build` (AdamW's too) and the optimizer's update and save through
-    `tpu_scale.weight_update`.
+    """Routes SGD's and Adam's `build` (AdamW's too) and the optimizer's weight decay, update and
+    save through `tpu_scale.weight_update`.
 
     Each wrapper runs Keras's own code unless the strategy (or the optimizer) is sharded; the
     restore goes through `_load_own_variables` (installed by `accumulation_under_strategies`).
@@ -484,6 +484,7 @@ def shard_weight_updates():
     adam_build = keras.optimizers.Adam.build
     update_step = module.TFOptimizer._backend_update_step
     save = module.TFOptimizer.save_own_variables
+    apply_decay = module.TFOptimizer._apply_weight_decay
 
     def build(self, variables):
         return weight_update.build_sgd(self, variables, sgd_build)
@@ -497,6 +498,10 @@ def shard_weight_updates():
         if not weight_update.update(self, grads, trainable_variables, indices, learning_rate):
             update_step(self, grads, trainable_variables, learning_rate)
 
+    def apply_weight_decay(self, variables):
+        if not weight_update.decays_in_update(self):  # else each replica decays its shard
+            apply_decay(self, variables)
+
     def save_own_variables(self, store):
         state = weight_update.full_state(self)
         if state is None:
@@ -508,4 +513,5 @@ def shard_weight_updates():
     keras.optimizers.Adam.build = build_adam
     module.TFOptimizer._backend_update_step = backend_update_step
     module.TFOptimizer.save_own_variables = save_own_variables
+    module.TFOptimizer._apply_weight_decay = apply_weight_decay
     _sharding_hooked = True

@@ -22,9 +22,10 @@ model or the optimizer:
 No fused buffer is built: concatenating, padding and slicing a model-sized buffer on every replica
 would cost more memory traffic than the update saves. All replicas share the host's memory, so
 steps 2 and 4 are plain ops in the step graph, as the torus executor builds the phases inside a
-host (`collectives.in_graph_groups`). Clipping and weight decay run as Keras runs them, before the
-update, on each replica's full gradient and weights (AdamW's decoupled decay, SGD's
-`weight_decay`); LARS folds its decay into the sharded update. Gradient accumulation
+host (`collectives.in_graph_groups`). Clipping runs as Keras runs it, on each replica's full
+gradient. Weight decay is sharded too: Keras's decoupled decay (SGD's and AdamW's `weight_decay`,
+with their exclusions) runs on each replica's pieces just before the update rule, in place of
+Keras's pass over the full weights; LARS folds its decay into its rule. Gradient accumulation
 (`gradient_accumulation_steps`) composes with it. Under mixed precision the variables and the
 state are float32 (Keras's master weights). The result equals Keras's unsharded update up to float
 rounding (the same arithmetic; the sums in another order).
@@ -38,7 +39,9 @@ sum's first two phases, the reduce-scatter along the worker's row (plain ops) an
 shard down its mesh column (a collective op across the workers, on a buffer of the replica's
 shard); steps 3 and 4 stay on each worker. Every worker thus repeats the update of its replicas'
 shards: the state per replica is 1/N of the model for N replicas per worker, not 1/(all
-replicas), and a checkpoint needs no gathering across workers.
+replicas). In exchange every worker holds the whole state, so the chief alone can save a model or
+a checkpoint, as under any `MultiWorkerMirroredStrategy`, with no collective that the other workers
+would have to join.
 
 Scope: the strategies of `create_strategy` on CPUs or GPUs, the optimizers above, every trainable
 variable of one floating dtype with a gradient at each step. Anything else is a clear error;
@@ -83,6 +86,7 @@ class Sharded:
         self.slots = dict(slots)
         self.groups = [list(g) for g in groups if g]
         self.lars = lars
+        self.decayed = []  # per variable: whether the update decays it (`decays_in_update`)
 
 
 def enable(strategy):
@@ -275,6 +279,21 @@ def update(optimizer, grads, variables, indices, learning_rate):
     return True
 
 
+def decays_in_update(optimizer):
+    """True when the sharded update applies `optimizer`'s decoupled weight decay (Keras's SGD's and
+    AdamW's `weight_decay`) shard by shard, so that Keras's own pass over the full weights is
+    skipped; called in replica context."""
+    ctx = tf.distribute.get_replica_context()
+    state = _states.get(optimizer)
+    return (
+        ctx is not None
+        and is_sharded(ctx.strategy)
+        and state is not None
+        and state.kind != "lars"  # LARS decays inside its own rule
+        and optimizer.weight_decay is not None
+    )
+
+
 def full_state(optimizer):
     """The optimizer's variables as numpy arrays in Keras's unsharded layout, or None when it is
     not sharded."""
@@ -383,6 +402,9 @@ def _sharded_update(optimizer, ctx, grads, variables, indices, learning_rate):
             "step; some had none (Keras warned which). Freeze them (trainable=False) instead."
         )
     grads = [tf.reshape(tf.convert_to_tensor(g), [-1]) for g in grads]
+    state.decayed = [
+        decays_in_update(optimizer) and optimizer._use_weight_decay(v) for v in variables
+    ]
     values = [v.value if isinstance(v, keras.Variable) else v for v in variables]
     if len(ctx.strategy.extended.worker_devices) == ctx.strategy.num_replicas_in_sync:
         ctx.merge_call(_update_in_graph, args=(optimizer, state, grads, values, learning_rate))
@@ -445,6 +467,14 @@ def _update_in_graph(strategy, optimizer, state, grads, variables, learning_rate
                     )
                 )
             shards.append(shard)
+    if any(state.decayed):  # Keras's decoupled decay, `w - w * weight_decay * learning_rate`
+        for i, device in enumerate(devices):
+            with tf.device(device):
+                for piece in shards[i]:
+                    if state.decayed[piece.var]:
+                        w, dtype = piece.weight, piece.weight.dtype
+                        rate = tf.cast(learning_rate, dtype)
+                        piece.weight = w - w * tf.cast(optimizer.weight_decay, dtype) * rate
     if state.kind == "lars":
         _lars_scales(optimizer, state, shards, devices, learning_rate)
     for i, device in enumerate(devices):
