@@ -267,6 +267,7 @@ def test_weight_update_figures_match_a_hand_calculation(
     sharded = shard * 28 / per_replica_bandwidth
     step = per_core_batch * replicas / (chips * chip_rate)
     assert w["optimizer"] == "lars" and w["bytes_per_param"] == 28
+    assert w["sharded_over"] == replicas and w["in_package"] is False  # XLA's sharding, on TPU
     assert w["replicated_seconds"] == pytest.approx(replicated)
     assert w["sharded_seconds"] == pytest.approx(sharded)
     assert w["state_bytes_per_replica"] == {"replicated": params * 4, "sharded": shard * 4}
@@ -294,6 +295,23 @@ def test_weight_update_of_a_model_whose_state_matters():
     with pytest.raises(ValueError, match="Unknown optimizer 'rmsprop'"):
         plan.plan(cluster, "vit_b16", optimizer="rmsprop")
     assert plan.plan(_uniform(2, 4), params=1000)["weight_update"] is None  # no memory figure
+
+
+def test_weight_update_on_gpu_hosts_is_sharded_over_each_hosts_replicas():
+    # As the package shards under MultiWorkerMirroredStrategy: a host's replicas share the update.
+    cluster = plan.gpu_cluster(4, 8)
+    w = plan.plan(cluster, "resnet50", per_core_batch=32)["weight_update"]
+    params = plan.MODELS["resnet50"]
+    assert w["sharded_over"] == 8 and w["in_package"] is True
+    assert w["state_bytes_per_replica"] == {
+        "replicated": params * 4,
+        "sharded": -(-params // 8) * 4,
+    }
+    assert w["sharded_seconds"] == pytest.approx(w["replicated_seconds"] * -(-params // 8) / params)
+    text = plan.format_plan(plan.plan(cluster, "resnet50", per_core_batch=32))
+    assert "each host's 8 replicas share the update; the hosts repeat it" in text
+    tpu_text = plan.format_plan(plan.plan(plan.tpu_slice("v3-8"), "resnet50"))
+    assert "create_strategy does not shard the update on a TPU yet" in tpu_text
 
 
 def test_cli_table_and_gpu(capsys):

@@ -156,5 +156,14 @@ def format_plan(result):
             )
         else:
             lines.append("  its share of the step: give --target_images_per_sec for this model")
+        if w["in_package"]:
+            lines.append(
+                f"  each host's {w['sharded_over']} replicas share the update; the hosts repeat it"
+            )
+        else:
+            lines.append(
+                f"  sharded over all {w['sharded_over']} replicas, as XLA shards on TPU: "
+                "create_strategy does not shard the update on a TPU yet"
+            )
     lines += ["", "figures and assumptions:"] + [f"  - {s}" for s in result["sources"]]
     return "\n".join(lines)

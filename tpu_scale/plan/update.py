@@ -4,10 +4,13 @@ updating 1/N of them (`create_strategy(..., weight_update_sharding=True)`).
 The update is priced as memory traffic: per parameter it reads and writes a fixed number of
 float32 values (`UPDATE_BYTES_PER_PARAM`), at the bandwidth of the memory one replica's update
 runs on (`Cluster.memory_bandwidth`). Replicated, every replica moves all of them; sharded, each
-moves its `ceil(params / N)`. The gradient sum costs the same bytes either way: the torus sum is
-already a reduce-scatter, an all-reduce of the shard and an all-gather, and the sharded update sits
-between its first and last phase (Xu et al. 2020), so only the update's own time changes. The
-optimizer state per replica shrinks the same way (`SLOTS`).
+moves its `ceil(params / N)`. On CPU and GPU hosts N is a host's replicas, as the package shards
+(each host's replicas share the update, the hosts repeat it); on a TPU slice N is every replica,
+the saving of XLA's sharding (Xu et al. 2020), which `create_strategy` does not do on TPUs yet.
+The gradient sum costs the same bytes either way: the torus sum is already a reduce-scatter, an
+all-reduce of the shard and an all-gather, and the sharded update sits between its first and last
+phase, so only the update's own time changes. The optimizer state per replica shrinks the same
+way (`SLOTS`).
 
 Reference:
   Xu et al., "Automatic Cross-Replica Sharding of Weight Update in Data-Parallel Training", 2020
@@ -47,7 +50,8 @@ def weight_update(cluster, num_params, optimizer="lars", step_seconds=None):
 
     Returns:
       A JSON-ready dict: `optimizer`, `bytes_per_param`, `memory_bandwidth_per_replica`,
-      `replicated_seconds`, `sharded_seconds`, `saved_seconds`, `state_bytes_per_replica`
+      `sharded_over` (the N above), `in_package` (False on TPU), `replicated_seconds`,
+      `sharded_seconds`, `saved_seconds`, `state_bytes_per_replica`
       (`replicated`, `sharded`), and with `step_seconds`: `share_of_step` (`replicated`,
       `sharded`) and `step_speedup` (the step's time replicated over its time sharded). None when
       the cluster's memory bandwidth is unknown.
@@ -63,13 +67,18 @@ def weight_update(cluster, num_params, optimizer="lars", step_seconds=None):
     if not bandwidth:
         return None
     per_param = UPDATE_BYTES_PER_PARAM[optimizer]
-    shard = math.ceil(num_params / cluster.num_replicas)
+    on_tpu = cluster.kind == "tpu"
+    per_host = cluster.replicas_per_host or cluster.replicas_per_node * cluster.nodes_per_host
+    over = cluster.num_replicas if on_tpu else min(per_host, cluster.num_replicas)
+    shard = math.ceil(num_params / over)
     replicated = num_params * per_param / bandwidth
     sharded = shard * per_param / bandwidth
     result = {
         "optimizer": optimizer,
         "bytes_per_param": per_param,
         "memory_bandwidth_per_replica": bandwidth,
+        "sharded_over": over,
+        "in_package": not on_tpu,
         "replicated_seconds": replicated,
         "sharded_seconds": sharded,
         "saved_seconds": replicated - sharded,
