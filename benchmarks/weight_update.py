@@ -40,38 +40,51 @@ def _round(model, iterator):
     return time.perf_counter() - start
 
 
-def measure(rounds):
+def build_model(strategy):
+    """The ResNet-50-sized dense model, compiled with LARS under `strategy`."""
     import keras
+
+    from tpu_scale.optimizers import LARS
+
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        layers = [keras.Input((WIDTHS[0],))]
+        layers += [keras.layers.Dense(w, activation="relu") for w in WIDTHS[1:]]
+        layers += [keras.layers.Dense(10)]
+        model = keras.Sequential(layers)
+        model.compile(
+            optimizer=LARS(1.0, weight_decay=1e-4),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    return model
+
+
+def dataset():
+    """One example per replica per step, repeated."""
     import numpy as np
     import tensorflow as tf
 
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, WIDTHS[0])).astype("float32")
+    y = rng.integers(0, 10, size=len(x)).astype("int32")
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(8, drop_remainder=True).repeat()
+
+
+def measure(rounds):
     import tpu_scale
-    from tpu_scale.optimizers import LARS
 
     strategies = {  # before any TensorFlow op: the 8 CPU devices exist from the start
         name: tpu_scale.create_strategy(num_cpu_replicas=8, weight_update_sharding=sharded)
         for name, sharded in (("replicated", False), ("sharded", True))
     }
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(64, WIDTHS[0])).astype("float32")
-    y = rng.integers(0, 10, size=len(x)).astype("int32")
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8, drop_remainder=True).repeat()
+    data = dataset()
     variants = {}
     parameters = None
     for name, strategy in strategies.items():
-        with strategy.scope():
-            keras.utils.set_random_seed(0)
-            layers = [keras.Input((WIDTHS[0],))]
-            layers += [keras.layers.Dense(w, activation="relu") for w in WIDTHS[1:]]
-            layers += [keras.layers.Dense(10)]
-            model = keras.Sequential(layers)
-            model.compile(
-                optimizer=LARS(1.0, weight_decay=1e-4),
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            )
+        model = build_model(strategy)
         parameters = model.count_params()
-        model.fit(dataset, steps_per_epoch=2, epochs=1, verbose=0)
-        iterator = iter(strategy.experimental_distribute_dataset(dataset))
+        model.fit(data, steps_per_epoch=2, epochs=1, verbose=0)
+        iterator = iter(strategy.experimental_distribute_dataset(data))
         _round(model, iterator)
         variants[name] = model, iterator
         print(f"  {name}: built and traced", flush=True)

@@ -52,6 +52,7 @@ Reference:
   (distributed weight update: each core updates a shard of the weights, then an all-gather).
 """
 
+import contextlib
 import weakref
 
 import keras
@@ -259,7 +260,7 @@ def build_lars(optimizer, variables, decays, adapts):
     return True
 
 
-def update(optimizer, grads, variables, indices, learning_rate):
+def update(optimizer, grads, variables, indices, learning_rate, decays):
     """The sharded update, when the replica context's strategy is sharded; else False.
 
     Args:
@@ -268,6 +269,7 @@ def update(optimizer, grads, variables, indices, learning_rate):
       variables: their variables.
       indices: each variable's index among the optimizer's variables.
       learning_rate: the step's learning rate.
+      decays: per variable, whether the optimizer's weight decay applies to it (its exclusions).
 
     Returns:
       True when the update was built here.
@@ -275,7 +277,7 @@ def update(optimizer, grads, variables, indices, learning_rate):
     ctx = tf.distribute.get_replica_context()
     if ctx is None or not is_sharded(ctx.strategy):
         return False
-    _sharded_update(optimizer, ctx, grads, variables, indices, learning_rate)
+    _sharded_update(optimizer, ctx, grads, variables, indices, learning_rate, decays)
     return True
 
 
@@ -384,7 +386,7 @@ def load_full_state(optimizer, store):
 # --------------------------------------------------------------------------- the sharded step
 
 
-def _sharded_update(optimizer, ctx, grads, variables, indices, learning_rate):
+def _sharded_update(optimizer, ctx, grads, variables, indices, learning_rate, decays):
     """Steps 1-4 of the module docstring, called in replica context from the optimizer's update."""
     state = _states.get(optimizer)
     if state is None:
@@ -402,9 +404,7 @@ def _sharded_update(optimizer, ctx, grads, variables, indices, learning_rate):
             "step; some had none (Keras warned which). Freeze them (trainable=False) instead."
         )
     grads = [tf.reshape(tf.convert_to_tensor(g), [-1]) for g in grads]
-    state.decayed = [
-        decays_in_update(optimizer) and optimizer._use_weight_decay(v) for v in variables
-    ]
+    state.decayed = [decays_in_update(optimizer) and bool(d) for d in decays]
     values = [v.value if isinstance(v, keras.Variable) else v for v in variables]
     if len(ctx.strategy.extended.worker_devices) == ctx.strategy.num_replicas_in_sync:
         ctx.merge_call(_update_in_graph, args=(optimizer, state, grads, values, learning_rate))
@@ -469,7 +469,7 @@ def _update_in_graph(strategy, optimizer, state, grads, variables, learning_rate
             shards.append(shard)
     if any(state.decayed):  # Keras's decoupled decay, `w - w * weight_decay * learning_rate`
         for i, device in enumerate(devices):
-            with tf.device(device):
+            with _on_replica(i, device):
                 for piece in shards[i]:
                     if state.decayed[piece.var]:
                         w, dtype = piece.weight, piece.weight.dtype
@@ -478,7 +478,7 @@ def _update_in_graph(strategy, optimizer, state, grads, variables, learning_rate
     if state.kind == "lars":
         _lars_scales(optimizer, state, shards, devices, learning_rate)
     for i, device in enumerate(devices):
-        with tf.device(device):
+        with _on_replica(i, device):
             for piece in shards[i]:
                 _UPDATES[state.kind](optimizer, piece, learning_rate)
             for name, s in slots.items():
@@ -499,6 +499,15 @@ def _update_in_graph(strategy, optimizer, state, grads, variables, learning_rate
         for i, device in enumerate(devices):
             with tf.device(device):
                 copies[var][i].assign(value)
+
+
+def _on_replica(i, device):
+    """Replica `i`'s device, under the name scope Keras's replicated update gives its share
+    (`update_<i>`, from `MirroredStrategy`'s `extended.update`): a profile names both alike."""
+    scope = contextlib.ExitStack()
+    scope.enter_context(tf.device(device))
+    scope.enter_context(tf.name_scope(f"update_{i}"))
+    return scope
 
 
 class _Piece:
@@ -534,7 +543,7 @@ def _lars_scales(optimizer, state, shards, devices, learning_rate):
     dtype = shards[0][0].weight.dtype if shards[0] else state.slots["momentum"].dtype
     partial = [[] for _ in decays]  # per variable: (weight, gradient) squared norms of its pieces
     for i, device in enumerate(devices):
-        with tf.device(device):
+        with _on_replica(i, device):
             for piece in shards[i]:
                 if adapts[piece.var]:
                     partial[piece.var].append(
@@ -545,7 +554,7 @@ def _lars_scales(optimizer, state, shards, devices, learning_rate):
                     )
     weight_decay = tf.cast(optimizer.weight_decay, dtype)
     for i, device in enumerate(devices):
-        with tf.device(device):
+        with _on_replica(i, device):
             rate = tf.cast(learning_rate, dtype)
             for piece in shards[i]:
                 decay = weight_decay if decays[piece.var] else tf.zeros([], dtype)
