@@ -17,14 +17,13 @@ Writes `benchmarks/results/accumulation.json`.
 """
 
 import argparse
-import json
 import os
 import statistics
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from common import RESULTS, machine_info, summarize  # noqa: E402
+from common import machine_info, save_result, spread, summarize  # noqa: E402
 
 MICRO_BATCH = 128
 IMAGE_SIZE = 64
@@ -99,11 +98,7 @@ def measure(rounds):
             "k=1": summarize(base),
             f"k={ACCUMULATION}": summarize(accumulated, baseline=base),
         },
-        "per_round_ratio": {
-            "median": statistics.median(per_round),
-            "min": min(per_round),
-            "max": max(per_round),
-        },
+        "per_round_ratio": spread(per_round),
         "met": statistics.median(accumulated) / statistics.median(base) >= 0.95,
         "machine": machine_info(),
     }
@@ -115,10 +110,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, help="timed rounds of each variant (default 9)")
     args = parser.parse_args(argv)
     result = measure(args.rounds or (4 if args.quick else 9))
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "accumulation.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    print(json.dumps(result, indent=2))
+    save_result("accumulation", result)
 
 
 if __name__ == "__main__":

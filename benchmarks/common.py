@@ -85,6 +85,19 @@ def summarize(values, baseline=None):
     return result
 
 
+def spread(values):
+    """Median, min and max of `values` (e.g. per-round ratios)."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def save_result(name, result):
+    """Writes `result` to `results/<name>.json` and prints it."""
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps(result, indent=2))
+
+
 def timed_rounds(methods, rounds, warmup=1):
     """Seconds per call of each method, in `rounds` interleaved rounds after `warmup` untimed calls
     each.

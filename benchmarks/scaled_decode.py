@@ -21,12 +21,11 @@ Writes `benchmarks/results/scaled_decode.json`.
 """
 
 import argparse
-import json
 import os
 import statistics
 import time
 
-from common import RESULTS, machine_info  # noqa: E402
+from common import machine_info, save_result  # noqa: E402
 
 SIZES = {
     "imagenet_like_500x375": (375, 500),
@@ -177,10 +176,7 @@ def main():
         "cpu": cpu_per_image(tf, image_ops, 3 if args.quick else 7, 16 if args.quick else 32),
     }
     result["seconds"] = round(time.time() - started, 1)
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "scaled_decode.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    print(json.dumps(result, indent=2))
+    save_result("scaled_decode", result)
 
 
 if __name__ == "__main__":

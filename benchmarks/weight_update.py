@@ -18,14 +18,13 @@ Writes `benchmarks/results/weight_update.json`.
 """
 
 import argparse
-import json
 import os
 import statistics
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from common import RESULTS, machine_info, summarize  # noqa: E402
+from common import machine_info, save_result, spread, summarize  # noqa: E402
 
 STEPS_PER_ROUND = 3
 # The dense layers' widths: 26.1 M parameters in all.
@@ -109,11 +108,7 @@ def measure(rounds):
             "replicated": summarize(base),
             "sharded": summarize(sharded, baseline=base),
         },
-        "per_round_ratio": {
-            "median": statistics.median(per_round),
-            "min": min(per_round),
-            "max": max(per_round),
-        },
+        "per_round_ratio": spread(per_round),
         "met": statistics.median(sharded) <= statistics.median(base),
         "machine": machine_info(),
     }
@@ -124,10 +119,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds of each variant")
     args = parser.parse_args(argv)
     result = measure(args.rounds)
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "weight_update.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    print(json.dumps(result, indent=2))
+    save_result("weight_update", result)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ Writes `benchmarks/results/weight_update_time.json`.
 import argparse
 import collections
 import glob
-import json
 import os
 import re
 import shutil
@@ -32,7 +31,7 @@ import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from common import RESULTS, machine_info, summarize  # noqa: E402
+from common import machine_info, save_result, spread, summarize  # noqa: E402
 from weight_update import build_model, dataset  # noqa: E402
 
 STEPS = 3
@@ -114,11 +113,7 @@ def measure(rounds):
             "sharded": summarize(sharded, baseline=base),
         },
         "last_round_by_replica": replicas_seen,
-        "per_round_ratio": {
-            "median": statistics.median(ratios),
-            "min": min(ratios),
-            "max": max(ratios),
-        },
+        "per_round_ratio": spread(ratios),
         "met": statistics.median(ratios) >= 4.0,
         "machine": machine_info(),
     }
@@ -129,10 +124,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=5, help="profiled rounds of each variant")
     args = parser.parse_args(argv)
     result = measure(args.rounds)
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "weight_update_time.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    print(json.dumps(result, indent=2))
+    save_result("weight_update_time", result)
 
 
 if __name__ == "__main__":
