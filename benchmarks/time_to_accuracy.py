@@ -1,4 +1,4 @@
-"""Time to accuracy from a folder of real images: the package's two commands against the Keras
+"""Time to accuracy from a folder of real images: the package's one command against the Keras
 script a user would write by hand.
 
 The paper's own measure, for a user's own images: wall seconds from launch until the validation
