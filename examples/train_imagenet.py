@@ -174,7 +174,7 @@ def train(config, extra_callbacks=()):
     replicas, mesh = strategy.num_replicas_in_sync, strategy.mesh
     import keras
 
-    from tpu_scale import callbacks, checkpointing, data, losses, models, schedules, training
+    from tpu_scale import callbacks, checkpointing, data, losses, models, plan, schedules, training
 
     if config.bn_group_size is None:
         # The smallest group spanning 64 examples, chosen here: under several workers the layers
@@ -270,6 +270,8 @@ def train(config, extra_callbacks=()):
                 weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="top_1")],
             )
         logging.info(f"{config.model}: {model.count_params()} parameters; {recipe.describe()}")
+        if not config.weight_update_sharding and (advice := plan.sharding_advice(strategy, model)):
+            logging.info(advice)
 
         # ---- callbacks: backups, preemption, checkpoints, TensorBoard, statistics, guard; without
         # a model_dir nothing is kept, so no backup, checkpoint or log is written

@@ -314,6 +314,34 @@ def test_weight_update_on_gpu_hosts_is_sharded_over_each_hosts_replicas():
     assert "create_strategy does not shard the update on a TPU yet" in tpu_text
 
 
+def test_sharding_advice_prices_the_users_model_on_the_strategys_hardware():
+    import types
+
+    class SGD:  # the optimizer's class name is what the planner prices
+        pass
+
+    class RMSprop:
+        pass
+
+    def strategy(cluster):
+        return types.SimpleNamespace(gradient_planner=types.SimpleNamespace(cluster=cluster))
+
+    def model(optimizer):
+        weights = [np.zeros((1000, 100)), np.zeros((100,))]
+        return types.SimpleNamespace(optimizer=optimizer(), trainable_variables=weights)
+
+    gpus = plan.gpu_cluster(2, 8)
+    w = plan.weight_update(gpus, 100_100, "sgd")
+    advice = plan.sharding_advice(strategy(gpus), model(SGD))
+    assert advice.startswith("tpu_scale.plan: weight_update_sharding=True would cut the sgd update")
+    assert "400.4 kB to 50.1 kB" in advice  # 100,100 float32 momenta, over a host's 8 GPUs
+    assert f"{w['replicated_seconds'] * 1e6:.1f} us" in advice
+    assert plan.sharding_advice(strategy(plan.tpu_slice("v3-8")), model(SGD)) == ""
+    assert plan.sharding_advice(strategy(plan.gpu_cluster(8, 1)), model(SGD)) == ""
+    assert plan.sharding_advice(strategy(None), model(SGD)) == ""
+    assert plan.sharding_advice(strategy(gpus), model(RMSprop)) == ""
+
+
 def test_cli_table_and_gpu(capsys):
     assert (
         plan.main(

@@ -66,7 +66,7 @@ from tpu_scale.plan.catalog import (
 from tpu_scale.plan.choice import OPTIONS, Choice, choose_algorithm, hardware_cluster, price_option
 from tpu_scale.plan.cli import main
 from tpu_scale.plan.cost import pack_sizes, price_algorithms, price_schedule
-from tpu_scale.plan.report import format_plan, plan
+from tpu_scale.plan.report import format_plan, plan, sharding_advice
 from tpu_scale.plan.sizing import input_rate, suggest_bn_group
 from tpu_scale.plan.update import UPDATE_BYTES_PER_PARAM, weight_update
 
@@ -108,6 +108,7 @@ __all__ = [
     "price_algorithms",
     "price_schedule",
     "scaling_series",
+    "sharding_advice",
     "slice_names",
     "suggest_bn_group",
     "tpu_slice",

@@ -6,7 +6,7 @@ from tpu_scale.plan.catalog import gradient_bytes
 from tpu_scale.plan.cost import price_algorithms
 from tpu_scale.plan.sizing import input_rate, suggest_bn_group
 from tpu_scale.plan.update import SOURCES as UPDATE_SOURCES
-from tpu_scale.plan.update import weight_update
+from tpu_scale.plan.update import UPDATE_BYTES_PER_PARAM, weight_update
 
 
 def plan(
@@ -78,6 +78,33 @@ def plan(
     if result["weight_update"] is not None:
         result["sources"] += list(UPDATE_SOURCES)
     return result
+
+
+def sharding_advice(strategy, model):
+    """One line on what `create_strategy(..., weight_update_sharding=True)` would save for `model`
+    under `strategy`, priced on the strategy's hardware (`strategy.gradient_planner.cluster`); ""
+    when the planner has no figure (unknown hardware, an optimizer it does not price) or nothing
+    to save (one replica per host, a TPU).
+
+    Args:
+      strategy: a strategy made by `create_strategy`.
+      model: a compiled Keras model (its trainable variables and optimizer).
+    """
+    cluster = getattr(getattr(strategy, "gradient_planner", None), "cluster", None)
+    optimizer = type(getattr(model, "optimizer", None)).__name__.lower()
+    if cluster is None or optimizer not in UPDATE_BYTES_PER_PARAM:
+        return ""
+    params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    w = weight_update(cluster, params, optimizer)
+    if w is None or not w["in_package"] or w["sharded_over"] < 2:
+        return ""
+    state = w["state_bytes_per_replica"]
+    return (
+        f"tpu_scale.plan: weight_update_sharding=True would cut the {optimizer} update from "
+        f"{format_seconds(w['replicated_seconds'])} to {format_seconds(w['sharded_seconds'])} per "
+        f"step and its state per replica from {format_bytes(state['replicated'])} to "
+        f"{format_bytes(state['sharded'])} on this hardware"
+    )
 
 
 def format_bytes(n):
