@@ -1,20 +1,18 @@
 """Trains a ResNet on ImageNet-layout records with the large-batch recipe: TPU pod, GPUs or CPU.
 
-`model.fit` under `tpu_scale.create_strategy`, with grouped batch norm, the 2-D torus gradient
-sum, the fused decode-and-crop input and the recipe for the global batch size
-(`tpu_scale.schedules.recipe_for_batch`). It evaluates every epoch on every validation example
-once, logs images/s, backs off or stops a diverging run, and ends with one line,
-`top-1 <accuracy> | <images/s> | wall <seconds>`, then where every output is.
+`model.fit` under `tpu_scale.create_strategy` with grouped batch norm, the 2-D torus gradient sum,
+the fused decode-and-crop input and the recipe for the batch (`schedules.recipe_for_batch`). Every
+epoch evaluates each validation example once; a diverging run backs off; it ends with one line,
+`top-1 <accuracy> | <images/s> | wall <seconds>`, and where every output is.
 
 This CPU, the built-in default: generates a small learnable dataset of real JPEGs in a temporary
 folder (nothing is downloaded) and trains a small ResNet on 8 virtual CPU replicas in a 2x4 mesh:
 
     python examples/train_imagenet.py
 
-Your own images (a folder with one sub-folder of images per class): the first start converts them
-to records in the run's folder (records/, reused when the run resumes), with a validation split and
-a label map (labels.json) of the classes and counts. On a CPU host the run trains on one replica,
-the fastest layout there (benchmarks/cpu_layout.py):
+Your own images (one sub-folder of images per class): the first start converts them to records in
+the run's folder (records/, reused on resume) with a validation split and a label map (labels.json);
+on a CPU host it trains on one replica, the fastest layout there (benchmarks/cpu_layout.py):
 
     python examples/train_imagenet.py --image_dir ~/flowers --model_dir ~/flowers_run
 
@@ -24,10 +22,9 @@ interruption resumes from the last finished epoch, naming every setting that cha
 makes every worker save and exit with code 143; a larger --epochs continues a finished run.
 Without --model_dir nothing is written.
 
-A Cloud TPU with ImageNet in the classic layout (train-* and validation-* files): the paper's
-v3-1024 configuration, batch 32768 = 16 per core, LARS, BN groups of 4 cores = span 64 (the
-learning rate and warmup come from the batch size; a v3-8 takes --global_batch_size 1024
---epochs 90):
+A Cloud TPU with ImageNet (train-* and validation-* files), the paper's v3-1024 setup: batch 32768
+= 16 per core, LARS (rate and warmup from the batch), BN groups of 4 cores = span 64; a v3-8 takes
+--global_batch_size 1024 --epochs 90:
 
     python examples/train_imagenet.py --tpu $TPU_NAME --data_dir gs://my-bucket/imagenet \
         --model resnet50 --image_size 224 --global_batch_size 32768 --epochs 72 \
@@ -158,9 +155,8 @@ def train(config, extra_callbacks=()):
         # CPU host, where TensorFlow already spreads each operation over the cores.
         config.num_cpu_replicas = 8 if synthetic else 1
 
-    # ---- strategy: the hardware and its replica mesh. One host's CPU replicas take a mesh
-    # shape; several workers (TF_CONFIG, a Slurm step) are workers x local replicas, and a TPU
-    # follows its torus.
+    # ---- strategy: the hardware and its replica mesh (one host's CPU replicas take a shape;
+    # several workers are workers x local replicas; a TPU follows its torus)
     one_host_cpu = cluster.discover(config.tpu).source == "local"
     strategy = tpu_scale.create_strategy(
         config.tpu,
@@ -197,8 +193,7 @@ def train(config, extra_callbacks=()):
         if not config.model_dir:
             cleanup.callback(shutil.rmtree, model_dir, ignore_errors=True)
 
-        # ---- data: the records (a user's images, converted once, or a generated dataset), their
-        # counts, exact evaluation
+        # ---- data: the records (a user's images, converted once, or generated), exact evaluation
         data_dir = config.data_dir
         if config.image_dir:
             records = os.path.join(model_dir, "records")
@@ -228,8 +223,7 @@ def train(config, extra_callbacks=()):
         if not synthetic and training.short_run_hint(steps, config.epochs):
             logging.warning(training.short_run_hint(steps, config.epochs))
 
-        # ---- recipe: optimizer, schedule, augmentation for this batch and dataset; with gradient
-        # accumulation, the effective batch's, over optimizer steps
+        # ---- recipe for this batch and dataset (with accumulation: the effective batch's)
         accumulate = config.gradient_accumulation_steps
         recipe = schedules.recipe_for_batch(
             config.global_batch_size * accumulate,
@@ -273,8 +267,7 @@ def train(config, extra_callbacks=()):
         if not config.weight_update_sharding and (advice := plan.sharding_advice(strategy, model)):
             logging.info(advice)
 
-        # ---- callbacks: backups, preemption, checkpoints, TensorBoard, statistics, guard; without
-        # a model_dir nothing is kept, so no backup, checkpoint or log is written
+        # ---- callbacks: backups, preemption, checkpoints, TensorBoard, statistics, guard
         guard = callbacks.LossGuard(
             learning_rate_flag="--peak_learning_rate", optimizer_flag="--optimizer"
         )
@@ -344,10 +337,8 @@ def main(argv):
     except (ValueError, TrainingDiverged) as e:
         print(f"error: {e}", file=sys.stderr)  # once: absl's logging.error would repeat it
         return 2
-    from tpu_scale import training
-
-    print(training.summary_line(summary))
-    print("\n".join(training.outputs_lines(summary.get("outputs"))))
+    print(tpu_scale.training.summary_line(summary))
+    print("\n".join(tpu_scale.training.outputs_lines(summary.get("outputs"))))
     return 0
 
 
