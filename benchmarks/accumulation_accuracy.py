@@ -37,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from common import RESULTS, machine_info  # noqa: E402
+from common import RESULTS, load_runs, record_run  # noqa: E402
 
 JSON_PATH = os.path.join(RESULTS, "accumulation_accuracy.json")
 DATASET = "mnist"
@@ -153,10 +153,7 @@ def main():
         print("RUN " + json.dumps(run), flush=True)
         return 0
 
-    out = {"runs": []}
-    if os.path.exists(args.out):
-        with open(args.out) as f:
-            out = json.load(f)
+    out = load_runs(args.out)
     for run in out["runs"]:
         run.setdefault("variant", "default")
     failed = 0
@@ -181,11 +178,7 @@ def main():
                 flush=True,
             )
             same = ("accumulation", "epochs", "seed", "variant")
-            out["runs"] = [r for r in out["runs"] if any(r[s] != run[s] for s in same)] + [run]
-            out["summary"] = summarize(out["runs"])
-            out["machine"] = machine_info()
-            with open(args.out, "w") as f:
-                json.dump(out, f, indent=1)
+            record_run(out, run, same, summarize, args.out)
     for epochs, row in out.get("summary", {}).items():
         print(f"{epochs}: {json.dumps(row)}")
     return 1 if failed else 0

@@ -98,6 +98,26 @@ def save_result(name, result):
     print(json.dumps(result, indent=2))
 
 
+def load_runs(path):
+    """The results file of a benchmark that adds one run at a time (`{"runs": [...]}`), or an
+    empty one."""
+    if not os.path.exists(path):
+        return {"runs": []}
+    with open(path) as f:
+        return json.load(f)
+
+
+def record_run(out, run, same, summarize, path):
+    """Adds `run` to `out["runs"]` in place of any run equal to it in the keys `same`, summarizes
+    the runs again (`summarize(runs)`) and writes `out` to `path`: a run cut short keeps what
+    finished."""
+    out["runs"] = [r for r in out["runs"] if any(r[k] != run[k] for k in same)] + [run]
+    out["summary"] = summarize(out["runs"])
+    out["machine"] = machine_info()
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+
+
 def timed_rounds(methods, rounds, warmup=1):
     """Seconds per call of each method, in `rounds` interleaved rounds after `warmup` untimed calls
     each.

@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 import datasets  # noqa: E402
-from common import RESULTS, machine_info  # noqa: E402
+from common import RESULTS, load_runs, record_run  # noqa: E402
 
 JSON_PATH = os.path.join(RESULTS, "recipe_datasets.json")
 IMAGE_SIZES = {"digits": 32, "animals": 28, "mnist5k": 32, "elpv": 64}
@@ -209,10 +209,7 @@ def main():
             print("RUN " + json.dumps(run), flush=True)
         return 0
 
-    out = {"runs": []}
-    if os.path.exists(args.out):
-        with open(args.out) as f:
-            out = json.load(f)
+    out = load_runs(args.out)
     workdir = args.workdir or tempfile.mkdtemp(prefix="tpu_scale_recipe_")
     for name in args.datasets:
         records_of(name, workdir)  # before any child, so children never write the same folder
@@ -232,11 +229,7 @@ def main():
                     flush=True,
                 )
                 same = ("dataset", "batch", "variant", "seed")
-                out["runs"] = [r for r in out["runs"] if any(r[k] != run[k] for k in same)] + [run]
-                out["summary"] = summarize(out["runs"])
-                out["machine"] = machine_info()
-                with open(args.out, "w") as f:
-                    json.dump(out, f, indent=1)
+                record_run(out, run, same, summarize, args.out)
             if child.wait():
                 print(f"{name}@{batch}: the child failed (exit {child.returncode})", flush=True)
     for key, row in out.get("summary", {}).items():
