@@ -120,8 +120,8 @@ class TrainingDiverged(RuntimeError):
     """The loss blew up and backing off did not help; the message names the flags to change."""
 
 
-def check_flags(config):
-    """Fails at start, with the fix, on flags that cannot work."""
+def check_flags(config, one_host):
+    """Fails at start, with the fix, on flags that cannot work (`one_host`: no TPU or cluster)."""
     for name, allowed in [
         ("model", "resnet50 small_resnet"),
         ("optimizer", "lars sgd"),
@@ -133,7 +133,7 @@ def check_flags(config):
             raise ValueError(f"--{name}={value!r}: choose {' or '.join(allowed.split())}.")
     if sum(bool(v) for v in (config.image_dir, config.data_dir, config.tfds_name)) > 1:
         raise ValueError("Give one of --image_dir, --data_dir and --tfds_name.")
-    if config.image_dir and cluster.discover(config.tpu).source != "local":
+    if config.image_dir and not one_host:
         raise ValueError(
             "--image_dir converts the images on this host; for a TPU or several workers convert "
             "them once (python -m tpu_scale.data.write_tfrecords) and pass --data_dir."
@@ -148,7 +148,8 @@ def train(config, extra_callbacks=()):
     """Trains and evaluates; returns the summary (`top_1`, `images_per_second`, ...)."""
     start = time.perf_counter()
     config = dataclasses.replace(config)
-    check_flags(config)
+    one_host_cpu = cluster.discover(config.tpu).source == "local"
+    check_flags(config, one_host_cpu)
     synthetic = not (config.image_dir or config.data_dir or config.tfds_name)
     if config.num_cpu_replicas is None:
         # The generated data show the 2x4 mesh; on a user's data one replica trains fastest on a
@@ -157,7 +158,6 @@ def train(config, extra_callbacks=()):
 
     # ---- strategy: the hardware and its replica mesh (one host's CPU replicas take a shape;
     # several workers are workers x local replicas; a TPU follows its torus)
-    one_host_cpu = cluster.discover(config.tpu).source == "local"
     strategy = tpu_scale.create_strategy(
         config.tpu,
         num_cpu_replicas=config.num_cpu_replicas,
@@ -220,8 +220,8 @@ def train(config, extra_callbacks=()):
         source.update(data_dir=data_dir, dtype=dtype, validation_examples=config.eval_examples)
         inputs = data.records_inputs(**source)
         steps = inputs.steps_per_epoch()
-        if not synthetic and training.short_run_hint(steps, config.epochs):
-            logging.warning(training.short_run_hint(steps, config.epochs))
+        if not synthetic and (hint := training.short_run_hint(steps, config.epochs)):
+            logging.warning(hint)
 
         # ---- recipe for this batch and dataset (with accumulation: the effective batch's)
         accumulate = config.gradient_accumulation_steps
