@@ -78,15 +78,13 @@ class Link:
 
 @dataclasses.dataclass(frozen=True)
 class Cluster:
-    """A machine to plan for: its replica mesh, how replicas sit on nodes, and the links between
-    them.
+    """A machine to plan for: its replica mesh, how replicas sit on nodes, the links between them.
 
     Attributes:
       name: e.g. `"v3-2048"` or `"32x8 a100"`.
       kind: `"tpu"`, `"gpu"` or `"cpu"`.
       mesh: the `ReplicaMesh` the schedules are built on.
-      replicas_per_node: replicas on one node; node of replica `(r, c)` is `(r, c //
-        replicas_per_node)`.
+      replicas_per_node: replicas on one node (replica `(r, c)` on node `(r, c // it)`).
       node: what a node is: `"chip"` or `"host"` (or `"replica"`).
       links: remote `Link` for each phase dimension (`"rows"`, `"columns"`, `"all"`).
       local: the `Link` between replicas of one node (per replica).
@@ -146,10 +144,13 @@ class Cluster:
             ids[rid] = r * per_row + c // self.replicas_per_node
         return ids
 
+    @property
+    def replicas_on_host(self):  # replicas on one host
+        return self.replicas_per_host or self.replicas_per_node * self.nodes_per_host
+
     def host_ids(self):
         """int `[num_replicas]`: the host each replica sits on."""
-        per_host = self.replicas_per_host or self.replicas_per_node * self.nodes_per_host
-        return np.arange(self.num_replicas) // per_host
+        return np.arange(self.num_replicas) // self.replicas_on_host
 
     def describe(self):
         """A JSON-ready summary."""
@@ -365,8 +366,7 @@ def _wraps(extent, pod_extent, generation, wraparound):
 
 
 def _ring_directions(extents, wraps):
-    """How many link directions a ring over a (folded) block of chips can drive: 2 on a cycle, 1 on
-    a line."""
+    """Link directions a ring over a (folded) block of chips drives: 2 on a cycle, 1 on a line."""
     extents = [e for e in extents if e > 1]
     if not extents:
         return 1

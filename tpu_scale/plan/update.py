@@ -68,8 +68,7 @@ def weight_update(cluster, num_params, optimizer="lars", step_seconds=None):
         return None
     per_param = UPDATE_BYTES_PER_PARAM[optimizer]
     on_tpu = cluster.kind == "tpu"
-    per_host = cluster.replicas_per_host or cluster.replicas_per_node * cluster.nodes_per_host
-    over = cluster.num_replicas if on_tpu else min(per_host, cluster.num_replicas)
+    over = cluster.num_replicas if on_tpu else min(cluster.replicas_on_host, cluster.num_replicas)
     shard = math.ceil(num_params / over)
     replicated = num_params * per_param / bandwidth
     sharded = shard * per_param / bandwidth
