@@ -369,9 +369,15 @@ def decode_skipping_bad(
                 with tf.control_dependencies([report(lost_names, codes)]):
                     return tf.constant(True)
 
+            gone = lost | abandoned
+
+            def remove_gone():
+                with tf.control_dependencies([names.remove(tf.boolean_mask(waiting, gone))]):
+                    return tf.constant(True)
+
             reported = tf.cond(tf.reduce_any(lost), report_lost, lambda: tf.constant(False))
             with tf.control_dependencies([reported]):
-                removed = names.remove(tf.boolean_mask(waiting, lost | abandoned))
+                removed = tf.cond(tf.reduce_any(gone), remove_gone, lambda: tf.constant(False))
             with tf.control_dependencies([removed]):
                 message = stop.lookup(tf.constant([0], tf.int64))[0]
             check = tf.debugging.Assert(tf.equal(message, ""), [message])
