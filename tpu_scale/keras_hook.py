@@ -495,9 +495,8 @@ def shard_weight_updates():
 
     def backend_update_step(self, grads, trainable_variables, learning_rate):
         indices = [self._get_variable_index(v) for v in trainable_variables]
-        decays = [self._use_weight_decay(v) for v in trainable_variables]
         if not weight_update.update(
-            self, grads, trainable_variables, indices, learning_rate, decays
+            self, grads, trainable_variables, indices, learning_rate, self._use_weight_decay
         ):
             update_step(self, grads, trainable_variables, learning_rate)
 

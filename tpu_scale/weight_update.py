@@ -87,7 +87,6 @@ class Sharded:
         self.slots = dict(slots)
         self.groups = [list(g) for g in groups if g]
         self.lars = lars
-        self.decayed = []  # per variable: whether the update decays it (`decays_in_update`)
 
 
 def enable(strategy):
@@ -120,8 +119,7 @@ def disable(strategy):
 def momentum_shards(optimizer):
     """The `sharded_momentum` variable of a sharded optimizer (one shard per replica), else
     None."""
-    state = _states.get(optimizer)
-    return state.slots.get("momentum") if state is not None else None
+    return slot_shards(optimizer).get("momentum")
 
 
 def slot_shards(optimizer):
@@ -181,13 +179,18 @@ class Layout:
 # update, save and load)
 
 
-def _add_slots(optimizer, layout, variables, names):
-    return {
+def _register(optimizer, strategy, variables, kind, groups, lars=None):
+    """Builds the sharded state of `optimizer`: the layout over this worker's replicas and one
+    `sharded_<name>` variable of a shard per replica for each slot name in `groups`."""
+    layout = Layout(variables, len(strategy.extended.worker_devices))
+    slots = {
         name: optimizer.add_variable(
             (layout.shard,), dtype=variables[0].dtype, name=f"sharded_{name}"
         )
-        for name in names
+        for group in groups
+        for name in group
     }
+    _states[optimizer] = Sharded(strategy, layout, kind, slots, groups, lars)
 
 
 def build_sgd(optimizer, variables, sgd_build):
@@ -208,9 +211,7 @@ def build_sgd(optimizer, variables, sgd_build):
         sgd_build(optimizer, variables)
     finally:
         optimizer.momentum = momentum
-    layout = Layout(variables, len(strategy.extended.worker_devices))
-    slots = _add_slots(optimizer, layout, variables, ["momentum"] if momentum else [])
-    _states[optimizer] = Sharded(strategy, layout, "sgd", slots, [list(slots)])
+    _register(optimizer, strategy, variables, "sgd", [["momentum"] if momentum else []])
 
 
 def build_adam(optimizer, variables, adam_build):
@@ -231,10 +232,8 @@ def build_adam(optimizer, variables, adam_build):
         return False
     _check_variables(variables)
     super(keras.optimizers.Adam, optimizer).build(variables)  # Keras's base state only
-    layout = Layout(variables, len(strategy.extended.worker_devices))
-    names = ["momentum", "velocity"] + (["velocity_hat"] if optimizer.amsgrad else [])
-    slots = _add_slots(optimizer, layout, variables, names)
-    _states[optimizer] = Sharded(strategy, layout, "adam", slots, [names[:2], names[2:]])
+    hats = ["velocity_hat"] if optimizer.amsgrad else []
+    _register(optimizer, strategy, variables, "adam", [["momentum", "velocity"], hats])
     return True
 
 
@@ -252,15 +251,11 @@ def build_lars(optimizer, variables, decays, adapts):
     if not is_sharded(strategy):
         return False
     _check_variables(variables)
-    layout = Layout(variables, len(strategy.extended.worker_devices))
-    slots = _add_slots(optimizer, layout, variables, ["momentum"])
-    _states[optimizer] = Sharded(
-        strategy, layout, "lars", slots, [["momentum"]], lars=(list(decays), list(adapts))
-    )
+    _register(optimizer, strategy, variables, "lars", [["momentum"]], (list(decays), list(adapts)))
     return True
 
 
-def update(optimizer, grads, variables, indices, learning_rate, decays):
+def update(optimizer, grads, variables, indices, learning_rate, uses_decay):
     """The sharded update, when the replica context's strategy is sharded; else False.
 
     Args:
@@ -269,7 +264,8 @@ def update(optimizer, grads, variables, indices, learning_rate, decays):
       variables: their variables.
       indices: each variable's index among the optimizer's variables.
       learning_rate: the step's learning rate.
-      decays: per variable, whether the optimizer's weight decay applies to it (its exclusions).
+      uses_decay: the optimizer's test of whether its weight decay applies to a variable (Keras's
+        exclusions).
 
     Returns:
       True when the update was built here.
@@ -277,7 +273,7 @@ def update(optimizer, grads, variables, indices, learning_rate, decays):
     ctx = tf.distribute.get_replica_context()
     if ctx is None or not is_sharded(ctx.strategy):
         return False
-    _sharded_update(optimizer, ctx, grads, variables, indices, learning_rate, decays)
+    _sharded_update(optimizer, ctx, grads, variables, indices, learning_rate, uses_decay)
     return True
 
 
@@ -386,7 +382,7 @@ def load_full_state(optimizer, store):
 # --------------------------------------------------------------------------- the sharded step
 
 
-def _sharded_update(optimizer, ctx, grads, variables, indices, learning_rate, decays):
+def _sharded_update(optimizer, ctx, grads, variables, indices, learning_rate, uses_decay):
     """Steps 1-4 of the module docstring, called in replica context from the optimizer's update."""
     state = _states.get(optimizer)
     if state is None:
@@ -404,10 +400,12 @@ def _sharded_update(optimizer, ctx, grads, variables, indices, learning_rate, de
             "step; some had none (Keras warned which). Freeze them (trainable=False) instead."
         )
     grads = [tf.reshape(tf.convert_to_tensor(g), [-1]) for g in grads]
-    state.decayed = [decays_in_update(optimizer) and bool(d) for d in decays]
+    decays = decays_in_update(optimizer)
+    decayed = [decays and bool(uses_decay(v)) for v in variables]
     values = [v.value if isinstance(v, keras.Variable) else v for v in variables]
+    args = (optimizer, state, grads, values, learning_rate, decayed)
     if len(ctx.strategy.extended.worker_devices) == ctx.strategy.num_replicas_in_sync:
-        ctx.merge_call(_update_in_graph, args=(optimizer, state, grads, values, learning_rate))
+        ctx.merge_call(_update_in_graph, args=args)
         return
     # Several workers: this replica's shard of the gradient, summed in its worker's row (plain ops)
     # and then down its mesh column, across the workers (a collective op): the torus sum's first
@@ -416,11 +414,7 @@ def _sharded_update(optimizer, ctx, grads, variables, indices, learning_rate, de
     flat = tf.concat(grads + [tf.zeros([layout.padding], grads[0].dtype)], 0)
     shard = collectives.reduce_scatter(flat, mesh.row_groups(), in_graph=True)
     shard = collectives.group_sum(shard, mesh.column_groups())
-    ctx.merge_call(
-        _update_in_graph,
-        args=(optimizer, state, None, values, learning_rate),
-        kwargs={"summed": shard},
-    )
+    ctx.merge_call(_update_in_graph, args=args, kwargs={"summed": shard})
 
 
 def _part(flat, a, b, size):
@@ -428,23 +422,24 @@ def _part(flat, a, b, size):
     return flat if (a, b) == (0, size) else flat[a:b]
 
 
-def _update_in_graph(strategy, optimizer, state, grads, variables, learning_rate, summed=None):
+def _update_in_graph(
+    strategy, optimizer, state, grads, variables, learning_rate, decayed, summed=None
+):
     """Reduce-scatter, the sharded update, all-gather: plain ops on each replica's device.
 
     Each shard is a list of pieces of variables (a variable inside one shard is one piece, whole);
     the update runs piece by piece, so no fused buffer is ever built: a whole variable's gradient
     is summed straight from the replicas' gradients, and its updated value is written to every
     replica's copy as it is. Under several workers the gradient comes summed instead: `summed`,
-    each replica's shard of the sum over every worker.
+    each replica's shard of the sum over every worker. `decayed`: per variable, whether Keras's
+    decoupled weight decay applies to it here.
     """
     layout = state.layout
     devices = strategy.extended.worker_devices
     if summed is not None:
         summed = strategy.experimental_local_results(summed)
-    else:
-        grads = [
-            [tf.reshape(g, [-1]) for g in strategy.experimental_local_results(x)] for x in grads
-        ]
+    else:  # flattened in replica context
+        grads = [strategy.experimental_local_results(g) for g in grads]
     copies = [strategy.experimental_local_results(v) for v in variables]
     slots = {name: strategy.experimental_local_results(v.value) for name, v in state.slots.items()}
     shards = []  # per replica: its pieces
@@ -467,19 +462,15 @@ def _update_in_graph(strategy, optimizer, state, grads, variables, learning_rate
                     )
                 )
             shards.append(shard)
-    if any(state.decayed):  # Keras's decoupled decay, `w - w * weight_decay * learning_rate`
-        for i, device in enumerate(devices):
-            with _on_replica(i, device):
-                for piece in shards[i]:
-                    if state.decayed[piece.var]:
-                        w, dtype = piece.weight, piece.weight.dtype
-                        rate = tf.cast(learning_rate, dtype)
-                        piece.weight = w - w * tf.cast(optimizer.weight_decay, dtype) * rate
     if state.kind == "lars":
         _lars_scales(optimizer, state, shards, devices, learning_rate)
     for i, device in enumerate(devices):
         with _on_replica(i, device):
             for piece in shards[i]:
+                if decayed[piece.var]:  # Keras's decoupled decay: w - w * weight_decay * rate
+                    w, dtype = piece.weight, piece.weight.dtype
+                    rate = tf.cast(learning_rate, dtype)
+                    piece.weight = w - w * tf.cast(optimizer.weight_decay, dtype) * rate
                 _UPDATES[state.kind](optimizer, piece, learning_rate)
             for name, s in slots.items():
                 new = [p.slots[name] for p in shards[i]]
