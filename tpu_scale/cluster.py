@@ -178,11 +178,13 @@ def slurm_resolver(environ=None):
 
     environ = os.environ if environ is None else environ
     per_node, per_task = _slurm_gpus(environ)
-    port_base = 8888
-    if environ.get(SLURM_PORT_BASE):
-        port_base = _int_variable(environ, SLURM_PORT_BASE)
+    ports = (
+        {"port_base": _int_variable(environ, SLURM_PORT_BASE)}
+        if environ.get(SLURM_PORT_BASE)
+        else {}
+    )
     return _workarounds.slurm_cluster_resolver(
-        port_base=port_base, gpus_per_node=per_node, gpus_per_task=per_task
+        gpus_per_node=per_node, gpus_per_task=per_task, **ports
     )
 
 
@@ -253,8 +255,9 @@ def discover(tpu=None, cluster_resolver=None, environ=None):
 
 def cpus_per_worker(environ=None):
     """The launcher's logical CPUs per worker (`TPU_SCALE_CPUS_PER_WORKER`), or None."""
+    from tpu_scale.launch import CPUS_PER_WORKER as name
+
     environ = os.environ if environ is None else environ
-    name = "TPU_SCALE_CPUS_PER_WORKER"
     if not environ.get(name):
         return None
     count = _int_variable(environ, name)
