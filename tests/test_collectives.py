@@ -1,5 +1,7 @@
 """Group collectives against numpy references, in graphs and eagerly, and the TPU ops they build."""
 
+import types
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -288,3 +290,24 @@ def test_repeated_steps_do_not_grow_threads(strategy):
     for _ in range(3):
         step(tf.constant(1.0))
     assert threads() <= before + 16
+
+
+def _strategy_on(cluster, task_type, task_id):
+    """A stand-in strategy whose only attribute `worker_rank` reads is TensorFlow's resolver."""
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(cluster), task_type=task_type, task_id=task_id
+    )
+    return types.SimpleNamespace(cluster_resolver=resolver)
+
+
+def test_worker_rank_follows_the_runtime_order_of_task_names():
+    workers = {"worker": [f"host{i}:2222" for i in range(12)]}
+    # The collective runtime orders tasks by name as text: task:10 and task:11 before task:2.
+    ranks = [collectives.worker_rank(_strategy_on(workers, "worker", i)) for i in range(12)]
+    assert ranks == [0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 2, 3]
+    with_chief = {"chief": ["host0:2222"], "worker": ["host1:2222", "host2:2222"]}
+    assert [
+        collectives.worker_rank(_strategy_on(with_chief, job, i))
+        for job, i in (("chief", 0), ("worker", 0), ("worker", 1))
+    ] == [0, 1, 2]
+    assert collectives.worker_rank(types.SimpleNamespace()) == 0  # one process

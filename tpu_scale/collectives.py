@@ -153,6 +153,36 @@ def groups_between_processes(group_assignment):
     return sum(first <= m < first + local for m in members.tolist()) == 1
 
 
+def worker_rank(strategy):
+    """This worker's rank in a collective group of one replica per worker, inside `tf.function`.
+
+    `reduce_scatter` and `all_gather` over such a group (a mesh column across workers) keep and
+    concatenate chunks in this rank order. TensorFlow's collective runtime orders a group's
+    processes by their task names as text ("Connect the global rank order by the lexicographical
+    order of the tasks", `EstablishGlobalRank` in
+    tensorflow/core/common_runtime/collective_param_resolver_local.cc): `/job:chief/...` before
+    `/job:worker/...`, and `task:10` before `task:2`. Below eleven workers that is the order of the
+    workers' replica ids.
+
+    Args:
+      strategy: the strategy; a `MultiWorkerMirroredStrategy` over a cluster with a chief and/or
+        workers, or any one-process strategy.
+
+    Returns:
+      The rank, from 0; 0 in one process.
+    """
+    resolver = getattr(strategy, "cluster_resolver", None)
+    spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
+    # The strategy's order of the processes (its replica ids): the chief, then the workers.
+    tasks = [("chief", 0)] if "chief" in spec else []
+    tasks += [("worker", i) for i in range(len(spec.get("worker", ())))]
+    if len(tasks) < 2:
+        return 0
+    names = [f"/job:{job}/replica:0/task:{i}" for job, i in tasks]
+    me = names[tasks.index((resolver.task_type, int(resolver.task_id)))]
+    return sorted(names).index(me)
+
+
 def in_graph_groups(group_assignment):
     """True when `in_graph=True` primitives over these groups are plain ops in this step's graph.
 
