@@ -15,6 +15,7 @@ CORE = [
     "collectives",
     "torus_schedule",
     "torus",
+    "sharded_update",
     "weight_update",
     "keras_hook",
     "strategy",

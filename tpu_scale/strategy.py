@@ -253,10 +253,11 @@ def create_strategy(
         (half the bytes on the network; sums within a host stay float32); None keeps the gradients'
         dtype.
       weight_update_sharding: True to shard the update of `keras.optimizers.SGD`, `Adam`, `AdamW`
-        and `tpu_scale.optimizers.LARS` over each host's N replicas: gradients reduce-scattered
-        (and summed across hosts), each replica updating 1/N of the weights with 1/N of the
-        optimizer state, the weights all-gathered (`tpu_scale.weight_update`). Checkpoints keep
-        Keras's unsharded layout. Other optimizers and TPUs raise a clear error.
+        and `tpu_scale.optimizers.LARS` over all N replicas, across hosts too: gradients
+        reduce-scattered, each replica updating 1/N of the weights with 1/N of the optimizer
+        state, the weights all-gathered (`tpu_scale.weight_update`). Checkpoints keep Keras's
+        unsharded layout; with several workers every worker saves (the others to scratch).
+        Other optimizers and TPUs raise a clear error.
 
     Returns:
       A strategy with `.mesh` (`ReplicaMesh`) and `.gradient_reduction`. Keras optimizers'

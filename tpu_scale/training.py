@@ -229,7 +229,9 @@ def finished_message(model_dir, record):
 
 
 def save_run(model_dir, model, record, strategy):
-    """Saves the final model and the run's record in `model_dir` (the chief only).
+    """Saves the final model and the run's record in `model_dir` (the chief; the other workers
+    save the model to a scratch folder and remove it, since a save under
+    `MultiWorkerMirroredStrategy` may need every worker, as a sharded optimizer's state does).
 
     Args:
       model_dir: the run's folder.
@@ -242,6 +244,11 @@ def save_run(model_dir, model, record, strategy):
       What was written where, as `{description: path}` (empty on other workers).
     """
     if not checkpointing.is_chief(strategy):
+        scratch = tempfile.mkdtemp(prefix="tpu_scale_worker_")
+        try:
+            model.save(os.path.join(scratch, FINAL_MODEL))
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
         return {}
     model_dir = _expand(model_dir)
     outputs = {

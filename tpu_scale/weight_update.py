@@ -1,5 +1,5 @@
-"""Weight-update sharding: each of a host's N replicas updates 1/N of the weights and holds 1/N of
-the optimizer state.
+"""Weight-update sharding: each of the N replicas updates 1/N of the weights and holds 1/N of the
+optimizer state.
 
 `create_strategy(..., weight_update_sharding=True)` registers the strategy here; `model.fit` then
 runs Keras's `keras.optimizers.SGD` (plain, momentum or Nesterov), `Adam` and `AdamW` (with or
@@ -7,11 +7,10 @@ without `amsgrad`) and the package's `tpu_scale.optimizers.LARS` this way, with 
 model or the optimizer:
 
 1. the optimizer's variables, flattened and laid end to end in its order, are cut into N equal
-   shards (the last padded); replica `i` owns shard `i`: pieces of the variables (a variable
-   inside one shard is one whole piece, and only the at most N - 1 variables on a boundary are
-   cut);
-2. reduce-scatter: replica `i` sums every replica's gradient over its pieces, on its own device;
-3. replica `i` applies the update to its pieces with its shard of the optimizer state (one
+   shards (the last padded), one per replica: pieces of the variables (a variable inside one shard
+   is one whole piece, and only the at most N - 1 variables on a boundary are cut);
+2. reduce-scatter: each replica sums every replica's gradient over its pieces;
+3. each replica applies the update to its pieces with its shard of the optimizer state (one
    `sharded_momentum`, `sharded_velocity`, ... variable of `ceil(parameters / N)` floats per
    replica, instead of one slot the size of the model on every replica). LARS's per-variable
    trust ratios take each variable's weight and gradient norms as the sum of its pieces' parts;
@@ -19,29 +18,33 @@ model or the optimizer:
 4. all-gather: every replica writes its copy of each variable from the updated pieces that cover
    it.
 
-No fused buffer is built: concatenating, padding and slicing a model-sized buffer on every replica
-would cost more memory traffic than the update saves. All replicas share the host's memory, so
-steps 2 and 4 are plain ops in the step graph, as the torus executor builds the phases inside a
-host (`collectives.in_graph_groups`). Clipping runs as Keras runs it, on each replica's full
-gradient. Weight decay is sharded too: Keras's decoupled decay (SGD's and AdamW's `weight_decay`,
-with their exclusions) runs on each replica's pieces just before the update rule, in place of
-Keras's pass over the full weights; LARS folds its decay into its rule. Gradient accumulation
-(`gradient_accumulation_steps`) composes with it. Under mixed precision the variables and the
-state are float32 (Keras's master weights). The result equals Keras's unsharded update up to float
-rounding (the same arithmetic; the sums in another order).
+On one host (`sharded_update.one_host`) replica `i` owns shard `i`, and steps 2 and 4 are plain
+ops in the step graph, as the torus executor builds the phases inside a host: all replicas share
+the host's memory, and no fused buffer is built (concatenating, padding and slicing a model-sized
+buffer on every replica would cost more memory traffic than the update saves). Across workers
+(`MultiWorkerMirroredStrategy`, one mesh row per worker; `sharded_update.across_workers`), steps 2
+and 4 are the torus sum's phases: a reduce-scatter along the worker's row (plain ops) and one down
+each mesh column (a collective op across the workers), then the all-gather back the same way;
+replica `l` of the worker of rank `r` in the column's collective ops owns shard
+`l * workers + r`.
+
+Clipping runs as Keras runs it, on each replica's full gradient. Weight decay is sharded too:
+Keras's decoupled decay (SGD's and AdamW's `weight_decay`, with their exclusions) runs on each
+replica's pieces just before the update rule, in place of Keras's pass over the full weights; LARS
+folds its decay into its rule. Gradient accumulation (`gradient_accumulation_steps`) composes with
+it. Under mixed precision the variables and the state are float32 (Keras's master weights). The
+result equals Keras's unsharded update up to float rounding (the same arithmetic; the sums in
+another order).
 
 Checkpoints hold the full state in Keras's own layout (one slot per variable, gathered from the
 replicas), so a backup, `final.keras` and `keras.models.load_model` are the same as without
-sharding, and a run resumes on any replica count, sharded or not.
-
-Several workers (`MultiWorkerMirroredStrategy`, one mesh row per worker): step 2 is the torus
-sum's first two phases, the reduce-scatter along the worker's row (plain ops) and the sum of each
-shard down its mesh column (a collective op across the workers, on a buffer of the replica's
-shard); steps 3 and 4 stay on each worker. Every worker thus repeats the update of its replicas'
-shards: the state per replica is 1/N of the model for N replicas per worker, not 1/(all
-replicas). In exchange every worker holds the whole state, so the chief alone can save a model or
-a checkpoint, as under any `MultiWorkerMirroredStrategy`, with no collective that the other workers
-would have to join.
+sharding, and a run resumes on any replica count, sharded or not; a load gives each replica its
+shard. Across workers the gather is a collective: every worker saves at the same point, as
+`MultiWorkerMirroredStrategy` asks of `model.save` (the chief to its path, the others to scratch,
+as `checkpointing.BackupAndRestore`, `training.run_callbacks`' checkpoints and `training.save_run`
+do). A save on some
+workers only meets the others at a barrier of TensorFlow's coordination service first, and fails
+with an error naming this after `SAVE_WAIT_SECONDS` instead of waiting forever.
 
 Scope: the strategies of `create_strategy` on CPUs or GPUs, the optimizers above, every trainable
 variable of one floating dtype with a gradient at each step. Anything else is a clear error;
@@ -52,14 +55,14 @@ Reference:
   (distributed weight update: each core updates a shard of the weights, then an all-gather).
 """
 
-import contextlib
+import itertools
 import weakref
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from tpu_scale import collectives
+from tpu_scale import collectives, sharded_update
 
 _strategies = weakref.WeakSet()
 _states = weakref.WeakKeyDictionary()  # optimizer -> Sharded, for the optimizers built sharded
@@ -70,7 +73,7 @@ class Sharded:
 
     Args:
       strategy: the strategy it was built under.
-      layout: the `Layout` of its variables.
+      layout: the `Layout` of its variables over all of the strategy's replicas.
       kind: `"sgd"`, `"lars"` or `"adam"`: the update rule.
       slots: its sharded state, in Keras's order: name (`"momentum"`, `"velocity"`,
         `"velocity_hat"`) -> a variable of `layout.shard` elements per replica.
@@ -78,6 +81,12 @@ class Sharded:
         ["velocity_hat"]]` for Adam with `amsgrad` (their saved layout interleaves them).
       lars: for LARS, `(decays, adapts)`: per variable, whether it gets weight decay and a trust
         ratio; None otherwise.
+
+    Attributes:
+      rank: this worker's rank in the collective ops down the mesh's columns
+        (`collectives.worker_rank`); 0 on one host.
+      owned: per local replica `l`, the index of the shard it owns: `l * workers + rank`.
+      dtype: the variables' dtype.
     """
 
     def __init__(self, strategy, layout, kind, slots, groups, lars=None):
@@ -87,6 +96,11 @@ class Sharded:
         self.slots = dict(slots)
         self.groups = [list(g) for g in groups if g]
         self.lars = lars
+        local = len(strategy.extended.worker_devices)
+        workers = layout.num_shards // local
+        self.rank = collectives.worker_rank(strategy) if workers > 1 else 0
+        self.owned = [i * workers + self.rank for i in range(local)]
+        self.dtype = None
 
 
 def enable(strategy):
@@ -94,7 +108,7 @@ def enable(strategy):
 
     Args:
       strategy: a strategy made by `create_strategy`: one host's replicas, or several workers'
-        with one mesh row per worker.
+        with one mesh row per worker (the shards then span every worker's replicas).
 
     Raises:
       ValueError: when the mesh's rows are not the workers' replicas.
@@ -182,7 +196,7 @@ class Layout:
 def _register(optimizer, strategy, variables, kind, groups, lars=None):
     """Builds the sharded state of `optimizer`: the layout over this worker's replicas and one
     `sharded_<name>` variable of a shard per replica for each slot name in `groups`."""
-    layout = Layout(variables, len(strategy.extended.worker_devices))
+    layout = Layout(variables, strategy.num_replicas_in_sync)
     slots = {
         name: optimizer.add_variable(
             (layout.shard,), dtype=variables[0].dtype, name=f"sharded_{name}"
@@ -190,7 +204,9 @@ def _register(optimizer, strategy, variables, kind, groups, lars=None):
         for group in groups
         for name in group
     }
-    _states[optimizer] = Sharded(strategy, layout, kind, slots, groups, lars)
+    state = Sharded(strategy, layout, kind, slots, groups, lars)
+    state.dtype = variables[0].dtype
+    _states[optimizer] = state
 
 
 def build_sgd(optimizer, variables, sgd_build):
@@ -298,10 +314,11 @@ def full_state(optimizer):
     if optimizer not in _states:
         return None
     state = _states[optimizer]
+    gathered = _gathered_slots(state)
     values = []
     for item in _keras_layout(optimizer, state):
         if isinstance(item, list):  # slots built together: Keras interleaves them per variable
-            pieces = [state.layout.split(_gathered(state.strategy, v)) for v in item]
+            pieces = [state.layout.split(gathered[id(v)]) for v in item]
             values.extend(p for per_variable in zip(*pieces) for p in per_variable)
         else:
             values.append(keras.ops.convert_to_numpy(item))
@@ -332,10 +349,50 @@ def _check_variables(variables):
         )
 
 
-def _gathered(strategy, variable):
-    """Every replica's shard of `variable`, concatenated in replica order."""
-    parts = strategy.experimental_local_results(variable.value)
-    return np.concatenate([p.numpy() for p in parts])
+def _gathered_slots(state):
+    """Every sharded slot's value in full (all replicas' shards in shard order), by `id` of its
+    variable. Across workers this is a collective: every worker must call it at the same point."""
+    strategy = state.strategy
+    slots = list(state.slots.values())
+    if len(state.owned) == state.layout.num_shards or not slots:  # one host: all shards are here
+        gathered = [v.value for v in slots]
+    else:
+        _wait_for_the_other_workers()
+        columns = strategy.mesh.column_groups()
+
+        def gather():  # replica `l`'s column gives shards `l * workers` to `(l + 1) * workers`
+            return [collectives.all_gather(tf.convert_to_tensor(v.value), columns) for v in slots]
+
+        gathered = tf.function(lambda: strategy.run(gather))()
+    return {
+        id(v): np.concatenate([p.numpy() for p in strategy.experimental_local_results(g)])
+        for v, g in zip(slots, gathered)
+    }
+
+
+# Seconds a worker saving a sharded optimizer's state waits for the other workers to save too.
+SAVE_WAIT_SECONDS = 120.0
+_saves = itertools.count()
+
+
+def _wait_for_the_other_workers():
+    """Meets every other worker at this save (a barrier of TensorFlow's coordination service), or
+    raises a clear error after `SAVE_WAIT_SECONDS` instead of waiting in a collective forever."""
+    from tensorflow.python.eager import context as tf_context
+
+    barrier = f"tpu_scale_weight_update_save_{next(_saves)}"
+    try:
+        tf_context.context().wait_at_barrier(barrier, int(SAVE_WAIT_SECONDS * 1000))
+    except tf.errors.OpError as e:
+        reason = str(e).strip().split(". ")[0] or type(e).__name__
+        raise RuntimeError(
+            "Saving this optimizer gathers each worker's shard of its state "
+            "(weight_update_sharding=True across workers), so every worker must save at the same "
+            f"point, and not all of them came within {SAVE_WAIT_SECONDS:.0f} s ({reason}). Save "
+            "on every worker, the chief to its path and the others to a scratch path, as "
+            "MultiWorkerMirroredStrategy asks of model.save; or create the strategy with "
+            "weight_update_sharding=False."
+        ) from None
 
 
 def load_full_state(optimizer, store):
@@ -373,8 +430,8 @@ def load_full_state(optimizer, store):
             pieces = [np.reshape(store[str(index + j * len(item) + k)], [-1]) for j in range(count)]
             flat = np.concatenate(pieces + [np.zeros(layout.padding, pieces[0].dtype)])
             parts = state.strategy.experimental_local_results(variable.value)
-            for i, part in enumerate(parts):
-                part.assign(flat[i * layout.shard : (i + 1) * layout.shard])
+            for part, shard in zip(parts, state.owned):
+                part.assign(flat[shard * layout.shard : (shard + 1) * layout.shard])
         index += count * len(item)
     return True
 
@@ -403,189 +460,6 @@ def _sharded_update(optimizer, ctx, grads, variables, indices, learning_rate, us
     decays = decays_in_update(optimizer)
     decayed = [decays and bool(uses_decay(v)) for v in variables]
     values = [v.value if isinstance(v, keras.Variable) else v for v in variables]
-    args = (optimizer, state, grads, values, learning_rate, decayed)
-    if len(ctx.strategy.extended.worker_devices) == ctx.strategy.num_replicas_in_sync:
-        ctx.merge_call(_update_in_graph, args=args)
-        return
-    # Several workers: this replica's shard of the gradient, summed in its worker's row (plain ops)
-    # and then down its mesh column, across the workers (a collective op): the torus sum's first
-    # two phases.
-    mesh = ctx.strategy.mesh
-    flat = tf.concat(grads + [tf.zeros([layout.padding], grads[0].dtype)], 0)
-    shard = collectives.reduce_scatter(flat, mesh.row_groups(), in_graph=True)
-    shard = collectives.group_sum(shard, mesh.column_groups())
-    ctx.merge_call(_update_in_graph, args=args, kwargs={"summed": shard})
-
-
-def _part(flat, a, b, size):
-    """`flat[a:b]`, without an op when it is all of `flat` (`size` long)."""
-    return flat if (a, b) == (0, size) else flat[a:b]
-
-
-def _update_in_graph(
-    strategy, optimizer, state, grads, variables, learning_rate, decayed, summed=None
-):
-    """Reduce-scatter, the sharded update, all-gather: plain ops on each replica's device.
-
-    Each shard is a list of pieces of variables (a variable inside one shard is one piece, whole);
-    the update runs piece by piece, so no fused buffer is ever built: a whole variable's gradient
-    is summed straight from the replicas' gradients, and its updated value is written to every
-    replica's copy as it is. Under several workers the gradient comes summed instead: `summed`,
-    each replica's shard of the sum over every worker. `decayed`: per variable, whether Keras's
-    decoupled weight decay applies to it here.
-    """
-    layout = state.layout
-    devices = strategy.extended.worker_devices
-    if summed is not None:
-        summed = strategy.experimental_local_results(summed)
-    else:  # flattened in replica context
-        grads = [strategy.experimental_local_results(g) for g in grads]
-    copies = [strategy.experimental_local_results(v) for v in variables]
-    slots = {name: strategy.experimental_local_results(v.value) for name, v in state.slots.items()}
-    shards = []  # per replica: its pieces
-    for i, device in enumerate(devices):
-        with tf.device(device):
-            shard = []
-            for var, a, b, offset in layout.pieces(i):
-                size = layout.sizes[var]
-                weight = _part(tf.reshape(copies[var][i], [-1]), a, b, size)
-                if summed is not None:
-                    grad = summed[i][offset : offset + b - a]
-                else:
-                    grad = tf.add_n([_part(g, a, b, size) for g in grads[var]])
-                shard.append(
-                    _Piece(
-                        var,
-                        weight,
-                        tf.cast(grad, weight.dtype),
-                        {name: s[i][offset : offset + b - a] for name, s in slots.items()},
-                    )
-                )
-            shards.append(shard)
-    if state.kind == "lars":
-        _lars_scales(optimizer, state, shards, devices, learning_rate)
-    for i, device in enumerate(devices):
-        with _on_replica(i, device):
-            for piece in shards[i]:
-                if decayed[piece.var]:  # Keras's decoupled decay: w - w * weight_decay * rate
-                    w, dtype = piece.weight, piece.weight.dtype
-                    rate = tf.cast(learning_rate, dtype)
-                    piece.weight = w - w * tf.cast(optimizer.weight_decay, dtype) * rate
-                _UPDATES[state.kind](optimizer, piece, learning_rate)
-            for name, s in slots.items():
-                new = [p.slots[name] for p in shards[i]]
-                tail = layout.shard - sum(int(p.weight.shape[0]) for p in shards[i])
-                if tail:
-                    new.append(tf.zeros([tail], s[i].dtype))
-                s[i].assign(new[0] if len(new) == 1 else tf.concat(new, 0))
-    # All-gather: every replica writes each variable from the updated pieces that cover it.
-    parts = [[] for _ in layout.sizes]
-    for i, device in enumerate(devices):
-        for piece in shards[i]:
-            parts[piece.var].append((device, piece.weight))
-    for var, pieces in enumerate(parts):
-        with tf.device(pieces[0][0]):
-            value = pieces[0][1] if len(pieces) == 1 else tf.concat([p for _, p in pieces], 0)
-            value = tf.reshape(value, layout.shapes[var])
-        for i, device in enumerate(devices):
-            with tf.device(device):
-                copies[var][i].assign(value)
-
-
-def _on_replica(i, device):
-    """Replica `i`'s device, under the name scope Keras's replicated update gives its share
-    (`update_<i>`, from `MirroredStrategy`'s `extended.update`): a profile names both alike."""
-    scope = contextlib.ExitStack()
-    scope.enter_context(tf.device(device))
-    scope.enter_context(tf.name_scope(f"update_{i}"))
-    return scope
-
-
-class _Piece:
-    """One variable's piece in one shard: its weights, summed gradient and optimizer slots
-    (tensors, replaced by their updated values), and for LARS its learning-rate scale."""
-
-    def __init__(self, var, weight, grad, slots):
-        self.var = var
-        self.weight = weight
-        self.grad = grad
-        self.slots = slots
-        self.scale = None
-        self.decay = None
-
-
-def _sgd(optimizer, piece, learning_rate):
-    w, grad = piece.weight, piece.grad
-    rate = tf.cast(learning_rate, w.dtype)
-    if "momentum" not in piece.slots:
-        piece.weight = w - rate * grad
-        return
-    decay = tf.cast(optimizer.momentum, w.dtype)
-    momentum = decay * piece.slots["momentum"] - rate * grad
-    piece.slots["momentum"] = momentum
-    step = decay * momentum - rate * grad if optimizer.nesterov else momentum
-    piece.weight = w + step
-
-
-def _lars_scales(optimizer, state, shards, devices, learning_rate):
-    """Each piece's LARS learning rate and decay: the per-variable norms are group sums of the
-    pieces' squared norms (a variable split across shards adds its pieces' parts)."""
-    decays, adapts = state.lars
-    dtype = shards[0][0].weight.dtype if shards[0] else state.slots["momentum"].dtype
-    partial = [[] for _ in decays]  # per variable: (weight, gradient) squared norms of its pieces
-    for i, device in enumerate(devices):
-        with _on_replica(i, device):
-            for piece in shards[i]:
-                if adapts[piece.var]:
-                    partial[piece.var].append(
-                        (
-                            tf.reduce_sum(tf.square(piece.weight)),
-                            tf.reduce_sum(tf.square(piece.grad)),
-                        )
-                    )
-    weight_decay = tf.cast(optimizer.weight_decay, dtype)
-    for i, device in enumerate(devices):
-        with _on_replica(i, device):
-            rate = tf.cast(learning_rate, dtype)
-            for piece in shards[i]:
-                decay = weight_decay if decays[piece.var] else tf.zeros([], dtype)
-                piece.decay = decay
-                piece.scale = rate
-                if not adapts[piece.var]:
-                    continue
-                parts = partial[piece.var]
-                w_norm = tf.sqrt(tf.add_n([w for w, _ in parts]))
-                g_norm = tf.sqrt(tf.add_n([g for _, g in parts]))
-                usable = tf.logical_and(w_norm > 0.0, g_norm > 0.0)
-                denominator = tf.where(usable, g_norm + decay * w_norm, 1.0)
-                trust = tf.where(usable, tf.cast(optimizer.eta, dtype) * w_norm / denominator, 1.0)
-                piece.scale = rate * trust
-
-
-def _lars(optimizer, piece, learning_rate):
-    w, dtype = piece.weight, piece.weight.dtype
-    update = piece.grad + piece.decay * w
-    velocity = piece.slots["momentum"] * tf.cast(optimizer.momentum, dtype) + update * piece.scale
-    piece.slots["momentum"] = velocity
-    piece.weight = w - velocity
-
-
-def _adam(optimizer, piece, learning_rate):
-    # Keras's own arithmetic (`keras.optimizers.Adam.update_step`), constants included.
-    w, grad, dtype = piece.weight, piece.grad, piece.weight.dtype
-    rate = tf.cast(learning_rate, dtype)
-    step = tf.cast(optimizer.iterations + 1, dtype)
-    beta_1_power = tf.pow(tf.cast(optimizer.beta_1, dtype), step)
-    beta_2_power = tf.pow(tf.cast(optimizer.beta_2, dtype), step)
-    alpha = rate * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)
-    m, v = piece.slots["momentum"], piece.slots["velocity"]
-    m = m + (grad - m) * tf.cast(1 - optimizer.beta_1, dtype)
-    v = v + (tf.square(grad) - v) * tf.cast(1 - optimizer.beta_2, dtype)
-    piece.slots["momentum"], piece.slots["velocity"] = m, v
-    if "velocity_hat" in piece.slots:
-        v = tf.maximum(piece.slots["velocity_hat"], v)
-        piece.slots["velocity_hat"] = v
-    piece.weight = w - (m * alpha) / (tf.sqrt(v) + tf.cast(optimizer.epsilon, dtype))
-
-
-_UPDATES = {"sgd": _sgd, "lars": _lars, "adam": _adam}
+    one_host = len(ctx.strategy.extended.worker_devices) == ctx.strategy.num_replicas_in_sync
+    step = sharded_update.one_host if one_host else sharded_update.across_workers
+    step(ctx, optimizer, state, grads, values, learning_rate, decayed)
