@@ -297,19 +297,21 @@ def test_weight_update_of_a_model_whose_state_matters():
     assert plan.plan(_uniform(2, 4), params=1000)["weight_update"] is None  # no memory figure
 
 
-def test_weight_update_on_gpu_hosts_is_sharded_over_each_hosts_replicas():
-    # As the package shards under MultiWorkerMirroredStrategy: a host's replicas share the update.
+def test_weight_update_on_gpu_hosts_is_sharded_over_every_replica():
+    # As the package shards under MultiWorkerMirroredStrategy: over the replicas of every host.
     cluster = plan.gpu_cluster(4, 8)
     w = plan.plan(cluster, "resnet50", per_core_batch=32)["weight_update"]
     params = plan.MODELS["resnet50"]
-    assert w["sharded_over"] == 8 and w["in_package"] is True
+    assert w["sharded_over"] == 32 and w["in_package"] is True
     assert w["state_bytes_per_replica"] == {
         "replicated": params * 4,
-        "sharded": -(-params // 8) * 4,
+        "sharded": -(-params // 32) * 4,
     }
-    assert w["sharded_seconds"] == pytest.approx(w["replicated_seconds"] * -(-params // 8) / params)
+    assert w["sharded_seconds"] == pytest.approx(
+        w["replicated_seconds"] * -(-params // 32) / params
+    )
     text = plan.format_plan(plan.plan(cluster, "resnet50", per_core_batch=32))
-    assert "each host's 8 replicas share the update; the hosts repeat it" in text
+    assert "sharded over all 32 replicas, across the hosts" in text
     tpu_text = plan.format_plan(plan.plan(plan.tpu_slice("v3-8"), "resnet50"))
     assert "create_strategy does not shard the update on a TPU yet" in tpu_text
 
@@ -334,10 +336,11 @@ def test_sharding_advice_prices_the_users_model_on_the_strategys_hardware():
     w = plan.weight_update(gpus, 100_100, "sgd")
     advice = plan.sharding_advice(strategy(gpus), model(SGD))
     assert advice.startswith("tpu_scale.plan: weight_update_sharding=True would cut the sgd update")
-    assert "400.4 kB to 50.1 kB" in advice  # 100,100 float32 momenta, over a host's 8 GPUs
+    assert "400.4 kB to 25.0 kB" in advice  # 100,100 float32 momenta, over 2 hosts' 16 GPUs
     assert f"{w['replicated_seconds'] * 1e6:.1f} us" in advice
     assert plan.sharding_advice(strategy(plan.tpu_slice("v3-8")), model(SGD)) == ""
-    assert plan.sharding_advice(strategy(plan.gpu_cluster(8, 1)), model(SGD)) == ""
+    assert plan.sharding_advice(strategy(plan.gpu_cluster(1, 1)), model(SGD)) == ""
+    assert "to 50.1 kB" in plan.sharding_advice(strategy(plan.gpu_cluster(8, 1)), model(SGD))
     assert plan.sharding_advice(strategy(None), model(SGD)) == ""
     assert plan.sharding_advice(strategy(gpus), model(RMSprop)) == ""
 

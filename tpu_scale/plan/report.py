@@ -184,9 +184,7 @@ def format_plan(result):
         else:
             lines.append("  its share of the step: give --target_images_per_sec for this model")
         if w["in_package"]:
-            lines.append(
-                f"  each host's {w['sharded_over']} replicas share the update; the hosts repeat it"
-            )
+            lines.append(f"  sharded over all {w['sharded_over']} replicas, across the hosts")
         else:
             lines.append(
                 f"  sharded over all {w['sharded_over']} replicas, as XLA shards on TPU: "

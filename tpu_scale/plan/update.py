@@ -4,12 +4,13 @@ updating 1/N of them (`create_strategy(..., weight_update_sharding=True)`).
 The update is priced as memory traffic: per parameter it reads and writes a fixed number of
 float32 values (`UPDATE_BYTES_PER_PARAM`), at the bandwidth of the memory one replica's update
 runs on (`Cluster.memory_bandwidth`). Replicated, every replica moves all of them; sharded, each
-moves its `ceil(params / N)`. On CPU and GPU hosts N is a host's replicas, as the package shards
-(each host's replicas share the update, the hosts repeat it); on a TPU slice N is every replica,
-the saving of XLA's sharding (Xu et al. 2020), which `create_strategy` does not do on TPUs yet.
-The gradient sum costs the same bytes either way: the torus sum is already a reduce-scatter, an
-all-reduce of the shard and an all-gather, and the sharded update sits between its first and last
-phase, so only the update's own time changes. The optimizer state per replica shrinks the same
+of the N replicas moves its `ceil(params / N)`, N being every replica of the cluster: on CPU and
+GPU hosts as the package shards (across workers too), on a TPU slice as XLA shards (Xu et al.
+2020), which `create_strategy` does not do on TPUs yet. The gradient sum costs the same bytes
+either way: the torus sum is already a reduce-scatter and an all-gather around an all-reduce of
+the shard down the mesh's columns, and the sharded update splits that all-reduce into its own
+reduce-scatter and all-gather with the update between them, so only the update's own time
+changes. The optimizer state per replica shrinks the same
 way (`SLOTS`).
 
 Reference:
@@ -68,7 +69,7 @@ def weight_update(cluster, num_params, optimizer="lars", step_seconds=None):
         return None
     per_param = UPDATE_BYTES_PER_PARAM[optimizer]
     on_tpu = cluster.kind == "tpu"
-    over = cluster.num_replicas if on_tpu else min(cluster.replicas_on_host, cluster.num_replicas)
+    over = cluster.num_replicas
     shard = math.ceil(num_params / over)
     replicated = num_params * per_param / bandwidth
     sharded = shard * per_param / bandwidth
