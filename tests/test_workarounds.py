@@ -256,3 +256,24 @@ def test_slurm_cluster_resolver_with_gpus_is_tensorflows(monkeypatch, tmp_path):
         assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"  # the node's second pair of GPUs
     finally:
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+
+
+def test_tensor_seeds_after_a_global_seed_of_zero():
+    from tpu_scale.data import sources
+
+    numbers = tf.data.Dataset.range(20)
+
+    def epochs(seed):
+        return list(sources.shuffle_each_epoch(numbers, 20, seed).take(60).as_numpy_iterator())
+
+    unseeded = epochs(3)
+    tf.random.set_seed(0)  # as keras.utils.set_random_seed(0) does
+    try:
+        # TensorFlow's own: a tensor seed under a global seed of 0 fails while tracing.
+        with pytest.raises(tf.errors.OperatorNotAllowedInGraphError, match="as a Python `bool`"):
+            numbers.flat_map(lambda e: numbers.shuffle(20, seed=3 + e))
+        # The package's: the same stream as with no global seed, each epoch another order.
+        assert epochs(3) == unseeded
+    finally:
+        tf.random.set_seed(None)
+    assert sorted(unseeded[:20]) == list(range(20)) and unseeded[:20] != unseeded[20:40]

@@ -12,6 +12,7 @@ to tell it can go. Users never call these: `create_strategy` and the strategy cl
   quiet_cuda_probe          the spurious "failed call to cuInit" error on machines without a GPU
   empty_batch_convolutions  oneDNN convolutions give an empty batch the wrong shape on some CPUs
   slurm_cluster_resolver    TensorFlow's SlurmClusterResolver fails on nodes without GPUs
+  tensor_seeds              a tensor seed fails after `tf.random.set_seed(0)`
 
 Two more live in `keras_hook.py`, the only module that touches Keras's private API:
 
@@ -463,3 +464,38 @@ def slurm_cluster_resolver(port_base=8888, gpus_per_node=None, gpus_per_task=Non
     return _slurm_resolver_class(
         port_base=port_base, gpus_per_node=gpus_per_node, gpus_per_task=gpus_per_task
     )
+
+
+# --------------------------------------------------------------------------- tensor seeds
+
+
+@contextlib.contextmanager
+def tensor_seeds():
+    """Lets random ops built inside take a tensor seed when the global seed is 0.
+
+    Why: TensorFlow turns an op's seed into a pair with `random_seed.get_seed`, which then tests
+    `seeds == (0, 0)` in Python. With a global seed of 0 (`tf.random.set_seed(0)`, or
+    `keras.utils.set_random_seed(0)`) the comparison reaches the op seed; a tensor there (the
+    input pipeline's `dataset.shuffle(..., seed=seed + epoch)` inside `flat_map`) fails with
+    "OperatorNotAllowedInGraphError: Using a symbolic `tf.Tensor` as a Python `bool` is not
+    allowed". Inside this context, in a graph whose seed is 0, the graph's seed reads as unset
+    while the ops are built: each op then takes TensorFlow's default graph seed and its own seed,
+    as it would with no global seed, and the stream depends on the given seed alone. Elsewhere it
+    changes nothing.
+
+    Upstream: tensorflow/tensorflow#17284 (tensor seeds under a graph seed of 0; closed, and the
+    Python test still compares the tensor); seen with TF 2.21. How to tell it can go:
+    `tests/test_workarounds.py::test_tensor_seeds_after_a_global_seed_of_zero` fails at its check
+    that TensorFlow's own shuffle still raises.
+    """
+    import tensorflow as tf
+
+    graph = tf.compat.v1.get_default_graph()
+    if tf.executing_eagerly() or graph.seed != 0:
+        yield
+        return
+    graph.seed = None
+    try:
+        yield
+    finally:
+        graph.seed = 0

@@ -16,6 +16,7 @@ import warnings
 import tensorflow as tf
 from google.protobuf.message import DecodeError
 
+from tpu_scale import _workarounds
 from tpu_scale.data.schema import is_serialized_example
 
 AUTOTUNE = tf.data.AUTOTUNE
@@ -78,13 +79,12 @@ def shuffle_each_epoch(dataset, buffer_size, seed):
     iterators the dataset already had, every new iterator replays the same stream: a resumed run can
     skip to the step where it stopped and see what an uninterrupted run would have seen.
     """
-    return tf.data.Dataset.range(2**62).flat_map(
-        graph_function(
-            lambda epoch: dataset.shuffle(
-                buffer_size, seed=seed + epoch, reshuffle_each_iteration=False
-            )
-        )
-    )
+
+    def epoch_order(epoch):
+        with _workarounds.tensor_seeds():  # a tensor seed after tf.random.set_seed(0)
+            return dataset.shuffle(buffer_size, seed=seed + epoch, reshuffle_each_iteration=False)
+
+    return tf.data.Dataset.range(2**62).flat_map(graph_function(epoch_order))
 
 
 @dataclasses.dataclass(frozen=True)
