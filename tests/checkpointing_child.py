@@ -8,11 +8,13 @@ Under `TF_CONFIG` it is one worker of a `MultiWorkerMirroredStrategy`; otherwise
 `MirroredStrategy` over 2 CPUs.
 
 Prints, flushed, for the test to act on: `resumed <epoch> <step>` once restored, `step <epoch>
-<step>` after each train step, `saved <epoch>` after each end-of-epoch backup, `done` at the end.
+<step>` after each train step, `saved <epoch>` after each end-of-epoch backup, `sharded slots
+<names>` and `done` at the end.
 Writes the final weights to `out` (a .npz). Options: `slow_save` (seconds each `save_weights`
 sleeps after writing, so a kill lands inside a backup write), `step_sleep` (seconds per train
 step), `backup_dirs` (one backup_dir per worker, to play a filesystem the workers do not share),
-`global_batch` (default 16).
+`global_batch` (default 16), `weight_update_sharding` (shard SGD's update and momentum over every
+replica, across the workers too).
 """
 
 import json
@@ -31,6 +33,7 @@ def main(options):
     strategy = tpu_scale.create_strategy(
         num_cpu_replicas=int(os.environ.get("TPU_SCALE_CPUS_PER_WORKER", 2)),
         gradient_reduction="native",
+        weight_update_sharding=options.get("weight_update_sharding", False),
     )
     import keras
     import tensorflow as tf
@@ -112,6 +115,9 @@ def main(options):
         )
     if options.get("out"):
         np.savez(options["out"], *[w.numpy() for w in model.weights])
+    from tpu_scale import weight_update
+
+    print("sharded slots", *sorted(weight_update.slot_shards(model.optimizer)), flush=True)
     print("done", flush=True)
     return [w.numpy() for w in model.weights]
 

@@ -252,8 +252,15 @@ def test_bad_arguments():
 
 
 @pytest.mark.multiprocess
-def test_sigterm_to_one_worker_saves_everywhere_and_the_relaunch_resumes(processes, tmp_path):
+@pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "sharded_update"])
+def test_sigterm_to_one_worker_saves_everywhere_and_the_relaunch_resumes(
+    processes, tmp_path, sharded
+):
+    # Sharded, each worker's backup gathers the momentum's shards from both workers, and each
+    # relaunched replica takes its shard back from the chief's file.
     options = {"backup_dir": str(tmp_path / "backup"), "epochs": 5, "steps": 5}
+    if sharded:
+        options["weight_update_sharding"] = True
     workers = processes.cluster([dict(options, step_sleep=0.05)] * 2, "preempted")
     wait_for(workers[0], r"^saved 2$", 150)
     signalled = time.monotonic()
@@ -272,11 +279,13 @@ def test_sigterm_to_one_worker_saves_everywhere_and_the_relaunch_resumes(process
     workers = processes.cluster([dict(options, out=out) for out in outs], "relaunched")
     assert [wait_exit(w, 150) for w in workers] == [0, 0], [output(w)[-3000:] for w in workers]
     assert [resumed_at(w) for w in workers] == [(saved.epoch, saved.step)] * 2
+    slots = "sharded slots momentum" if sharded else "sharded slots\n"
+    assert all(slots in output(w) for w in workers)
     finals = [load_weights(out) for out in outs]
     for a, b in zip(*finals):
         np.testing.assert_array_equal(a, b)
     # Two workers x 2 replicas, each worker's pipeline the same stream of 4-example batches, compute
-    # what 2 replicas with a global batch of 8 compute: the uninterrupted run, here.
+    # what 2 replicas with a global batch of 8 compute: the uninterrupted (unsharded) run, here.
     reference = checkpointing_child.main(
         {"backup_dir": str(tmp_path / "reference"), "epochs": 5, "steps": 5, "global_batch": 8}
     )
