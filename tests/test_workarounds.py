@@ -274,6 +274,8 @@ def test_tensor_seeds_after_a_global_seed_of_zero():
             numbers.flat_map(lambda e: numbers.shuffle(20, seed=3 + e))
         # The package's: the same stream as with no global seed, each epoch another order.
         assert epochs(3) == unseeded
+        tf.random.set_seed(2**31 - 1)  # TensorFlow takes seeds modulo 2**31 - 1
+        assert epochs(3) == unseeded
     finally:
         tf.random.set_seed(None)
     assert sorted(unseeded[:20]) == list(range(20)) and unseeded[:20] != unseeded[20:40]

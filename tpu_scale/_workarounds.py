@@ -474,14 +474,14 @@ def tensor_seeds():
     """Lets random ops built inside take a tensor seed when the global seed is 0.
 
     Why: TensorFlow turns an op's seed into a pair with `random_seed.get_seed`, which then tests
-    `seeds == (0, 0)` in Python. With a global seed of 0 (`tf.random.set_seed(0)`, or
-    `keras.utils.set_random_seed(0)`) the comparison reaches the op seed; a tensor there (the
-    input pipeline's `dataset.shuffle(..., seed=seed + epoch)` inside `flat_map`) fails with
-    "OperatorNotAllowedInGraphError: Using a symbolic `tf.Tensor` as a Python `bool` is not
-    allowed". Inside this context, in a graph whose seed is 0, the graph's seed reads as unset
-    while the ops are built: each op then takes TensorFlow's default graph seed and its own seed,
-    as it would with no global seed, and the stream depends on the given seed alone. Elsewhere it
-    changes nothing.
+    `seeds == (0, 0)` in Python. With a global seed of 0 (`tf.random.set_seed(0)`,
+    `keras.utils.set_random_seed(0)`, or any multiple of 2**31 - 1) the comparison reaches the op
+    seed; a tensor there (the input pipeline's `dataset.shuffle(..., seed=seed + epoch)` inside
+    `flat_map`) fails with "OperatorNotAllowedInGraphError: Using a symbolic `tf.Tensor` as a
+    Python `bool` is not allowed". Inside this context, in a graph whose seed is 0 (modulo
+    2**31 - 1), the graph's seed reads as unset while the ops are built: each op then takes
+    TensorFlow's default graph seed and its own seed, as it would with no global seed, and the
+    stream depends on the given seed alone. Elsewhere it changes nothing.
 
     Upstream: tensorflow/tensorflow#17284 (tensor seeds under a graph seed of 0; closed, and the
     Python test still compares the tensor); seen with TF 2.21. How to tell it can go:
@@ -491,11 +491,13 @@ def tensor_seeds():
     import tensorflow as tf
 
     graph = tf.compat.v1.get_default_graph()
-    if tf.executing_eagerly() or graph.seed != 0:
+    seed = graph.seed
+    # TensorFlow reduces seeds modulo 2**31 - 1 before the comparison.
+    if tf.executing_eagerly() or seed is None or seed % (2**31 - 1):
         yield
         return
     graph.seed = None
     try:
         yield
     finally:
-        graph.seed = 0
+        graph.seed = seed
