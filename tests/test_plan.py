@@ -311,7 +311,7 @@ def test_weight_update_on_gpu_hosts_is_sharded_over_every_replica():
         w["replicated_seconds"] * -(-params // 32) / params
     )
     text = plan.format_plan(plan.plan(cluster, "resnet50", per_core_batch=32))
-    assert "sharded over all 32 replicas, across the hosts" in text
+    assert "sharded over all 32 replicas across the hosts" in text
     tpu_text = plan.format_plan(plan.plan(plan.tpu_slice("v3-8"), "resnet50"))
     assert "create_strategy does not shard the update on a TPU yet" in tpu_text
 

@@ -5,6 +5,7 @@ shard back, and a save on one worker alone ends in a clear error instead of a ha
 
 import os
 import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ pytestmark = pytest.mark.multiprocess
 # ending in "_eager" trains with run_eagerly=True (the collectives' eager forms).
 CASES = {
     "sgd": (dict(momentum=0.9, nesterov=True, weight_decay=1e-2, clipnorm=1.0), None),
+    "sgd_plain": (dict(), None),  # no state: nothing to gather at a save
     "lars": (dict(momentum=0.9, weight_decay=1e-2), None),
     "lars_eager": (dict(momentum=0.9, weight_decay=1e-2), None),
     "adamw": (dict(weight_decay=1e-1), "mixed_bfloat16"),
@@ -30,7 +32,7 @@ def workers_main():
     from test_weight_update_sharding import BATCH, OPTIMIZERS, _data, _model
 
     import tpu_scale
-    from tpu_scale import checkpointing, training, weight_update
+    from tpu_scale import checkpointing, collectives, training, weight_update
 
     strategy = tpu_scale.create_strategy(
         num_cpu_replicas=int(os.environ["TPU_SCALE_CPUS_PER_WORKER"]), weight_update_sharding=True
@@ -44,7 +46,7 @@ def workers_main():
         for sharded in (True, False):
             (weight_update.enable if sharded else weight_update.disable)(strategy)
             keras.utils.set_random_seed(1)
-            optimizer = OPTIMIZERS[name.removesuffix("_eager")]
+            optimizer = OPTIMIZERS[name.split("_")[0]]
             model = _model(strategy, lambda: optimizer(options), weights, dtype)
             model.run_eagerly = name.endswith("_eager")
             weights = model.get_weights()
@@ -79,13 +81,29 @@ def workers_main():
     if outputs:
         final = keras.models.load_model(outputs["final model"])
         out["final_optimizer"] = [keras.ops.convert_to_numpy(v) for v in final.optimizer.variables]
+    # Were the collective ops to order the workers otherwise than the shards assume, building the
+    # optimizer says so (here the package's rank is made the reverse of the runtime's).
+    runtime_rank = collectives.worker_rank
+    collectives.worker_rank = lambda s: 1 - runtime_rank(s)
+    try:
+        weight_update.enable(strategy)
+        misordered = _model(strategy, lambda: OPTIMIZERS["sgd"](dict(momentum=0.9)), None, None)
+        with strategy.scope():
+            misordered.optimizer.build(misordered.trainable_variables)
+    except RuntimeError as e:
+        out["misordered"] = str(e)
+    finally:
+        collectives.worker_rank = runtime_rank
     # A save on the chief alone: the other worker never comes, and the chief gets a clear error.
     weight_update.SAVE_WAIT_SECONDS = 5
     if checkpointing.is_chief(strategy):
+        start = time.monotonic()
         try:
             sharded_model.save_weights(os.path.join(scratch, "alone.weights.h5"))
         except RuntimeError as e:
             out["alone"] = str(e)
+        out["alone_seconds"] = time.monotonic() - start
+    out["finished"] = True
     return out
 
 
@@ -109,13 +127,17 @@ def test_sharded_update_across_workers_equals_the_unsharded_one(cluster, name):
         for got, want, start in zip(sharded["final"], plain["final"], plain["initial"]):
             assert not np.allclose(want, start, atol=1e-2)
             np.testing.assert_allclose(got, want, rtol=1e-3, atol=3e-4)
-        # Each of the 8 replicas holds an eighth of the state (and the padding).
+        # Each of the 8 replicas holds an eighth of the state (and the padding); plain SGD has
+        # none.
         full = sum(
             size
             for path, size in plain["sizes"].items()
             if any(slot in path for slot in sharded["slots"])
         )
-        assert sharded["slots"] and sharded["state"] / full <= 0.15
+        if name == "sgd_plain":
+            assert sharded["slots"] == [] and sharded["state"] == 0
+        else:
+            assert sharded["slots"] and sharded["state"] / full <= 0.15
         # The save gathers Keras's unsharded layout: the unsharded run's state, on every worker
         # (LARS's momentum carries its learning rate of 2, so the sums' rounding shows more there
         # than in the weights; a shard in the wrong place would be off by its whole size);
@@ -141,8 +163,16 @@ def test_the_final_model_holds_the_gathered_state(cluster):
         np.testing.assert_array_equal(got, want)
 
 
+def test_workers_in_another_collective_order_are_an_error_at_build(cluster):
+    for worker in cluster:
+        assert "order them [1, 0], not by collectives.worker_rank" in worker["misordered"]
+        assert "weight_update_sharding=False" in worker["misordered"]
+
+
 def test_a_save_on_one_worker_alone_fails_clearly(cluster):
     chief, other = cluster
-    assert "alone" not in other
+    assert other["finished"]  # the other worker went on and ended, never saving
+    assert 5 <= chief["alone_seconds"] < 60  # the barrier's 5 s, then the error
     assert "every worker must save at the same point" in chief["alone"]
+    assert "not all of them came within 5 s" in chief["alone"]
     assert "weight_update_sharding=False" in chief["alone"]

@@ -44,7 +44,17 @@ def one_host(ctx, optimizer, state, grads, values, learning_rate, decayed):
 
 
 def across_workers(ctx, optimizer, state, grads, values, learning_rate, decayed):
-    """The sharded update across workers (see the module docstring); arguments as `one_host`."""
+    """The sharded update across workers, one mesh row per worker (see the module docstring).
+
+    Args:
+      ctx: the replica context.
+      optimizer: the optimizer.
+      state: its `weight_update.Sharded` state.
+      grads: this replica's flattened local gradients, one per variable.
+      values: the variables (their replica-local values).
+      learning_rate: the step's learning rate.
+      decayed: per variable, whether Keras's decoupled weight decay applies to it here.
+    """
     strategy, layout = ctx.strategy, state.layout
     local = len(strategy.extended.worker_devices)
     index = int(tf.get_static_value(ctx.replica_id_in_sync_group)) % local
@@ -81,8 +91,10 @@ def across_workers(ctx, optimizer, state, grads, values, learning_rate, decayed)
 
 
 def _row_sums(strategy, flat, local):
-    """Merge call: local replica `l` gets chunk `l` of the sum of its worker's flat gradients,
-    summed on its own device (plain ops, on any device type)."""
+    """Merge call: each local replica's chunk of its worker's summed gradients.
+
+    Local replica `l` gets chunk `l` of the sum of the worker's flat gradients, summed on its own
+    device (plain ops, on any device type)."""
     parts = strategy.experimental_local_results(flat)
     size = int(parts[0].shape[0]) // local
     chunks = []
@@ -113,8 +125,9 @@ def _down_column(x, columns, rank, workers, kind):
 
 
 def _shard_of(layout, pieces, slot, dtype):
-    """The replica's updated shard, `layout.shard` long: its pieces' new weights (`slot` None) or
-    values of `slot`, padded with zeros."""
+    """The replica's updated shard, `layout.shard` long.
+
+    Its pieces' new weights (`slot` None) or values of `slot`, padded with zeros."""
     parts = [p.weight if slot is None else p.slots[slot] for p in pieces]
     tail = layout.shard - sum(int(p.weight.shape[0]) for p in pieces)
     if tail:
@@ -123,9 +136,11 @@ def _shard_of(layout, pieces, slot, dtype):
 
 
 def _write_chunks(strategy, state, variables, gathered, new_slots):
-    """Merge call: the local replicas' new slot shards, and every local copy of each variable from
-    the worker's gathered chunks (chunk `l`, on replica `l`, covers positions `[l * size,
-    (l + 1) * size)` of the flattened variables)."""
+    """Merge call: writes the local replicas' new state and every local copy of the variables.
+
+    Each replica's slot shards take its new values; each variable is rebuilt from the worker's
+    gathered chunks (chunk `l`, on replica `l`, covers positions `[l * size, (l + 1) * size)` of the
+    flattened variables) and written to every local copy."""
     layout = state.layout
     devices = strategy.extended.worker_devices
     chunks = strategy.experimental_local_results(gathered)
@@ -158,9 +173,10 @@ def _part(flat, a, b, size):
 
 
 def _update_in_graph(strategy, optimizer, state, grads, variables, learning_rate, decayed):
-    """Merge call of `one_host`: reduce-scatter, the sharded update, all-gather, as plain ops on
-    each replica's device. Each shard is a list of pieces of variables (a variable inside one shard
-    is one piece, whole)."""
+    """Merge call of `one_host`: the reduce-scatter, the sharded update and the all-gather.
+
+    All are plain ops on each replica's device. Each shard is a list of pieces of variables (a
+    variable inside one shard is one piece, whole)."""
     layout = state.layout
     devices = strategy.extended.worker_devices
     grads = [strategy.experimental_local_results(g) for g in grads]
@@ -246,6 +262,7 @@ def _apply(optimizer, state, pieces, learning_rate, decayed):
 
 
 def _sgd(optimizer, piece, learning_rate):
+    """Keras's SGD rule (plain, momentum or Nesterov) on one piece."""
     w, grad = piece.weight, piece.grad
     rate = tf.cast(learning_rate, w.dtype)
     if "momentum" not in piece.slots:
@@ -299,6 +316,7 @@ def _set_lars_scales(optimizer, state, pieces, norms, learning_rate):
 
 
 def _lars(optimizer, piece, learning_rate):
+    """`tpu_scale.optimizers.LARS`'s rule on one piece, with its scale and decay set."""
     w, dtype = piece.weight, piece.weight.dtype
     update = piece.grad + piece.decay * w
     velocity = piece.slots["momentum"] * tf.cast(optimizer.momentum, dtype) + update * piece.scale
@@ -307,7 +325,7 @@ def _lars(optimizer, piece, learning_rate):
 
 
 def _adam(optimizer, piece, learning_rate):
-    # Keras's own arithmetic (`keras.optimizers.Adam.update_step`), constants included.
+    """Keras's Adam rule (`keras.optimizers.Adam.update_step`, constants included) on one piece."""
     w, grad, dtype = piece.weight, piece.grad, piece.weight.dtype
     rate = tf.cast(learning_rate, dtype)
     step = tf.cast(optimizer.iterations + 1, dtype)

@@ -34,7 +34,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tpu_scale import checkpointing
+from tpu_scale import checkpointing, weight_update
 from tpu_scale.callbacks import AverageMovingStatistics, LossGuard
 
 BACKUP_DIR = "backup"
@@ -229,21 +229,25 @@ def finished_message(model_dir, record):
 
 
 def save_run(model_dir, model, record, strategy):
-    """Saves the final model and the run's record in `model_dir` (the chief; the other workers
-    save the model to a scratch folder and remove it, since a save under
-    `MultiWorkerMirroredStrategy` may need every worker, as a sharded optimizer's state does).
+    """Saves the final model and the run's record in `model_dir` (the chief only).
+
+    When saving the model's optimizer is a collective across workers (its update sharded over
+    several workers, `weight_update.saving_gathers`), the other workers save the model to a scratch
+    folder too, and remove it.
 
     Args:
       model_dir: the run's folder.
       model: the trained Keras model, saved as `final.keras`.
       record: a JSON-serializable dict of the run's result; it must hold `epochs` (what
         `finished_run` compares).
-      strategy: the `tf.distribute` strategy (only the chief writes).
+      strategy: the `tf.distribute` strategy (the chief writes `model_dir`).
 
     Returns:
       What was written where, as `{description: path}` (empty on other workers).
     """
     if not checkpointing.is_chief(strategy):
+        if not weight_update.saving_gathers(model.optimizer):
+            return {}
         scratch = tempfile.mkdtemp(prefix="tpu_scale_worker_")
         try:
             model.save(os.path.join(scratch, FINAL_MODEL))

@@ -42,9 +42,10 @@ sharding, and a run resumes on any replica count, sharded or not; a load gives e
 shard. Across workers the gather is a collective: every worker saves at the same point, as
 `MultiWorkerMirroredStrategy` asks of `model.save` (the chief to its path, the others to scratch,
 as `checkpointing.BackupAndRestore`, `training.run_callbacks`' checkpoints and `training.save_run`
-do). A save on some
-workers only meets the others at a barrier of TensorFlow's coordination service first, and fails
-with an error naming this after `SAVE_WAIT_SECONDS` instead of waiting forever.
+do). A save meets the other workers at a barrier of TensorFlow's coordination service first, so a
+save on some workers only fails with an error naming this after `SAVE_WAIT_SECONDS` instead of
+waiting forever. When an optimizer is built across workers, one all-gather checks that the
+collective ops order the workers as the shards assume.
 
 Scope: the strategies of `create_strategy` on CPUs or GPUs, the optimizers above, every trainable
 variable of one floating dtype with a gradient at each step. Anything else is a clear error;
@@ -61,6 +62,7 @@ import weakref
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.eager import context as tf_context
 
 from tpu_scale import collectives, sharded_update
 
@@ -81,15 +83,15 @@ class Sharded:
         ["velocity_hat"]]` for Adam with `amsgrad` (their saved layout interleaves them).
       lars: for LARS, `(decays, adapts)`: per variable, whether it gets weight decay and a trust
         ratio; None otherwise.
+      dtype: the variables' dtype (and the state's).
 
     Attributes:
       rank: this worker's rank in the collective ops down the mesh's columns
         (`collectives.worker_rank`); 0 on one host.
       owned: per local replica `l`, the index of the shard it owns: `l * workers + rank`.
-      dtype: the variables' dtype.
     """
 
-    def __init__(self, strategy, layout, kind, slots, groups, lars=None):
+    def __init__(self, strategy, layout, kind, slots, groups, lars=None, dtype="float32"):
         self.strategy = strategy
         self.layout = layout
         self.kind = kind
@@ -100,7 +102,7 @@ class Sharded:
         workers = layout.num_shards // local
         self.rank = collectives.worker_rank(strategy) if workers > 1 else 0
         self.owned = [i * workers + self.rank for i in range(local)]
-        self.dtype = None
+        self.dtype = dtype
 
 
 def enable(strategy):
@@ -152,7 +154,8 @@ class Layout:
     """Where each variable sits in the fused order, and each replica's share of it.
 
     The variables, flattened and laid end to end in the optimizer's order, form `total` elements;
-    replica `i` owns positions `[i * shard, (i + 1) * shard)` (the last shards are padded).
+    shard `i` covers positions `[i * shard, (i + 1) * shard)` (the last shards are padded), and
+    `Sharded.owned` says which local replica holds it.
 
     Args:
       variables: the optimizer's trainable variables, in its order.
@@ -194,8 +197,8 @@ class Layout:
 
 
 def _register(optimizer, strategy, variables, kind, groups, lars=None):
-    """Builds the sharded state of `optimizer`: the layout over this worker's replicas and one
-    `sharded_<name>` variable of a shard per replica for each slot name in `groups`."""
+    """Builds the sharded state of `optimizer`: the layout over all of the strategy's replicas and
+    one `sharded_<name>` variable of a shard per replica for each slot name in `groups`."""
     layout = Layout(variables, strategy.num_replicas_in_sync)
     slots = {
         name: optimizer.add_variable(
@@ -204,8 +207,9 @@ def _register(optimizer, strategy, variables, kind, groups, lars=None):
         for group in groups
         for name in group
     }
-    state = Sharded(strategy, layout, kind, slots, groups, lars)
-    state.dtype = variables[0].dtype
+    state = Sharded(strategy, layout, kind, slots, groups, lars, variables[0].dtype)
+    if len(state.owned) < layout.num_shards:
+        _check_column_ranks(state)
     _states[optimizer] = state
 
 
@@ -377,22 +381,59 @@ _saves = itertools.count()
 
 def _wait_for_the_other_workers():
     """Meets every other worker at this save (a barrier of TensorFlow's coordination service), or
-    raises a clear error after `SAVE_WAIT_SECONDS` instead of waiting in a collective forever."""
-    from tensorflow.python.eager import context as tf_context
+    raises a clear error after `SAVE_WAIT_SECONDS` instead of waiting in a collective forever.
 
+    The barriers are numbered by the saves of this process; after one that some workers missed,
+    the numbers differ between the workers, so the run cannot save again (the error says so)."""
     barrier = f"tpu_scale_weight_update_save_{next(_saves)}"
     try:
         tf_context.context().wait_at_barrier(barrier, int(SAVE_WAIT_SECONDS * 1000))
+    except tf.errors.DeadlineExceededError:
+        problem = f"not all of them came within {SAVE_WAIT_SECONDS:.0f} s"
     except tf.errors.OpError as e:
-        reason = str(e).strip().split(". ")[0] or type(e).__name__
+        problem = (
+            f"the workers' barrier failed: {str(e).strip().split('. ')[0] or type(e).__name__}"
+        )
+    else:
+        return
+    raise RuntimeError(
+        "Saving this optimizer gathers each worker's shard of its state "
+        "(weight_update_sharding=True across workers), so every worker must save at the same "
+        f"point; {problem}. Save on every worker, the chief to its path and the others to a "
+        "scratch path, as MultiWorkerMirroredStrategy asks of model.save, and restart the run "
+        "(its later saves would fail too); or create the strategy with "
+        "weight_update_sharding=False."
+    ) from None
+
+
+def _check_column_ranks(state):
+    """Checks, once per sharded optimizer across workers, that the collective ops down the mesh's
+    columns order the workers as `collectives.worker_rank` says; a different order would update
+    each shard with another shard's gradient. Every worker builds the optimizer, so every worker
+    joins this all-gather."""
+    if not tf.executing_eagerly():
+        return  # built inside a traced step: nothing can run here
+    strategy, columns = state.strategy, state.strategy.mesh.column_groups()
+
+    def ranks():
+        return collectives.all_gather(tf.constant([state.rank], tf.int32), columns)
+
+    gathered = strategy.experimental_local_results(tf.function(lambda: strategy.run(ranks))())
+    order = [int(r) for r in gathered[0].numpy()]
+    if order != list(range(len(order))):
         raise RuntimeError(
-            "Saving this optimizer gathers each worker's shard of its state "
-            "(weight_update_sharding=True across workers), so every worker must save at the same "
-            f"point, and not all of them came within {SAVE_WAIT_SECONDS:.0f} s ({reason}). Save "
-            "on every worker, the chief to its path and the others to a scratch path, as "
-            "MultiWorkerMirroredStrategy asks of model.save; or create the strategy with "
-            "weight_update_sharding=False."
-        ) from None
+            f"The collective ops across the workers order them {order}, not by "
+            "collectives.worker_rank (0, 1, ...): weight_update_sharding=True cannot place the "
+            "shards. Please report this with your cluster's task names; meanwhile create the "
+            "strategy with weight_update_sharding=False."
+        )
+
+
+def saving_gathers(optimizer):
+    """True when saving `optimizer` is a collective across workers (its state is sharded over
+    several workers' replicas): every worker must then save at the same point."""
+    state = _states.get(optimizer)
+    return state is not None and bool(state.slots) and len(state.owned) < state.layout.num_shards
 
 
 def load_full_state(optimizer, store):

@@ -84,7 +84,7 @@ def sharding_advice(strategy, model):
     """One line on what `create_strategy(..., weight_update_sharding=True)` would save for `model`
     under `strategy`, priced on the strategy's hardware (`strategy.gradient_planner.cluster`); ""
     when the planner has no figure (unknown hardware, an optimizer it does not price) or nothing
-    to save (one replica per host, a TPU).
+    to save (a single replica, a TPU).
 
     Args:
       strategy: a strategy made by `create_strategy`.
@@ -184,7 +184,8 @@ def format_plan(result):
         else:
             lines.append("  its share of the step: give --target_images_per_sec for this model")
         if w["in_package"]:
-            lines.append(f"  sharded over all {w['sharded_over']} replicas, across the hosts")
+            hosts = " across the hosts" if c["hosts"] > 1 else ""
+            lines.append(f"  sharded over all {w['sharded_over']} replicas{hosts}")
         else:
             lines.append(
                 f"  sharded over all {w['sharded_over']} replicas, as XLA shards on TPU: "

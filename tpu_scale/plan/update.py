@@ -10,8 +10,7 @@ GPU hosts as the package shards (across workers too), on a TPU slice as XLA shar
 either way: the torus sum is already a reduce-scatter and an all-gather around an all-reduce of
 the shard down the mesh's columns, and the sharded update splits that all-reduce into its own
 reduce-scatter and all-gather with the update between them, so only the update's own time
-changes. The optimizer state per replica shrinks the same
-way (`SLOTS`).
+changes. The optimizer state per replica shrinks the same way (`SLOTS`).
 
 Reference:
   Xu et al., "Automatic Cross-Replica Sharding of Weight Update in Data-Parallel Training", 2020
