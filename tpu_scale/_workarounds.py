@@ -480,8 +480,8 @@ def tensor_seeds():
     `flat_map`) fails with "OperatorNotAllowedInGraphError: Using a symbolic `tf.Tensor` as a
     Python `bool` is not allowed". Inside this context, in a graph whose seed is 0 (modulo
     2**31 - 1), the graph's seed reads as unset while the ops are built: each op then takes
-    TensorFlow's default graph seed and its own seed, as it would with no global seed, and the
-    stream depends on the given seed alone. Elsewhere it changes nothing.
+    TensorFlow's default graph seed and its own seed, as it would with no global seed. Elsewhere
+    it changes nothing.
 
     Upstream: tensorflow/tensorflow#17284 (tensor seeds under a graph seed of 0; closed, and the
     Python test still compares the tensor); seen with TF 2.21. How to tell it can go:
