@@ -19,6 +19,7 @@ pytestmark = pytest.mark.multiprocess
 CASES = {
     "sgd": (dict(momentum=0.9, nesterov=True, weight_decay=1e-2, clipnorm=1.0), None),
     "sgd_plain": (dict(), None),  # no state: nothing to gather at a save
+    "sgd_accumulated": (dict(momentum=0.9, gradient_accumulation_steps=2), None),
     "lars": (dict(momentum=0.9, weight_decay=1e-2), None),
     "lars_eager": (dict(momentum=0.9, weight_decay=1e-2), None),
     "adamw": (dict(weight_decay=1e-1), "mixed_bfloat16"),
@@ -122,7 +123,8 @@ def test_sharded_update_across_workers_equals_the_unsharded_one(cluster, name):
     assert all(worker["mesh"] == (2, 4) for worker in cluster)
     for worker in cluster:
         sharded, plain = worker["cases"][name][True], worker["cases"][name][False]
-        assert sharded["steps"] == plain["steps"] == 20
+        updates = 20 // CASES[name][0].get("gradient_accumulation_steps", 1)
+        assert sharded["steps"] == plain["steps"] == updates
         assert sharded["trainable_dtypes"] == ["float32"]  # master weights, mixed precision too
         for got, want, start in zip(sharded["final"], plain["final"], plain["initial"]):
             assert not np.allclose(want, start, atol=1e-2)
