@@ -495,8 +495,16 @@ def shard_weight_updates():
 
     def backend_update_step(self, grads, trainable_variables, learning_rate):
         indices = [self._get_variable_index(v) for v in trainable_variables]
+        ctx = tf.distribute.get_replica_context()
+        settings = _settings.get(ctx.strategy) if ctx is not None else None
         if not weight_update.update(
-            self, grads, trainable_variables, indices, learning_rate, self._use_weight_decay
+            self,
+            grads,
+            trainable_variables,
+            indices,
+            learning_rate,
+            self._use_weight_decay,
+            transport_dtype=settings.gradient_dtype if settings else None,
         ):
             update_step(self, grads, trainable_variables, learning_rate)
 

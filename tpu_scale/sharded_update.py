@@ -10,10 +10,11 @@ module builds the step itself, in replica context, from the optimizer's update:
 * `across_workers`: several workers, one mesh row each. Replica `l` of the worker of rank `r` owns
   shard `l * workers + r`. Its gradient shard is the torus sum's first two phases: a reduce-scatter
   along its worker's row (plain ops, in a merge call) and one down its mesh column (a collective op
-  across the workers). The replica updates its pieces (LARS's norms summed along the row and down
-  the column alike), and the updated shards come back by the same two phases in reverse: an
-  all-gather down the column (a collective op), then, in a merge call, every local copy written
-  from the worker's gathered chunks.
+  across the workers, in the strategy's `gradient_dtype` when that is narrower). The replica
+  updates its pieces (LARS's norms summed along the row and down the column alike), and the
+  updated shards come back by the same two phases in reverse: an all-gather down the column (a
+  collective op, in the weights' own dtype), then, in a merge call, every local copy written from
+  the worker's gathered chunks.
 
 The update rules are Keras's own arithmetic (`keras.optimizers.SGD`, `Adam`) and
 `tpu_scale.optimizers.LARS`'s, applied piece by piece; under mixed precision they run on the
@@ -43,7 +44,9 @@ def one_host(ctx, optimizer, state, grads, values, learning_rate, decayed):
     ctx.merge_call(_update_in_graph, args=(optimizer, state, grads, values, learning_rate, decayed))
 
 
-def across_workers(ctx, optimizer, state, grads, values, learning_rate, decayed):
+def across_workers(
+    ctx, optimizer, state, grads, values, learning_rate, decayed, transport_dtype=None
+):
     """The sharded update across workers, one mesh row per worker (see the module docstring).
 
     Args:
@@ -54,6 +57,8 @@ def across_workers(ctx, optimizer, state, grads, values, learning_rate, decayed)
       values: the variables (their replica-local values).
       learning_rate: the step's learning rate.
       decayed: per variable, whether Keras's decoupled weight decay applies to it here.
+      transport_dtype: a narrower float dtype (e.g. `"bfloat16"`) for the gradient's phase between
+        the workers, or None.
     """
     strategy, layout = ctx.strategy, state.layout
     local = len(strategy.extended.worker_devices)
@@ -62,8 +67,11 @@ def across_workers(ctx, optimizer, state, grads, values, learning_rate, decayed)
     columns = strategy.mesh.column_groups()
     flat = tf.concat(grads + [tf.zeros([layout.padding], grads[0].dtype)], 0)
     chunk = ctx.merge_call(_row_sums, args=(flat, local))  # this replica's chunk of the row's sum
+    wide = chunk.dtype
+    if transport_dtype is not None and tf.as_dtype(transport_dtype).size < wide.size:
+        chunk = tf.cast(chunk, transport_dtype)  # the phase between the workers only
     grad = _down_column(chunk, columns, state.rank, workers, "reduce_scatter")
-    grad = tf.reshape(grad, [layout.shard])  # collective ops leave the length unknown
+    grad = tf.reshape(tf.cast(grad, wide), [layout.shard])  # collectives leave the length unknown
     pieces = []
     with tf.name_scope(f"update_{index}"):
         slots = {name: tf.convert_to_tensor(v.value) for name, v in state.slots.items()}

@@ -257,9 +257,9 @@ def create_strategy(
         reduce-scattered, each replica updating 1/N of the weights with 1/N of the optimizer
         state, the weights all-gathered (`tpu_scale.weight_update`). Checkpoints keep Keras's
         unsharded layout; with several workers every worker saves (the others to scratch).
-        The sharded update sums the gradients itself, in their own dtype, so `gradient_reduction`,
-        `algorithm`, `pack_bytes` and `gradient_dtype` do not apply to it. Other optimizers and
-        TPUs raise a clear error.
+        The sharded update sums the gradients itself, so `algorithm` and `pack_bytes` do not
+        apply to it; `gradient_dtype` does, to its gradient phase between the workers. Other
+        optimizers and TPUs raise a clear error.
 
     Returns:
       A strategy with `.mesh` (`ReplicaMesh`) and `.gradient_reduction`. Keras optimizers'

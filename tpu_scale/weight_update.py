@@ -275,7 +275,7 @@ def build_lars(optimizer, variables, decays, adapts):
     return True
 
 
-def update(optimizer, grads, variables, indices, learning_rate, uses_decay):
+def update(optimizer, grads, variables, indices, learning_rate, uses_decay, transport_dtype=None):
     """The sharded update, when the replica context's strategy is sharded; else False.
 
     Args:
@@ -286,6 +286,9 @@ def update(optimizer, grads, variables, indices, learning_rate, uses_decay):
       learning_rate: the step's learning rate.
       uses_decay: the optimizer's test of whether its weight decay applies to a variable (Keras's
         exclusions).
+      transport_dtype: e.g. `"bfloat16"` (the strategy's `gradient_dtype`): across workers, the
+        gradient's reduce-scatter between the workers carries it (cast there and back), as the
+        torus sum's phases between hosts do; the weights' all-gather stays in their dtype.
 
     Returns:
       True when the update was built here.
@@ -293,7 +296,9 @@ def update(optimizer, grads, variables, indices, learning_rate, uses_decay):
     ctx = tf.distribute.get_replica_context()
     if ctx is None or not is_sharded(ctx.strategy):
         return False
-    _sharded_update(optimizer, ctx, grads, variables, indices, learning_rate, uses_decay)
+    _sharded_update(
+        optimizer, ctx, grads, variables, indices, learning_rate, uses_decay, transport_dtype
+    )
     return True
 
 
@@ -480,7 +485,9 @@ def load_full_state(optimizer, store):
 # --------------------------------------------------------------------------- the sharded step
 
 
-def _sharded_update(optimizer, ctx, grads, variables, indices, learning_rate, uses_decay):
+def _sharded_update(
+    optimizer, ctx, grads, variables, indices, learning_rate, uses_decay, transport_dtype
+):
     """Steps 1-4 of the module docstring, called in replica context from the optimizer's update."""
     state = _states.get(optimizer)
     if state is None:
@@ -501,6 +508,9 @@ def _sharded_update(optimizer, ctx, grads, variables, indices, learning_rate, us
     decays = decays_in_update(optimizer)
     decayed = [decays and bool(uses_decay(v)) for v in variables]
     values = [v.value if isinstance(v, keras.Variable) else v for v in variables]
-    one_host = len(ctx.strategy.extended.worker_devices) == ctx.strategy.num_replicas_in_sync
-    step = sharded_update.one_host if one_host else sharded_update.across_workers
-    step(ctx, optimizer, state, grads, values, learning_rate, decayed)
+    if len(ctx.strategy.extended.worker_devices) == ctx.strategy.num_replicas_in_sync:
+        sharded_update.one_host(ctx, optimizer, state, grads, values, learning_rate, decayed)
+    else:
+        sharded_update.across_workers(
+            ctx, optimizer, state, grads, values, learning_rate, decayed, transport_dtype
+        )
