@@ -1,5 +1,6 @@
 """Tests for `tpu_scale._workarounds`: each does what it claims and is applied for the user."""
 
+import json
 import os
 
 import numpy as np
@@ -94,9 +95,30 @@ def test_create_strategy_on_a_cpu_machine_prints_no_cuda_error():
         "    tpu_scale.create_strategy(num_cpu_replicas=2)\n"
         "app.run(main)\n"
     )
-    for code in (plain, under_absl):
+    # A worker of the launcher: the cluster is looked up first, under absl.app.run, as the example
+    # does, and TensorFlow is first imported there.
+    discover_under_absl = (
+        "from absl import app\n"
+        "def main(argv):\n"
+        "    from tpu_scale import cluster\n"
+        "    assert cluster.discover().source == 'TF_CONFIG'\n"
+        "app.run(main)\n"
+    )
+    worker = {
+        "cluster": {"worker": ["localhost:1", "localhost:2"]},
+        "task": {"type": "worker", "index": 0},
+    }
+    for code, env in (
+        (plain, {}),
+        (under_absl, {}),
+        (discover_under_absl, {"TF_CONFIG": json.dumps(worker)}),
+    ):
         out = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(os.environ, **env),
         )
         assert out.returncode == 0, out.stderr
         assert "cuInit" not in out.stderr
