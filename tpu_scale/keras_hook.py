@@ -496,7 +496,7 @@ def shard_weight_updates():
     def backend_update_step(self, grads, trainable_variables, learning_rate):
         indices = [self._get_variable_index(v) for v in trainable_variables]
         ctx = tf.distribute.get_replica_context()
-        settings = _settings.get(ctx.strategy) if ctx is not None else None
+        settings = settings_for(ctx.strategy) if ctx is not None else None
         if not weight_update.update(
             self,
             grads,

@@ -3,11 +3,11 @@
 `tpu_scale.weight_update` holds the layout, the sharded state and what the Keras hooks call; this
 module builds the step itself, in replica context, from the optimizer's update:
 
-* `one_host`: every replica lives in this process. One merge call builds the reduce-scatter, the
+* one host: every replica lives in this process. One merge call builds the reduce-scatter, the
   update and the all-gather from plain ops on the replicas' devices: no collective op and no fused
   buffer (a whole variable's gradient is summed straight from the replicas' gradients, and its
   updated value is written to every copy as it is).
-* `across_workers`: several workers, one mesh row each. Replica `l` of the worker of rank `r` owns
+* across workers: several workers, one mesh row each. Replica `l` of the worker of rank `r` owns
   shard `l * workers + r`. Its gradient shard is the torus sum's first two phases: a reduce-scatter
   along its worker's row (plain ops, in a merge call) and one down its mesh column (a collective op
   across the workers, in the strategy's `gradient_dtype` when that is narrower). The replica
@@ -29,8 +29,8 @@ from tensorflow.python.distribute import values as values_lib
 from tpu_scale import collectives, context
 
 
-def one_host(ctx, optimizer, state, grads, values, learning_rate, decayed):
-    """The sharded update when all of the strategy's replicas are in this process.
+def update(ctx, optimizer, state, grads, values, learning_rate, decayed, transport_dtype=None):
+    """The sharded update of one replica, on one host or across workers (the module docstring).
 
     Args:
       ctx: the replica context.
@@ -40,33 +40,25 @@ def one_host(ctx, optimizer, state, grads, values, learning_rate, decayed):
       values: the variables (their replica-local values).
       learning_rate: the step's learning rate.
       decayed: per variable, whether Keras's decoupled weight decay applies to it here.
+      transport_dtype: across workers, a narrower float dtype (e.g. `"bfloat16"`) for the
+        gradient's phase between the workers, or None.
     """
-    ctx.merge_call(_update_in_graph, args=(optimizer, state, grads, values, learning_rate, decayed))
+    if not state.across_workers:
+        ctx.merge_call(
+            _update_in_graph, args=(optimizer, state, grads, values, learning_rate, decayed)
+        )
+        return
+    _across_workers(ctx, optimizer, state, grads, values, learning_rate, decayed, transport_dtype)
 
 
-def across_workers(
-    ctx, optimizer, state, grads, values, learning_rate, decayed, transport_dtype=None
-):
-    """The sharded update across workers, one mesh row per worker (see the module docstring).
-
-    Args:
-      ctx: the replica context.
-      optimizer: the optimizer.
-      state: its `weight_update.Sharded` state.
-      grads: this replica's flattened local gradients, one per variable.
-      values: the variables (their replica-local values).
-      learning_rate: the step's learning rate.
-      decayed: per variable, whether Keras's decoupled weight decay applies to it here.
-      transport_dtype: a narrower float dtype (e.g. `"bfloat16"`) for the gradient's phase between
-        the workers, or None.
-    """
-    strategy, layout = ctx.strategy, state.layout
-    local = len(strategy.extended.worker_devices)
-    index = int(tf.get_static_value(ctx.replica_id_in_sync_group)) % local
-    workers = layout.num_shards // local
+def _across_workers(ctx, optimizer, state, grads, values, learning_rate, decayed, transport_dtype):
+    """`update` across workers, one mesh row per worker."""
+    strategy, layout, workers = ctx.strategy, state.layout, state.workers
+    index = int(tf.get_static_value(ctx.replica_id_in_sync_group)) % len(state.owned)
     columns = strategy.mesh.column_groups()
     flat = tf.concat(grads + [tf.zeros([layout.padding], grads[0].dtype)], 0)
-    chunk = ctx.merge_call(_row_sums, args=(flat, local))  # this replica's chunk of the row's sum
+    # This replica's chunk of its row's sum.
+    chunk = ctx.merge_call(_row_sums, args=(flat, len(state.owned)))
     wide = chunk.dtype
     if transport_dtype is not None and tf.as_dtype(transport_dtype).size < wide.size:
         chunk = tf.cast(chunk, transport_dtype)  # the phase between the workers only
@@ -181,7 +173,7 @@ def _part(flat, a, b, size):
 
 
 def _update_in_graph(strategy, optimizer, state, grads, variables, learning_rate, decayed):
-    """Merge call of `one_host`: the reduce-scatter, the sharded update and the all-gather.
+    """Merge call of `update` on one host: reduce-scatter, sharded update and all-gather.
 
     All are plain ops on each replica's device. Each shard is a list of pieces of variables (a
     variable inside one shard is one piece, whole)."""

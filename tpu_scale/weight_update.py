@@ -18,15 +18,14 @@ model or the optimizer:
 4. all-gather: every replica writes its copy of each variable from the updated pieces that cover
    it.
 
-On one host (`sharded_update.one_host`) replica `i` owns shard `i`, and steps 2 and 4 are plain
-ops in the step graph, as the torus executor builds the phases inside a host: all replicas share
-the host's memory, and no fused buffer is built (concatenating, padding and slicing a model-sized
-buffer on every replica would cost more memory traffic than the update saves). Across workers
-(`MultiWorkerMirroredStrategy`, one mesh row per worker; `sharded_update.across_workers`), steps 2
-and 4 are the torus sum's phases: a reduce-scatter along the worker's row (plain ops) and one down
-each mesh column (a collective op across the workers), then the all-gather back the same way;
-replica `l` of the worker of rank `r` in the column's collective ops owns shard
-`l * workers + r`.
+On one host replica `i` owns shard `i`, and steps 2 and 4 are plain ops in the step graph, as the
+torus executor builds the phases inside a host: all replicas share the host's memory, and no fused
+buffer is built (concatenating, padding and slicing a model-sized buffer on every replica would
+cost more memory traffic than the update saves). Across workers (`MultiWorkerMirroredStrategy`,
+one mesh row per worker), steps 2 and 4 are the torus sum's phases: a reduce-scatter along the
+worker's row (plain ops) and one down each mesh column (a collective op across the workers), then
+the all-gather back the same way; replica `l` of the worker of rank `r` in the column's
+collective ops owns shard `l * workers + r`. `tpu_scale.sharded_update` builds the step.
 
 Clipping runs as Keras runs it, on each replica's full gradient. Weight decay is sharded too:
 Keras's decoupled decay (SGD's and AdamW's `weight_decay`, with their exclusions) runs on each
@@ -86,6 +85,7 @@ class Sharded:
       dtype: the variables' dtype (and the state's).
 
     Attributes:
+      workers: the workers the shards span (1 on one host).
       rank: this worker's rank in the collective ops down the mesh's columns
         (`collectives.worker_rank`); 0 on one host.
       owned: per local replica `l`, the index of the shard it owns: `l * workers + rank`.
@@ -99,10 +99,15 @@ class Sharded:
         self.groups = [list(g) for g in groups if g]
         self.lars = lars
         local = len(strategy.extended.worker_devices)
-        workers = layout.num_shards // local
-        self.rank = collectives.worker_rank(strategy) if workers > 1 else 0
-        self.owned = [i * workers + self.rank for i in range(local)]
+        self.workers = layout.num_shards // local
+        self.rank = collectives.worker_rank(strategy) if self.workers > 1 else 0
+        self.owned = [i * self.workers + self.rank for i in range(local)]
         self.dtype = dtype
+
+    @property
+    def across_workers(self):
+        """True when the shards span several workers' replicas."""
+        return self.workers > 1
 
 
 def enable(strategy):
@@ -208,7 +213,7 @@ def _register(optimizer, strategy, variables, kind, groups, lars=None):
         for name in group
     }
     state = Sharded(strategy, layout, kind, slots, groups, lars, variables[0].dtype)
-    if len(state.owned) < layout.num_shards:
+    if state.across_workers:
         _check_column_ranks(state)
     _states[optimizer] = state
 
@@ -363,7 +368,7 @@ def _gathered_slots(state):
     variable. Across workers this is a collective: every worker must call it at the same point."""
     strategy = state.strategy
     slots = list(state.slots.values())
-    if len(state.owned) == state.layout.num_shards or not slots:  # one host: all shards are here
+    if not state.across_workers or not slots:  # one host: all shards are here
         gathered = [v.value for v in slots]
     else:
         _wait_for_the_other_workers()
@@ -438,7 +443,7 @@ def saving_gathers(optimizer):
     """True when saving `optimizer` is a collective across workers (its state is sharded over
     several workers' replicas): every worker must then save at the same point."""
     state = _states.get(optimizer)
-    return state is not None and bool(state.slots) and len(state.owned) < state.layout.num_shards
+    return state is not None and bool(state.slots) and state.across_workers
 
 
 def load_full_state(optimizer, store):
@@ -508,9 +513,6 @@ def _sharded_update(
     decays = decays_in_update(optimizer)
     decayed = [decays and bool(uses_decay(v)) for v in variables]
     values = [v.value if isinstance(v, keras.Variable) else v for v in variables]
-    if len(ctx.strategy.extended.worker_devices) == ctx.strategy.num_replicas_in_sync:
-        sharded_update.one_host(ctx, optimizer, state, grads, values, learning_rate, decayed)
-    else:
-        sharded_update.across_workers(
-            ctx, optimizer, state, grads, values, learning_rate, decayed, transport_dtype
-        )
+    sharded_update.update(
+        ctx, optimizer, state, grads, values, learning_rate, decayed, transport_dtype
+    )

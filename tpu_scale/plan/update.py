@@ -67,17 +67,15 @@ def weight_update(cluster, num_params, optimizer="lars", step_seconds=None):
     if not bandwidth:
         return None
     per_param = UPDATE_BYTES_PER_PARAM[optimizer]
-    on_tpu = cluster.kind == "tpu"
-    over = cluster.num_replicas
-    shard = math.ceil(num_params / over)
+    shard = math.ceil(num_params / cluster.num_replicas)
     replicated = num_params * per_param / bandwidth
     sharded = shard * per_param / bandwidth
     result = {
         "optimizer": optimizer,
         "bytes_per_param": per_param,
         "memory_bandwidth_per_replica": bandwidth,
-        "sharded_over": over,
-        "in_package": not on_tpu,
+        "sharded_over": cluster.num_replicas,
+        "in_package": cluster.kind != "tpu",
         "replicated_seconds": replicated,
         "sharded_seconds": sharded,
         "saved_seconds": replicated - sharded,
