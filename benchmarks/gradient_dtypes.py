@@ -10,7 +10,7 @@ holds one such strategy).
 Data: scikit-learn's `load_digits()` (1797 greyscale 8x8 digits, 10 classes), a fixed stratified
 split of 1400 training and 397 test images at 8x8, tiled to 3 channels, from in-memory arrays; each
 worker reads every example and keeps its replicas' share of every global batch. Model:
-`tpu_scale.models.small_resnet(10, image_size=8)` on `schedules.recipe_for_batch` (what the run
+`tpu_scale.models.small_resnet(10, image_size=8)` on `recipe.recipe_for_batch` (what the run
 knows: batch, epochs, steps per epoch, training examples), `model.fit`, one traced model per batch,
 every seed restarting from that seed's initial weights with zeroed optimizer state.
 
@@ -202,7 +202,8 @@ def worker(gradient_dtype, gradient_algorithm, batches, seeds, epochs):
     # One thread per op: the worker's replicas already share the cores.
     tf.config.threading.set_intra_op_parallelism_threads(1)
     import tpu_scale
-    from tpu_scale import losses, schedules
+    from tpu_scale import losses
+    from tpu_scale.recipe import recipe_for_batch
 
     strategy = tpu_scale.create_strategy(
         num_cpu_replicas=int(os.environ["TPU_SCALE_CPUS_PER_WORKER"]),
@@ -216,7 +217,7 @@ def worker(gradient_dtype, gradient_algorithm, batches, seeds, epochs):
     runs, plans = [], {}
     for batch in batches:
         steps_per_epoch = max(1, train_examples // batch)
-        recipe = schedules.recipe_for_batch(
+        recipe = recipe_for_batch(
             batch, epochs, steps_per_epoch=steps_per_epoch, train_examples=train_examples
         )
         with strategy.scope():

@@ -1,7 +1,7 @@
 """The recipe's defaults against a sweep and against plain Keras, on real datasets it was tuned on
 and on datasets it never saw.
 
-Claim: at global batches 64, 256, 512 and 1024, `tpu_scale.schedules.recipe_for_batch` with what
+Claim: at global batches 64, 256, 512 and 1024, `tpu_scale.recipe.recipe_for_batch` with what
 the run knows (batch, epochs, steps per epoch, training examples) ends within 2 points of the best
 setting swept around it, on every dataset, and no run diverges.
 
@@ -80,7 +80,8 @@ def train_variants(name, records, batch, variants, seeds, lr_factors):
     import keras
 
     import tpu_scale
-    from tpu_scale import data, losses, models, schedules
+    from tpu_scale import data, losses, models
+    from tpu_scale import recipe as recipe_lib
     from tpu_scale.callbacks import AverageMovingStatistics
 
     strategy = tpu_scale.create_strategy(num_cpu_replicas=1)
@@ -88,7 +89,7 @@ def train_variants(name, records, batch, variants, seeds, lr_factors):
     train_examples = label_map.counts["train"]
     size, epochs = IMAGE_SIZES[name], epochs_for(batch)
     steps = max(1, train_examples // batch)
-    recipe = schedules.recipe_for_batch(
+    recipe = recipe_lib.recipe_for_batch(
         batch, epochs, train_examples=train_examples, num_classes=label_map.num_classes
     )
     for seed in seeds:
@@ -96,7 +97,7 @@ def train_variants(name, records, batch, variants, seeds, lr_factors):
             keras.utils.set_random_seed(seed)
             start = time.perf_counter()
             if variant == "adam":
-                arguments = schedules.AUGMENTATIONS["none"]
+                arguments = recipe_lib.AUGMENTATIONS["none"]
             else:
                 arguments = recipe.input_arguments
             inputs = dict(global_batch_size=batch, image_size=size, **arguments)

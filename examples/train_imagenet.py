@@ -1,7 +1,7 @@
 """Trains a ResNet on ImageNet-layout records with the large-batch recipe: TPU pod, GPUs or CPU.
 
 `model.fit` under `tpu_scale.create_strategy` with grouped batch norm, the 2-D torus gradient sum,
-the fused decode-and-crop input and the recipe for the batch (`schedules.recipe_for_batch`). Every
+the fused decode-and-crop input and the recipe for the batch (`recipe.recipe_for_batch`). Every
 epoch evaluates each validation example once; a diverging run backs off; it ends with one line,
 `top-1 <accuracy> | <images/s> | wall <seconds>`, and where every output is.
 
@@ -170,7 +170,8 @@ def train(config, extra_callbacks=()):
     replicas, mesh = strategy.num_replicas_in_sync, strategy.mesh
     import keras
 
-    from tpu_scale import callbacks, checkpointing, data, losses, models, plan, schedules, training
+    from tpu_scale import callbacks, checkpointing, data, losses, models, plan, training
+    from tpu_scale.recipe import recipe_for_batch
 
     if config.bn_group_size is None:
         # The smallest group spanning 64 examples, chosen here: under several workers the layers
@@ -225,7 +226,7 @@ def train(config, extra_callbacks=()):
 
         # ---- recipe for this batch and dataset (with accumulation: the effective batch's)
         accumulate = config.gradient_accumulation_steps
-        recipe = schedules.recipe_for_batch(
+        recipe = recipe_for_batch(
             config.global_batch_size * accumulate,
             config.epochs,
             steps_per_epoch=max(1, steps // accumulate),

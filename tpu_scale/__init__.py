@@ -8,10 +8,10 @@ The public surface:
 Subpackages and modules, imported on first use (`tpu_scale.data`, or `from tpu_scale import data`):
 `layers` (grouped batch norm), `collectives` (group sums over the mesh), `torus` (2-D gradient
 summation), `data` (records to inputs, exact evaluation, the input pipeline), `optimizers`,
-`schedules` (the recipe), `losses`, `callbacks`, `training` (a run's callbacks and folder),
-`checkpointing`, `models`, `plan` (the pod-scale cost model), `cluster` (where a run's cluster
-comes from: TPU, `TF_CONFIG`, Slurm), `launch` (`python -m tpu_scale.launch`, local workers),
-`testing`.
+`schedules` (learning-rate schedules), `recipe` (a run's settings from its batch and data),
+`losses`, `callbacks`, `training` (a run's callbacks and folder), `checkpointing`, `models`,
+`plan` (the pod-scale cost model), `cluster` (where a run's cluster comes from: TPU, `TF_CONFIG`,
+Slurm), `launch` (`python -m tpu_scale.launch`, local workers), `testing`.
 
 Importing the package selects TensorFlow's BFC allocator for the CPU (unless
 `TF_CPU_ALLOCATOR_USE_BFC` is already set; `0` keeps TensorFlow's default): the default allocator
@@ -43,6 +43,7 @@ __getattr__ = _lazy.attributes(
         "models",
         "optimizers",
         "plan",
+        "recipe",
         "schedules",
         "testing",
         "torus",

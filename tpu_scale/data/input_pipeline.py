@@ -137,7 +137,7 @@ class ImageNetInput:
       resize_method: a `tf.image.ResizeMethod` name.
       crop_area_range: training: (min, max) fraction of the image area the Inception random box
         covers; `(0.08, 1.0)` is the ImageNet recipe's, a larger minimum augments less (small
-        datasets, short runs); None trains on the whole image. `schedules.recipe_for_batch` gives
+        datasets, short runs); None trains on the whole image. `recipe.recipe_for_batch` gives
         one that fits the run.
       random_flip: training: mirror half of the images left to right.
       center_crop_fraction: evaluation: the side of the center crop as a fraction of the short
