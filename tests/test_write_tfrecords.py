@@ -209,7 +209,9 @@ def test_no_empty_shards(converted, tmp_path):
         str(image_dir), str(tmp_path / "out"), num_shards=16, validation_fraction=0
     )
     names = sorted(os.listdir(tmp_path / "out"))
-    assert names == ["labels.json", "labels.txt"] + [f"train-0000{i}-of-00004" for i in range(4)]
+    assert names == ["labels.json", "labels.txt", "skipped.json"] + [
+        f"train-0000{i}-of-00004" for i in range(4)
+    ]
     assert record_counts(summary.paths) == [1, 1, 1, 1]
     assert summary.skipped == {"truncated or corrupt JPEG": [str(image_dir / "0" / "broken.jpg")]}
 
@@ -270,7 +272,7 @@ def test_abort_mid_write_leaves_nothing_that_looks_finished(monkeypatch, tmp_pat
 def test_stale_staging_folders_of_killed_writers_are_removed(tmp_path, caplog):
     import socket
 
-    from tpu_scale.data.output_dir import _make_staging_dir
+    from tpu_scale.data.output_dir import make_staging_dir
 
     image_dir = tmp_path / "images"
     write_digit_folders(str(image_dir), indices=range(20), bad_files=False)
@@ -285,7 +287,7 @@ def test_stale_staging_folders_of_killed_writers_are_removed(tmp_path, caplog):
     # An older writer's folder without a writer file, and one of a writer still running (this one).
     older = tmp_path / ".records.incomplete-older"
     older.mkdir()
-    running = _make_staging_dir(str(output_dir))
+    running = make_staging_dir(str(output_dir))
     # Another output's staging folder is not this writer's business.
     other = tmp_path / ".other.incomplete-1234"
     other.mkdir()

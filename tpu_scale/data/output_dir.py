@@ -18,14 +18,29 @@ import tensorflow as tf
 from tpu_scale._files import is_local, remove_tree
 from tpu_scale.data.schema import LABEL_MAP_FILE, LABELS_TXT_FILE
 
+# Beside the shards and the label maps: the files the writer left out, and why (JSON).
+SKIPPED_FILE = "skipped.json"
+
 
 def _looks_like_conversion(names):
-    patterns = ("train-*", "validation-*", LABEL_MAP_FILE, LABELS_TXT_FILE)
+    patterns = ("train-*", "validation-*", LABEL_MAP_FILE, LABELS_TXT_FILE, SKIPPED_FILE)
     return bool(names) and all(any(fnmatch.fnmatch(n, p) for p in patterns) for n in names)
 
 
-def _check_output_dir(output_dir, overwrite):
-    """Whether `output_dir` holds a conversion to replace; raises if it must not be touched."""
+def check_output_dir(output_dir, overwrite):
+    """Whether `output_dir` holds a conversion to replace; raises if it must not be touched.
+
+    Args:
+      output_dir: the writer's output folder (local or `gs://...`).
+      overwrite: whether a finished conversion there may be replaced.
+
+    Returns:
+      True when `output_dir` holds a conversion that `publish` is to replace.
+
+    Raises:
+      ValueError: `output_dir` is a file, holds anything but a conversion, or holds a conversion
+        and `overwrite` is False.
+    """
     if not tf.io.gfile.exists(output_dir):
         return False
     if not tf.io.gfile.isdir(output_dir):
@@ -52,8 +67,14 @@ def _check_output_dir(output_dir, overwrite):
     return True
 
 
-def _publish(staging_dir, output_dir, replace):
-    """Moves the finished `staging_dir` into place as `output_dir`."""
+def publish(staging_dir, output_dir, replace):
+    """Moves the finished `staging_dir` into place as `output_dir`.
+
+    Args:
+      staging_dir: the folder of `make_staging_dir`, holding only the files to publish.
+      output_dir: the writer's output folder.
+      replace: what `check_output_dir` returned (an earlier conversion there is replaced).
+    """
     tf.io.gfile.remove(os.path.join(staging_dir, _WRITER_FILE))
     if is_local(output_dir):
         old = None
@@ -88,7 +109,18 @@ def _staging_pattern(output_dir):
     return os.path.join(parent or ".", f".{name}.incomplete-*")
 
 
-def _make_staging_dir(output_dir):
+def make_staging_dir(output_dir):
+    """Creates the hidden staging folder `.<name>.incomplete-*` beside `output_dir`.
+
+    It records its writer (host and process id), so that a later writer can tell whether it was
+    left by one that was killed (`remove_stale_staging_dirs`).
+
+    Args:
+      output_dir: the writer's output folder.
+
+    Returns:
+      The staging folder's path.
+    """
     parent, name = os.path.split(output_dir)
     parent = parent or "."
     tf.io.gfile.makedirs(parent)

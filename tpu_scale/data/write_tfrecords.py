@@ -14,7 +14,20 @@ a single class is refused: a classifier needs two.
 
 Beside the shards, `labels.json` (see `tpu_scale.data.schema`) records the class names, their ids,
 the label offset and the counts per split; `ImageNetInput` reads it, so the reader's `label_offset`
-and `num_classes` come from the writer. `labels.txt` lists the class names in id order.
+and `num_classes` come from the writer. `labels.txt` lists the class names in id order, and
+`skipped.json` every file left out, by reason (`{"skipped": {reason: [paths]}, "empty_classes":
+[...]}`).
+
+For folders too big for one machine (millions of images in a bucket), the same conversion runs as
+an Apache Beam pipeline on any Beam runner (Dataflow, Flink, Spark; `pip install -e ".[beam]"`):
+
+    python -m tpu_scale.data.write_tfrecords --image_dir gs://bucket/photos \
+        --output_dir gs://bucket/records \
+        --beam_pipeline_options "runner=DataflowRunner,project=P,region=R,temp_location=gs://bucket/tmp"
+
+The split, the label map and the shard plan are computed here from the file listing in either
+case; only the per-image work (`convert_image`) and the shard writing move to the runner's
+workers, so the same folder and seed give the same files (`tpu_scale.data.beam_writer`).
 
 What is checked, so that training never meets a bad image:
   - Every image is decoded in full before it is stored. JPEGs are stored byte for byte; other
@@ -44,13 +57,14 @@ unfinished.)
 import argparse
 import concurrent.futures
 import dataclasses
+import json
 import math
 import os
 import random
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 if __name__ == "__main__":
     # The command line, before TensorFlow loads: its C++ start-up lines, and the warning it logs
@@ -65,9 +79,10 @@ from tpu_scale.data.image_folder import (  # noqa: E402
     list_class_folders,
 )
 from tpu_scale.data.output_dir import (  # noqa: E402
-    _check_output_dir,
-    _make_staging_dir,
-    _publish,
+    SKIPPED_FILE,
+    check_output_dir,
+    make_staging_dir,
+    publish,
     remove_stale_staging_dirs,
 )
 from tpu_scale.data.reencode import (  # noqa: E402
@@ -108,6 +123,8 @@ class TFRecordSummary:
       skipped: the skipped files by reason (`UNSUPPORTED_TYPE`, `UNDECODABLE`, `CORRUPT_JPEG`, ...).
       empty_classes: class folders without images, skipped (they get no id).
       label_map_path: the `labels.json` written.
+      skipped_report_path: the `skipped.json` written: every skipped file by reason, and the empty
+        class folders.
       replaced_existing: whether an earlier conversion in `output_dir` was replaced
         (`overwrite=True`).
     """
@@ -122,6 +139,7 @@ class TFRecordSummary:
     skipped: dict[str, list[str]]
     empty_classes: list[str]
     label_map_path: str
+    skipped_report_path: str
     replaced_existing: bool = False
 
     @property
@@ -172,6 +190,7 @@ class TFRecordSummary:
             lines.append(f"Skipped {self.num_skipped} file(s):")
             for reason, paths in sorted(self.skipped.items()):
                 lines.append(f"  {reason} ({len(paths)}): {_names(paths, max_names)}")
+            lines.append(f"  all listed in {self.skipped_report_path}")
         return "\n".join(lines)
 
 
@@ -209,39 +228,166 @@ def default_num_shards(num_images: int) -> int:
     return max(1, min(num_images, max(_MIN_SHARDS, math.ceil(num_images / EXAMPLES_PER_SHARD))))
 
 
-def _write_shard(path, images, class_names, label_offset, progress):
-    """Writes one shard; returns (examples written, re-encoded, per-class counts, skipped by
-    reason)."""
-    reencoded, written = 0, 0
-    per_class = [0] * len(class_names)
-    skipped = {}
+@dataclasses.dataclass(frozen=True)
+class ConvertedImage:
+    """What `convert_image` made of one file.
+
+    Attributes:
+      path: the image file.
+      class_id: its class id (0-based).
+      record: the serialized `tf.train.Example`, or None for a file that is skipped.
+      reencoded: whether the stored JPEG is a re-encoding (other formats, CMYK, EXIF-rotated).
+      skip_reason: why the file is skipped (`UNREADABLE`, `UNDECODABLE`, `CORRUPT_JPEG`), or None.
+    """
+
+    path: str
+    class_id: int
+    record: bytes | None
+    reencoded: bool = False
+    skip_reason: str | None = None
+
+
+def convert_image(
+    image_path: str, class_id: int, class_names: Sequence[str], label_offset: int
+) -> ConvertedImage:
+    """The per-image work, the same for the local writer's threads and the Beam pipeline's workers.
+
+    Reads the file (through `tf.io.gfile`, so `gs://` paths work), decodes it in full, turns it
+    upright, re-encodes it as JPEG when the pipeline could not decode it as it is, and makes its
+    record (`schema.make_example`). A file that is not a usable image is not an error: the result
+    says why it is skipped.
+
+    Args:
+      image_path: the image file.
+      class_id: its class id (0-based).
+      class_names: the class names in id order (the record stores the name).
+      label_offset: the stored label of class 0.
+
+    Returns:
+      A `ConvertedImage`.
+    """
+    try:
+        try:
+            with tf.io.gfile.GFile(image_path, "rb") as f:
+                raw = f.read()
+        except (OSError, tf.errors.OpError):
+            raise Skip(UNREADABLE) from None
+        jpeg, height, width, was_reencoded = checked_jpeg(raw)
+    except Skip as skip:
+        return ConvertedImage(image_path, class_id, None, skip_reason=skip.reason)
+    example = make_example(
+        jpeg,
+        class_id + label_offset,
+        height=height,
+        width=width,
+        synset=class_names[class_id],
+        filename=os.path.basename(image_path),
+    )
+    # Deterministic: map fields in key order, so every process writes the same bytes.
+    record = example.SerializeToString(deterministic=True)
+    return ConvertedImage(image_path, class_id, record, was_reencoded)
+
+
+@dataclasses.dataclass
+class ShardResult:
+    """What was written to one planned shard.
+
+    Attributes:
+      written: the records written.
+      reencoded: of those, the re-encoded images.
+      class_counts: the records of each class, in id order.
+      skipped: the files left out, by reason, in the shard's order.
+    """
+
+    written: int
+    reencoded: int
+    class_counts: list[int]
+    skipped: dict[str, list[str]]
+
+
+def write_shard(path: str, images: Iterable[ConvertedImage], num_classes: int) -> ShardResult:
+    """Writes the records of `images`, in their order, to the TFRecord file `path`.
+
+    Args:
+      path: the file to write (local or `gs://...`).
+      images: `convert_image` results; those without a record are counted as skipped.
+      num_classes: the number of classes (the length of `class_counts`).
+
+    Returns:
+      A `ShardResult`.
+    """
+    result = ShardResult(0, 0, [0] * num_classes, {})
     with tf.io.TFRecordWriter(path) as writer:
+        for image in images:
+            if image.record is None:
+                result.skipped.setdefault(image.skip_reason, []).append(image.path)
+                continue
+            writer.write(image.record)
+            result.written += 1
+            result.reencoded += image.reencoded
+            result.class_counts[image.class_id] += 1
+    return result
+
+
+def _write_shard(path, images, class_names, label_offset, progress):
+    """The local writer's shard: `convert_image` of each `(path, class id)`, then `write_shard`."""
+
+    def converted():
         for image_path, class_id in images:
             if progress is not None:
                 progress(1)
-            try:
-                try:
-                    with tf.io.gfile.GFile(image_path, "rb") as f:
-                        raw = f.read()
-                except (OSError, tf.errors.OpError):
-                    raise Skip(UNREADABLE) from None
-                jpeg, height, width, was_reencoded = checked_jpeg(raw)
-            except Skip as skip:
-                skipped.setdefault(skip.reason, []).append(image_path)
-                continue
-            example = make_example(
-                jpeg,
-                class_id + label_offset,
-                height=height,
-                width=width,
-                synset=class_names[class_id],
-                filename=os.path.basename(image_path),
-            )
-            writer.write(example.SerializeToString())
-            reencoded += was_reencoded
-            written += 1
-            per_class[class_id] += 1
-    return written, reencoded, per_class, skipped
+            yield convert_image(image_path, class_id, class_names, label_offset)
+
+    return write_shard(path, converted(), len(class_names))
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedShard:
+    """One shard of the plan: its split, its place among the split's shards, its images.
+
+    Attributes:
+      split: `"train"` or `"validation"`.
+      index: the shard's place in its split (before empty shards are dropped).
+      images: `(path, class id)` of its images, in the order they are stored.
+    """
+
+    split: str
+    index: int
+    images: list[tuple[str, int]]
+
+    @property
+    def staging_name(self) -> str:
+        """The shard's file name while it is written (it is renamed `<split>-NNNNN-of-NNNNN`)."""
+        return f"{self.split}-{self.index:05d}.incomplete"
+
+
+@dataclasses.dataclass
+class ConversionPlan:
+    """What a conversion writes, computed once from the file listing by `plan_conversion`: the
+    writer that runs it (the local threads or a Beam pipeline) only converts and stores.
+
+    Attributes:
+      image_dir: the folder of class folders.
+      class_names: the class names in id order (empty class folders excluded).
+      label_offset: the stored label of class 0.
+      shards: the shards of every split, train first.
+      skipped: the files the listing left out, by reason.
+      empty_classes: class folders without images.
+      strict: whether a skipped image is an error.
+    """
+
+    image_dir: str
+    class_names: list[str]
+    label_offset: int
+    shards: list[PlannedShard]
+    skipped: dict[str, list[str]]
+    empty_classes: list[str]
+    strict: bool = False
+
+    @property
+    def num_images(self) -> int:
+        """The images of all shards."""
+        return sum(len(shard.images) for shard in self.shards)
 
 
 def _counter(progress, total):
@@ -287,9 +433,8 @@ def _error_listing(what, by_reason):
     return f"{what}: " + "; ".join(parts)
 
 
-def write_tfrecords(
+def plan_conversion(
     image_dir: str,
-    output_dir: str,
     num_shards: int | None = None,
     *,
     validation_fraction: float | None = None,
@@ -298,43 +443,16 @@ def write_tfrecords(
     label_offset: int = 1,
     seed: int = 0,
     strict: bool = False,
-    overwrite: bool = False,
-    num_threads: int | None = None,
-    progress: Callable[[int, int], None] | None = None,
-) -> TFRecordSummary:
-    """Writes the images of `image_dir/<class>/` as `train-*` and `validation-*` TFRecord shards.
+) -> ConversionPlan:
+    """The split, the label map and the shards of a conversion, from the folders' listing.
 
-    The validation images are drawn per class (stratified) with `seed`; within each split the image
-    order is shuffled before sharding, so every shard mixes all classes. See the module docstring
-    for what is checked and how the output appears atomically.
-
-    Args:
-      image_dir: a folder with one sub-folder of images per class.
-      output_dir: the folder to create with the shards, `labels.json` and `labels.txt`.
-      num_shards: training shards (default: `default_num_shards` of the image count). Use at least
-        as many as input pipelines (hosts) that will read them. Capped at the image count.
-      validation_fraction: the share of each class's images that goes to `validation-*` (default
-        0.1; 0 writes no validation split). Not with `validation_dir`.
-      validation_dir: a folder of class sub-folders holding the validation images; every one of its
-        classes must be a (non-empty) class of `image_dir`.
-      num_validation_shards: validation shards (default: `default_num_shards` of their count).
-      label_offset: the stored label of class 0 (1 matches the classic ImageNet files). The reader
-        learns it from `labels.json`.
-      seed: seed of the split and the shuffles.
-      strict: fail, naming the files, instead of skipping files that are not images, undecodable
-        images and empty class folders.
-      overwrite: replace a conversion already in `output_dir`.
-      num_threads: shards written at once (default: the CPU count).
-      progress: called as `progress(images_done, images_total)` as each image is taken up (from
-        the writing threads, one call at a time); the command line shows it as a progress line.
+    Arguments as `write_tfrecords`'s. Only the listing is read: no image is opened.
 
     Returns:
-      A `TFRecordSummary`; `summary.describe()` is the report `main` prints.
+      A `ConversionPlan`.
 
     Raises:
-      ValueError: if the folders are not class folders, no image is usable, `output_dir` holds
-        something that must not be replaced, or (with `strict=True`) any file or class folder was
-        skipped.
+      ValueError: as `write_tfrecords` does, for everything found before an image is decoded.
     """
     if validation_dir is not None and validation_fraction:
         raise ValueError(
@@ -352,7 +470,6 @@ def write_tfrecords(
     ):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be at least 1, got {value}.")
-    output_dir = os.fspath(output_dir).rstrip("/") or "/"
 
     listing = list_class_folders(image_dir, "image_dir")
     class_names = list(listing.files_by_class)
@@ -396,88 +513,198 @@ def write_tfrecords(
             _error_listing("strict: files and folders that would be skipped", problems)
             + ". Remove or fix them, or run without strict to skip them."
         )
-    replace = _check_output_dir(output_dir, overwrite)
-    remove_stale_staging_dirs(output_dir)
-
-    splits = {"train": train, "validation": validation}
+    shards = []
     requested = {"train": num_shards, "validation": num_validation_shards}
-    staging_dir = _make_staging_dir(output_dir)
-    try:
-        tasks = []
-        for split, items in splits.items():
-            if not items:
-                continue
-            random.Random(f"{seed}/{split}").shuffle(items)
-            count = min(requested[split] or default_num_shards(len(items)), len(items))
-            for index in range(count):
-                path = os.path.join(staging_dir, f"{split}-{index:05d}.incomplete")
-                tasks.append((split, path, items[index::count]))
-        taken = _counter(progress, len(train) + len(validation))
-        with concurrent.futures.ThreadPoolExecutor(num_threads or os.cpu_count() or 1) as pool:
-            futures = [
-                pool.submit(_write_shard, path, items, class_names, label_offset, taken)
-                for _, path, items in tasks
-            ]
-            try:
-                results = [future.result() for future in futures]
-            except BaseException:
-                for future in futures:
-                    future.cancel()  # an abort does not wait for the shards not yet started
-                raise
-        split_counts = {split: 0 for split, items in splits.items() if items}
-        class_counts = {split: [0] * len(class_names) for split in split_counts}
-        written_shards = {split: [] for split in split_counts}
-        num_reencoded = 0
-        for (split, path, _), (written, reencoded, per_class, shard_skipped) in zip(tasks, results):
-            num_reencoded += reencoded
-            split_counts[split] += written
-            class_counts[split] = [a + b for a, b in zip(class_counts[split], per_class)]
-            for reason, paths in shard_skipped.items():
-                skipped.setdefault(reason, []).extend(sorted(paths))
-            if written:
-                written_shards[split].append((path, written))
-            else:
-                tf.io.gfile.remove(path)  # every image of the shard was skipped
-        failed = {r: p for r, p in skipped.items() if r in (UNDECODABLE, CORRUPT_JPEG, UNREADABLE)}
-        if strict and failed:
-            raise ValueError(
-                _error_listing("strict: images that cannot be stored", failed)
-                + ". Remove or fix them, or run without strict to skip them."
+    for split, items in (("train", train), ("validation", validation)):
+        if not items:
+            continue
+        random.Random(f"{seed}/{split}").shuffle(items)
+        count = min(requested[split] or default_num_shards(len(items)), len(items))
+        shards.extend(PlannedShard(split, index, items[index::count]) for index in range(count))
+    return ConversionPlan(
+        image_dir, class_names, label_offset, shards, skipped, empty_classes, strict
+    )
+
+
+def _write_shards_locally(plan, staging_dir, num_threads, progress):
+    """The local writer: the shards of `plan` written into `staging_dir` by a pool of threads."""
+    taken = _counter(progress, plan.num_images)
+    with concurrent.futures.ThreadPoolExecutor(num_threads or os.cpu_count() or 1) as pool:
+        futures = [
+            pool.submit(
+                _write_shard,
+                os.path.join(staging_dir, shard.staging_name),
+                shard.images,
+                plan.class_names,
+                plan.label_offset,
+                taken,
             )
-        if not sum(split_counts.values()):
-            raise ValueError(
-                f"No usable image in {image_dir!r}; {_error_listing('skipped', skipped)}."
-            )
-        split_paths, record_counts = {}, {}
-        for split, shards in written_shards.items():
-            split_paths[split] = []
-            for index, (path, written) in enumerate(shards):
-                final = f"{split}-{index:05d}-of-{len(shards):05d}"
-                tf.io.gfile.rename(path, os.path.join(staging_dir, final))
-                split_paths[split].append(os.path.join(output_dir, final))
-                record_counts[final] = written
-        split_counts = {split: n for split, n in split_counts.items() if n}
-        class_counts = {split: class_counts[split] for split in split_counts}
-        write_label_map(
-            staging_dir, class_names, label_offset, split_counts, class_counts, record_counts
+            for shard in plan.shards
+        ]
+        try:
+            return [future.result() for future in futures]
+        except BaseException:
+            for future in futures:
+                future.cancel()  # an abort does not wait for the shards not yet started
+            raise
+
+
+def _finish(plan, results, staging_dir, output_dir, replace):
+    """Names the written shards, writes the label map and the skipped-files report beside them,
+    and publishes `staging_dir` as `output_dir`; returns the summary."""
+    class_names = plan.class_names
+    skipped = {reason: list(paths) for reason, paths in plan.skipped.items()}
+    split_counts = {shard.split: 0 for shard in plan.shards}
+    class_counts = {split: [0] * len(class_names) for split in split_counts}
+    written_shards = {split: [] for split in split_counts}
+    num_reencoded = 0
+    for shard, result in zip(plan.shards, results):
+        path = os.path.join(staging_dir, shard.staging_name)
+        num_reencoded += result.reencoded
+        split_counts[shard.split] += result.written
+        class_counts[shard.split] = [
+            a + b for a, b in zip(class_counts[shard.split], result.class_counts)
+        ]
+        for reason, paths in result.skipped.items():
+            skipped.setdefault(reason, []).extend(sorted(paths))
+        if result.written:
+            written_shards[shard.split].append((path, result.written))
+        else:
+            tf.io.gfile.remove(path)  # every image of the shard was skipped
+    failed = {r: p for r, p in skipped.items() if r in (UNDECODABLE, CORRUPT_JPEG, UNREADABLE)}
+    if plan.strict and failed:
+        raise ValueError(
+            _error_listing("strict: images that cannot be stored", failed)
+            + ". Remove or fix them, or run without strict to skip them."
         )
-        _publish(staging_dir, output_dir, replace)
-    except BaseException:
-        remove_tree(staging_dir)
-        raise
+    if not sum(split_counts.values()):
+        raise ValueError(
+            f"No usable image in {plan.image_dir!r}; {_error_listing('skipped', skipped)}."
+        )
+    split_paths, record_counts = {}, {}
+    for split, shards in written_shards.items():
+        split_paths[split] = []
+        for index, (path, written) in enumerate(shards):
+            final = f"{split}-{index:05d}-of-{len(shards):05d}"
+            tf.io.gfile.rename(path, os.path.join(staging_dir, final))
+            split_paths[split].append(os.path.join(output_dir, final))
+            record_counts[final] = written
+    split_counts = {split: n for split, n in split_counts.items() if n}
+    class_counts = {split: class_counts[split] for split in split_counts}
+    skipped = {reason: sorted(paths) for reason, paths in skipped.items()}
+    with tf.io.gfile.GFile(os.path.join(staging_dir, SKIPPED_FILE), "w") as f:
+        report = {"skipped": skipped, "empty_classes": plan.empty_classes}
+        f.write(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    write_label_map(
+        staging_dir, class_names, plan.label_offset, split_counts, class_counts, record_counts
+    )
+    publish(staging_dir, output_dir, replace)
     return TFRecordSummary(
         output_dir=output_dir,
         class_names=class_names,
-        label_offset=label_offset,
+        label_offset=plan.label_offset,
         split_paths={split: split_paths[split] for split in split_counts},
         split_counts=split_counts,
         class_counts=class_counts,
         num_reencoded=num_reencoded,
-        skipped={reason: sorted(paths) for reason, paths in skipped.items()},
-        empty_classes=empty_classes,
+        skipped=skipped,
+        empty_classes=plan.empty_classes,
         label_map_path=os.path.join(output_dir, LABEL_MAP_FILE),
+        skipped_report_path=os.path.join(output_dir, SKIPPED_FILE),
         replaced_existing=replace,
     )
+
+
+def write_tfrecords(
+    image_dir: str,
+    output_dir: str,
+    num_shards: int | None = None,
+    *,
+    validation_fraction: float | None = None,
+    validation_dir: str | None = None,
+    num_validation_shards: int | None = None,
+    label_offset: int = 1,
+    seed: int = 0,
+    strict: bool = False,
+    overwrite: bool = False,
+    num_threads: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    beam_options=None,
+) -> TFRecordSummary:
+    """Writes the images of `image_dir/<class>/` as `train-*` and `validation-*` TFRecord shards.
+
+    The validation images are drawn per class (stratified) with `seed`; within each split the image
+    order is shuffled before sharding, so every shard mixes all classes. See the module docstring
+    for what is checked and how the output appears atomically. The same folder, seed and shard
+    counts give the same files, whether the local threads or a Beam pipeline write them.
+
+    Args:
+      image_dir: a folder with one sub-folder of images per class.
+      output_dir: the folder to create with the shards, `labels.json`, `labels.txt` and
+        `skipped.json`.
+      num_shards: training shards (default: `default_num_shards` of the image count). Use at least
+        as many as input pipelines (hosts) that will read them. Capped at the image count.
+      validation_fraction: the share of each class's images that goes to `validation-*` (default
+        0.1; 0 writes no validation split). Not with `validation_dir`.
+      validation_dir: a folder of class sub-folders holding the validation images; every one of its
+        classes must be a (non-empty) class of `image_dir`.
+      num_validation_shards: validation shards (default: `default_num_shards` of their count).
+      label_offset: the stored label of class 0 (1 matches the classic ImageNet files). The reader
+        learns it from `labels.json`.
+      seed: seed of the split and the shuffles.
+      strict: fail, naming the files, instead of skipping files that are not images, undecodable
+        images and empty class folders.
+      overwrite: replace a conversion already in `output_dir`.
+      num_threads: shards written at once (default: the CPU count). Not with `beam_options`.
+      progress: called as `progress(images_done, images_total)` as each image is taken up (from
+        the writing threads, one call at a time); the command line shows it as a progress line.
+        Not with `beam_options` (the runner shows its own progress).
+      beam_options: run the per-image work and the shard writing as an Apache Beam pipeline
+        (`tpu_scale.data.beam_writer`) with these pipeline options: a
+        `apache_beam.options.pipeline_options.PipelineOptions`, or a string of comma-separated
+        `key=value` options ("runner=DirectRunner,direct_num_workers=2"). None: the local threads.
+
+    Returns:
+      A `TFRecordSummary`; `summary.describe()` is the report `main` prints.
+
+    Raises:
+      ValueError: if the folders are not class folders, no image is usable, `output_dir` holds
+        something that must not be replaced, (with `strict=True`) any file or class folder was
+        skipped, or `beam_options` are not valid Beam pipeline options.
+      ImportError: `beam_options` is given and Apache Beam is not installed.
+    """
+    if beam_options is not None:
+        if num_threads is not None or progress is not None:
+            raise ValueError(
+                "num_threads and progress are the local writer's, not with beam_options: set the "
+                "runner's workers in its options (direct_num_workers=2 for the DirectRunner)."
+            )
+        from tpu_scale.data import beam_writer
+
+        beam_options = beam_writer.pipeline_options(beam_options)
+    output_dir = os.fspath(output_dir).rstrip("/") or "/"
+    plan = plan_conversion(
+        image_dir,
+        num_shards,
+        validation_fraction=validation_fraction,
+        validation_dir=validation_dir,
+        num_validation_shards=num_validation_shards,
+        label_offset=label_offset,
+        seed=seed,
+        strict=strict,
+    )
+    replace = check_output_dir(output_dir, overwrite)
+    remove_stale_staging_dirs(output_dir)
+    staging_dir = make_staging_dir(output_dir)
+    try:
+        if beam_options is None:
+            results = _write_shards_locally(plan, staging_dir, num_threads, progress)
+        else:
+            results = beam_writer.write_shards(plan, staging_dir, beam_options)
+        return _finish(plan, results, staging_dir, output_dir, replace)
+    except BaseException:
+        remove_tree(staging_dir)
+        raise
 
 
 def image_folder_records(
@@ -556,6 +783,12 @@ def main(argv: Sequence[str] | None = None) -> TFRecordSummary:
     parser.add_argument(
         "--num_threads", type=int, help="shards written at once (default: the CPU count)"
     )
+    parser.add_argument(
+        "--beam_pipeline_options",
+        help="run as an Apache Beam pipeline with these comma-separated key=value pipeline "
+        'options, e.g. "runner=DirectRunner,direct_num_workers=2,direct_running_mode='
+        'multi_processing" (pip install -e ".[beam]")',
+    )
     args = parser.parse_args(argv)
     from tpu_scale import _workarounds
 
@@ -574,9 +807,10 @@ def main(argv: Sequence[str] | None = None) -> TFRecordSummary:
             strict=args.strict,
             overwrite=args.overwrite,
             num_threads=args.num_threads,
-            progress=_ProgressLine(),
+            progress=None if args.beam_pipeline_options is not None else _ProgressLine(),
+            beam_options=args.beam_pipeline_options,
         )
-    except ValueError as error:
+    except (ValueError, ImportError) as error:
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
         raise SystemExit(1) from None
     print(summary.describe())

@@ -9,17 +9,19 @@ import os
 import numpy as np
 
 
-def write_digits_folder(folder, size=32):
+def write_digits_folder(folder, size=32, count=None):
     """scikit-learn's 1,797 handwritten digits as a folder of class folders of JPEG and PNG.
 
-    Files."""
+    Files. `count`: only the first `count` digits (at least 4, for the broken files), for a
+    smaller folder."""
     from PIL import Image
     from sklearn.datasets import load_digits
 
     digits = load_digits()
     for label in range(10):
         os.makedirs(os.path.join(folder, f"digit_{label}"))
-    for index, (image, label) in enumerate(zip(digits.images, digits.target)):
+    images, targets = digits.images[:count], digits.target[:count]
+    for index, (image, label) in enumerate(zip(images, targets)):
         pixels = (image * (255.0 / 16.0)).astype(np.uint8)
         picture = Image.fromarray(pixels).resize((size, size), Image.BILINEAR).convert("RGB")
         fmt = "png" if index % 7 == 0 else "jpg"
@@ -32,4 +34,4 @@ def write_digits_folder(folder, size=32):
         f.write("hello")
     with open(os.path.join(folder, "digit_5", "notes.txt"), "w") as f:
         f.write("scanned at 8x8")
-    return len(digits.images)
+    return len(images)
