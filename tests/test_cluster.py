@@ -79,6 +79,97 @@ def test_slurm_gpus_per_task_come_from_slurm(environ):
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)  # TensorFlow's resolver sets it
 
 
+def _block_layout(nodes, tasks_per_node):
+    """(node, local index) of each SLURM_PROCID under Slurm's default block distribution."""
+    return [(node, k) for node, tasks in zip(nodes, tasks_per_node) for k in range(tasks)]
+
+
+@pytest.mark.parametrize(
+    "nodelist,tasks_per_node,nodes,counts",
+    [
+        ("n[9-10]", "1(x2)", ["n9", "n10"], [1, 1]),
+        ("n[1-2,10]", "1(x3)", ["n1", "n2", "n10"], [1, 1, 1]),
+        ("n[9-10]", "2(x2)", ["n9", "n10"], [2, 2]),
+        ("n[1-2,10]", "2,1,2", ["n1", "n2", "n10"], [2, 1, 2]),
+    ],
+)
+def test_slurm_task_i_is_procid_i_on_its_own_node(environ, nodelist, tasks_per_node, nodes, counts):
+    layout = _block_layout(nodes, counts)
+    want = [f"{node}:{7000 + k}" for node, k in layout]
+    for procid, (node, local) in enumerate(layout):
+        environ(
+            SLURM_STEP_NUM_TASKS=str(len(layout)),
+            SLURM_STEP_NODELIST=nodelist,
+            SLURM_STEP_TASKS_PER_NODE=tasks_per_node,
+            SLURM_PROCID=str(procid),
+            SLURMD_NODENAME=node,
+            SLURM_LOCALID=str(local),
+            TPU_SCALE_SLURM_PORT_BASE="7000",
+        )
+        found = cluster.discover()  # checks the task's own address against its node and index
+        assert found.resolver.cluster_spec().as_dict() == {"worker": want}
+        assert found.resolver.get_task_info() == ("worker", procid)
+
+
+def test_slurm_gpus_follow_the_task_order(environ):
+    # n9 runs tasks 0 and 1, n10 task 2; task 1 takes n9's second pair of GPUs.
+    environ(
+        SLURM_STEP_NUM_TASKS="3",
+        SLURM_STEP_NODELIST="n[9-10]",
+        SLURM_STEP_TASKS_PER_NODE="2,1",
+        SLURM_PROCID="1",
+        SLURMD_NODENAME="n9",
+        SLURM_LOCALID="1",
+        SLURM_GPUS_ON_NODE="4",
+        SLURM_GPUS_PER_TASK="2",
+    )
+    try:
+        found = cluster.discover()
+        assert found.resolver.cluster_spec().as_dict() == {
+            "worker": ["n9:8888", "n9:8889", "n10:8888"]
+        }
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"
+    finally:
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)  # TensorFlow's resolver sets it
+
+
+def test_tensorflows_slurm_resolver_sorts_hosts_as_strings(environ):
+    # What `_workarounds.slurm_node_order` puts right: TensorFlow gives SLURM_PROCID 0, which
+    # runs on n9, the address of n10. When this fails, TensorFlow keeps the node list's order.
+    from tensorflow.python.distribute.cluster_resolver import slurm_cluster_resolver as slurm_lib
+
+    environ(
+        SLURM_STEP_NUM_TASKS="2",
+        SLURM_STEP_NODELIST="n[9-10]",
+        SLURM_STEP_TASKS_PER_NODE="1(x2)",
+        SLURM_PROCID="0",
+    )
+    theirs = slurm_lib.SlurmClusterResolver(gpus_per_node=1, auto_set_gpu=False)
+    assert theirs.cluster_spec().as_dict() == {"worker": ["n10:8888", "n9:8888"]}
+    assert theirs.get_task_info() == ("worker", 0)
+
+
+@pytest.mark.parametrize(
+    "variables,runs_on",
+    [
+        # --distribution=cyclic: task 1 on the second node, though the block layout puts it on n9.
+        ({"SLURM_PROCID": "1", "SLURMD_NODENAME": "n10", "SLURM_LOCALID": "0"}, "runs on n10,"),
+        # --distribution=plane or a hostfile: the right node, another task's port.
+        ({"SLURM_PROCID": "0", "SLURMD_NODENAME": "n9", "SLURM_LOCALID": "1"}, "n9 as its task 1"),
+    ],
+)
+def test_a_task_slurm_placed_otherwise_is_an_error(environ, variables, runs_on):
+    environ(
+        SLURM_STEP_NUM_TASKS="4",
+        SLURM_STEP_NODELIST="n[9-10]",
+        SLURM_STEP_TASKS_PER_NODE="2(x2)",
+        **variables,
+    )
+    with pytest.raises(ValueError, match="needs Slurm's default block distribution") as e:
+        cluster.discover()
+    assert runs_on in str(e.value) and "--distribution=block" in str(e.value)
+
+
 def test_an_explicit_resolver_comes_first(environ):
     environ(TF_CONFIG=tf_config(0), **SLURM_STEP)  # would conflict without the argument
     given = tf.distribute.cluster_resolver.SimpleClusterResolver(

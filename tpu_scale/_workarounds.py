@@ -12,6 +12,7 @@ to tell it can go. Users never call these: `create_strategy` and the strategy cl
   quiet_cuda_probe          the spurious "failed call to cuInit" error on machines without a GPU
   empty_batch_convolutions  oneDNN convolutions give an empty batch the wrong shape on some CPUs
   slurm_cluster_resolver    TensorFlow's SlurmClusterResolver fails on nodes without GPUs
+  slurm_node_order          TensorFlow's SlurmClusterResolver sorts host names as strings (n10 < n9)
   tensor_seeds              a tensor seed fails after `tf.random.set_seed(0)`
 
 Two more live in `keras_hook.py`, the only module that touches Keras's private API:
@@ -445,6 +446,9 @@ def slurm_cluster_resolver(port_base=8888, gpus_per_node=None, gpus_per_task=Non
 
         class SlurmClusterResolver(slurm_lib.SlurmClusterResolver):
             def cluster_spec(self):
+                return slurm_node_order(self, self._sorted_cluster_spec())
+
+            def _sorted_cluster_spec(self):
                 if self._gpus_per_task:
                     return super().cluster_spec()
                 # One pretend GPU slot per task lets TensorFlow's loop lay out every task; the
@@ -464,6 +468,53 @@ def slurm_cluster_resolver(port_base=8888, gpus_per_node=None, gpus_per_task=Non
     return _slurm_resolver_class(
         port_base=port_base, gpus_per_node=gpus_per_node, gpus_per_task=gpus_per_task
     )
+
+
+def slurm_node_order(resolver, spec):
+    """`resolver`'s cluster spec with its tasks in Slurm's order: task i is `SLURM_PROCID` i.
+
+    Why: Slurm numbers a step's tasks node by node in the order of its node list
+    (`SLURM_STEP_NODELIST`, e.g. `n[9-10]`: tasks 0.. on n9, then n10; the default block
+    distribution), and TensorFlow's resolver makes `SLURM_PROCID` the task index. But its
+    `cluster_spec()` lays the tasks out over the hosts sorted as strings: n10 before n9, and
+    `n[1-2,10]` as n1, n10, n2. Task 0, on n9, is then given n10's address: two workers claim the
+    same address, the cluster never forms, and the GPUs it gives a task are another task's. Here
+    the tasks keep TensorFlow's ports and GPUs per node (port base + k and the k-th GPUs for a
+    node's k-th task) but follow the node list's order, in every job of the spec, and
+    `CUDA_VISIBLE_DEVICES` is set from that order where TensorFlow sets it. Where TensorFlow's
+    order already is the node list's (names of one width, one node, or a fixed TensorFlow), the
+    spec is returned as TensorFlow made it.
+
+    Upstream: no report found; seen with TF 2.21 (`sorted(self._task_configuration.items())` in
+    `SlurmClusterResolver.cluster_spec`). How to tell it can go:
+    `tests/test_cluster.py::test_tensorflows_slurm_resolver_sorts_hosts_as_strings` fails at its
+    check that TensorFlow's own resolver puts n10 first.
+
+    Args:
+      resolver: a `SlurmClusterResolver` whose `cluster_spec()` just returned `spec`.
+      spec: that `tf.train.ClusterSpec`.
+
+    Returns:
+      A `tf.train.ClusterSpec`.
+    """
+    import tensorflow as tf
+
+    config = resolver._task_configuration  # {host: tasks}, in the node list's order
+    port = resolver._port_base
+    ordered = [f"{host}:{port + k}" for host, tasks in config.items() for k in range(tasks)]
+    jobs = sorted(resolver._jobs.items())  # TensorFlow's order of jobs, its tasks from rank 0
+    theirs = [address for job, _ in jobs for address in spec.as_dict().get(job, [])]
+    if theirs == ordered:
+        return spec
+    gpus = dict(zip(theirs, resolver._gpu_allocation))
+    resolver._gpu_allocation = [gpus[address] for address in ordered]
+    start = 0
+    for job, tasks in jobs:
+        resolver._cluster_allocation[job] = ordered[start : start + tasks]
+        start += tasks
+    if resolver._auto_set_gpu and resolver._gpus_per_task:
+        os.environ["CUDA_VISIBLE_DEVICES"] = resolver._gpu_allocation[resolver._rank]
+    return tf.train.ClusterSpec(resolver._cluster_allocation)
 
 
 # --------------------------------------------------------------------------- tensor seeds

@@ -10,7 +10,11 @@
 4. a Slurm job step of more than one task (`srun`): TensorFlow's `SlurmClusterResolver`, with the
    tasks per node, the GPUs per node (`SLURM_GPUS_ON_NODE`) and per task (`SLURM_GPUS_PER_TASK`)
    from Slurm, on GPU and on CPU-only nodes (`_workarounds.slurm_cluster_resolver`). Worker ports
-   start at `TPU_SCALE_SLURM_PORT_BASE` (default 8888, TensorFlow's), one per task on a node;
+   start at `TPU_SCALE_SLURM_PORT_BASE` (default 8888, TensorFlow's), one per task on a node.
+   Task i (`SLURM_PROCID` i) is the i-th task of the step's node list taken node by node, as
+   Slurm's default block distribution numbers them (`_workarounds.slurm_node_order`: TensorFlow
+   sorts the hosts as strings); a task that Slurm placed otherwise (`--distribution=cyclic`, a
+   `SLURM_HOSTFILE`) is an error naming its node and the fix;
 5. otherwise this host alone.
 
 A second source that also names a cluster (a TPU and `TF_CONFIG`, `TF_CONFIG` and a Slurm step of
@@ -26,6 +30,7 @@ import os
 from typing import Any, Optional
 
 SLURM_PORT_BASE = "TPU_SCALE_SLURM_PORT_BASE"
+DEFAULT_SLURM_PORT_BASE = 8888  # TensorFlow's
 _SLURM_STEP = ("SLURM_PROCID", "SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE")
 _MULTI_WORKER_JOBS = ("chief", "worker")
 
@@ -178,14 +183,48 @@ def slurm_resolver(environ=None):
 
     environ = os.environ if environ is None else environ
     per_node, per_task = _slurm_gpus(environ)
-    ports = (
-        {"port_base": _int_variable(environ, SLURM_PORT_BASE)}
-        if environ.get(SLURM_PORT_BASE)
-        else {}
-    )
     return _workarounds.slurm_cluster_resolver(
-        gpus_per_node=per_node, gpus_per_task=per_task, **ports
+        port_base=_slurm_port_base(environ), gpus_per_node=per_node, gpus_per_task=per_task
     )
+
+
+def _slurm_port_base(environ):
+    if not environ.get(SLURM_PORT_BASE):
+        return DEFAULT_SLURM_PORT_BASE
+    return _int_variable(environ, SLURM_PORT_BASE)
+
+
+def check_slurm_task(environ, address):
+    """Checks that this Slurm task's address in the cluster is on its own node, at its own port.
+
+    TensorFlow's resolver gives task `SLURM_PROCID` the address the default block distribution
+    puts it at (the step's tasks numbered node by node). Slurm tells each task where it really
+    runs: its node (`SLURMD_NODENAME`) and its index among the node's tasks (`SLURM_LOCALID`,
+    port base + that index). Where either is unset there is nothing to compare.
+
+    Args:
+      environ: the task's environment.
+      address: `"host:port"`, the task's address in the resolved cluster.
+
+    Raises:
+      ValueError: the address is another task's; the message names the node and the fix.
+    """
+    host, port = address.rsplit(":", 1)
+    node, local = environ.get("SLURMD_NODENAME"), environ.get("SLURM_LOCALID")
+    runs_on = None
+    if node and node != host:
+        runs_on = node
+    elif local and int(port) != _slurm_port_base(environ) + _int_variable(environ, "SLURM_LOCALID"):
+        runs_on = f"{host} as its task {local} there"
+    if runs_on:
+        raise ValueError(
+            f"Slurm task SLURM_PROCID={environ.get('SLURM_PROCID')} runs on {runs_on}, but the "
+            f"step's node list {environ.get('SLURM_STEP_NODELIST')} with "
+            f"{environ.get('SLURM_STEP_TASKS_PER_NODE')} tasks per node puts it at {address}: "
+            "the cluster needs Slurm's default block distribution (tasks numbered node by "
+            "node). Start srun with --distribution=block (no cyclic or arbitrary distribution, "
+            "no SLURM_HOSTFILE)."
+        )
 
 
 def _is_tpu_resolver(resolver):
@@ -253,7 +292,8 @@ def _discover(tpu, cluster_resolver, environ):
         return Cluster("TF_CONFIG", workers, f"task {task}", resolver=resolver)
     if tasks > 1:
         resolver = slurm_resolver(environ)
-        resolver.cluster_spec()  # sets the task type and index
+        spec = resolver.cluster_spec()  # sets the task type and index
+        check_slurm_task(environ, spec.task_address(resolver.task_type, resolver.task_id))
         description = (
             f"a step of {tasks} tasks on {environ['SLURM_STEP_NODELIST']}, SLURM_PROCID "
             f"{environ['SLURM_PROCID']}: task {resolver.task_type} {resolver.task_id}"
