@@ -168,6 +168,7 @@ def test_command_line_with_beam_names_the_bad_files(image_dir, tmp_path, capsys)
         ("direct_running_mode=fast", r"Invalid Beam pipeline options: .*'fast'"),
         ("runner=NoSuchRunner", r"Beam runner 'NoSuchRunner' cannot be used: .*DirectRunner"),
         (" , ", "beam_pipeline_options is empty"),
+        ("help", "help is not a pipeline option.*--help lists every option"),
     ],
 )
 def test_bad_options_are_named_before_anything_is_written(

@@ -61,15 +61,17 @@ def _beam():
     return apache_beam
 
 
-def _parse(options, **kwargs):
-    """`options.get_all_options(**kwargs)`, with argparse's exit on a bad value turned into a
-    ValueError that names it."""
+def _parse(parse):
+    """`parse()`, with argparse's exit on a bad flag turned into a ValueError that names it."""
     stderr = io.StringIO()
     try:
-        with contextlib.redirect_stderr(stderr):
-            return options.get_all_options(**kwargs)
+        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+            return parse()
     except SystemExit:
-        problem = stderr.getvalue().strip().splitlines()[-1].split("error: ", 1)[-1]
+        # argparse's last line names the problem ("...: error: argument --x: invalid int value");
+        # `help` exits without one.
+        lines = stderr.getvalue().strip().splitlines() or ["help is not a pipeline option"]
+        problem = lines[-1].split("error: ", 1)[-1]
         raise ValueError(
             f"Invalid Beam pipeline options: {problem}. "
             "python -m apache_beam.examples.wordcount --help lists every option."
@@ -102,16 +104,19 @@ def pipeline_options(options):
                 "beam_pipeline_options is empty: give comma-separated key=value Beam pipeline "
                 'options, e.g. "runner=DirectRunner,direct_num_workers=2".'
             )
-        options = PipelineOptions([item if item[:2] == "--" else f"--{item}" for item in items])
+        flags = [item if item[:2] == "--" else f"--{item}" for item in items]
+        options = _parse(lambda: PipelineOptions(flags))
     known = set(PipelineOptions([]).get_all_options())
-    unknown = sorted(set(_parse(options, retain_unknown_options=True)) - known)
+    unknown = sorted(
+        set(_parse(lambda: options.get_all_options(retain_unknown_options=True))) - known
+    )
     if unknown:
         raise ValueError(
             f"Unknown Beam pipeline option(s): {', '.join(unknown)}. Options are Beam's flags "
             "without their dashes (e.g. direct_num_workers=2); a runner's own options come with "
             'its extra (pip install "apache-beam[gcp]" for Dataflow\'s).'
         )
-    runner = _parse(options)["runner"] or "DirectRunner"
+    runner = _parse(options.get_all_options)["runner"] or "DirectRunner"
     try:
         beam.Pipeline(options=options)  # creates the runner, which is all that is checked here
     except (ValueError, ImportError) as error:
