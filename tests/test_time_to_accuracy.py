@@ -4,7 +4,6 @@ timing of a run, the folders of the two contenders, the ratio."""
 import math
 import os
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -66,19 +65,31 @@ def _fake_run(tmp_path, script):
     return [sys.executable, str(child)]
 
 
+def _gone(pid_file):
+    """True if the process whose id `pid_file` holds has ended."""
+    try:
+        os.kill(int(pid_file.read_text()), 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
 def test_a_run_is_timed_to_the_threshold_and_to_its_end(tmp_path):
+    pid, after = tmp_path / "pid", tmp_path / "after_last_epoch"
     command = _fake_run(
         tmp_path,
-        "import time\n"
+        "import os, time\n"
+        f"open({str(pid)!r}, 'w').write(str(os.getpid()))\n"
         "print('starting', flush=True)\n"
         "for i, v in enumerate([0.3, 0.7, 0.92, 0.91]):\n"
         "    time.sleep(0.5)\n"
         "    print(f'epoch {i + 1}/4: loss 1.0, top-1 0.5, val top-1 {v}', flush=True)\n"
-        "time.sleep(60)\n",
+        "time.sleep(3)\n"
+        f"open({str(after)!r}, 'w').write('still running')\n",
     )
-    start = time.monotonic()
-    run = tta.timed_run(command, 0.9, timeout=30, env=dict(os.environ))
-    assert time.monotonic() - start < 20  # ended at its last epoch, not left to sleep
+    run = tta.timed_run(command, 0.9, timeout=60, env=dict(os.environ))
+    # Ended at its last epoch: the child is gone and never got past its sleep.
+    assert _gone(pid) and not after.exists()
     assert run["ended"] == "last epoch" and run["reached_epoch"] == 3
     assert [e["epoch"] for e in run["epochs"]] == [1, 2, 3, 4]
     seconds = [e["seconds"] for e in run["epochs"]]
@@ -96,7 +107,11 @@ def test_the_keras_contender_gets_the_folder_without_its_broken_files(tmp_path):
     assert names - broken == clean_names and len(clean_names) == 1797
     runs = tta.commands(images, clean, tta.SETTINGS["mnist5k"], 0)
     assert runs["package"][runs["package"].index("--image_dir") + 1] == images
-    assert runs["keras"][runs["keras"].index("--image_dir") + 1] == clean
+    # Both Keras scripts read the same clean folder, so they see the same split.
+    for name, optimizer in (("keras", "adam"), ("practised", "practised")):
+        assert runs[name][runs[name].index("--image_dir") + 1] == clean
+        assert runs[name][runs[name].index("--optimizer") + 1] == optimizer
+        assert runs[name][:-2] == runs["keras"][:-2]
 
 
 def test_a_run_that_never_gets_there_says_why(tmp_path):
@@ -111,20 +126,29 @@ def test_a_run_that_never_gets_there_says_why(tmp_path):
     assert run["ended"] == "exited 3" and len(run["epochs"]) == 2
     assert run["final_top_1"] == 0.5
     # The last epoch ends the run, however long the process then takes to exit.
+    pid, after = tmp_path / "slow_pid", tmp_path / "slow_after"
     slow_exit = _fake_run(
         tmp_path,
-        "import time\n"
+        "import os, time\n"
+        f"open({str(pid)!r}, 'w').write(str(os.getpid()))\n"
         "print('epoch 1/2: val top-1 0.4', flush=True)\n"
         "print('epoch 2/2: val top-1 0.5', flush=True)\n"
-        "time.sleep(60)\n",
+        "time.sleep(3)\n"
+        f"open({str(after)!r}, 'w').write('still running')\n",
     )
-    start = time.monotonic()
-    run = tta.timed_run(slow_exit, 0.9, timeout=30, env=dict(os.environ))
-    assert run["ended"] == "last epoch" and time.monotonic() - start < 20
-    hung = _fake_run(tmp_path, "import time\ntime.sleep(60)\n")
-    start = time.monotonic()
+    run = tta.timed_run(slow_exit, 0.9, timeout=60, env=dict(os.environ))
+    assert run["ended"] == "last epoch" and _gone(pid) and not after.exists()
+    # A run that prints nothing is ended at the timeout, and says so.
+    pid, after = tmp_path / "hung_pid", tmp_path / "hung_after"
+    hung = _fake_run(
+        tmp_path,
+        "import os, time\n"
+        f"open({str(pid)!r}, 'w').write(str(os.getpid()))\n"
+        "time.sleep(5)\n"
+        f"open({str(after)!r}, 'w').write('still running')\n",
+    )
     run = tta.timed_run(hung, 0.9, timeout=1, env=dict(os.environ))
-    assert run["ended"] == "timeout" and time.monotonic() - start < 20
+    assert run["ended"] == "timeout" and _gone(pid) and not after.exists()
 
 
 def test_the_summary_and_ratio_count_only_runs_that_reached():
@@ -145,6 +169,8 @@ def test_the_summary_and_ratio_count_only_runs_that_reached():
     assert summary["keras"]["seconds_to_threshold"]["median"] == 70.0
     assert summary["ratio"] == 40.0 / 70.0
     assert tta.summarize(runs[1::2], ("package", "keras"))["ratio"] is None
+    three = tta.summarize(runs + [run("practised", 20.0, 4)], ("package", "keras", "practised"))
+    assert three["ratios"] == {"keras": 40.0 / 70.0, "practised": 2.0}
 
 
 def test_lower_marks_are_read_off_each_runs_epochs():
