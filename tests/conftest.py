@@ -7,9 +7,10 @@ test module that needs it is imported; the numpy-only modules in `NUMPY_ONLY` ne
 Temporary files: the whole run writes them under one folder, removed at its end (nothing is left
 in /tmp). Shared fixtures: `cpu_devices` (the 8 device names), `strategy` (8 replicas in a 1x8 mesh,
 TensorFlow's gradient sum), `strategy_2x4` (the same devices in a 2x4 mesh) and `digits_records`
-(scikit-learn's digits written as TFRecords once for the whole run). Marker (declared in
+(scikit-learn's digits written as TFRecords once for the whole run). Markers (declared in
 pyproject.toml): `multiprocess` for tests that start localhost worker processes (`-m "not
-multiprocess"` leaves them out of a quick run).
+multiprocess"` leaves them out of a quick run); `slurm` for the tests that start a one-node Slurm
+cluster (tests/test_slurm_cluster.py; `-m slurm` runs just them).
 
 A watchdog bounds every test: one that runs longer than `TEST_TIMEOUT` seconds (environment
 variable `TPU_SCALE_TEST_TIMEOUT` to change it) gets the Python stack of every thread printed to

@@ -30,7 +30,9 @@ FLAGS = [
 ]  # fmt: skip
 JOB_SECONDS = 240  # bounds each job; one takes about 40 s here
 
-pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
+# One cluster and one uninterrupted job serve every test here: under pytest-xdist's
+# `--dist loadgroup` they run on one worker.
+pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess, pytest.mark.xdist_group("slurm")]
 
 
 @pytest.fixture(scope="module")
