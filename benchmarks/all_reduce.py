@@ -81,19 +81,19 @@ def _native(grads):
     return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, grads)
 
 
-def _torus(algorithm, pack_bytes=None, transport_dtype=None):
+def _torus(algorithm, pack_bytes=None, gradient_dtype=None):
     from tpu_scale import torus
 
     def reduce_fn(grads):
         kwargs = {} if pack_bytes is None else {"pack_bytes": pack_bytes}
         return torus.all_reduce_sum(
-            grads, algorithm=algorithm, transport_dtype=transport_dtype, **kwargs
+            grads, algorithm=algorithm, gradient_dtype=gradient_dtype, **kwargs
         )
 
     return reduce_fn
 
 
-def _auto_choice(strategy, shapes, transport_dtype=None):
+def _auto_choice(strategy, shapes, gradient_dtype=None):
     """What "auto" picks for these gradients on `strategy`, and the planner's predictions."""
     import numpy as np
 
@@ -101,7 +101,7 @@ def _auto_choice(strategy, shapes, transport_dtype=None):
 
     tensors = [(int(np.prod(s)) * 4, "float32") for s in shapes]
     choice = choose_algorithm(
-        strategy.gradient_planner.cluster, tensors, transport_dtype=transport_dtype
+        strategy.gradient_planner.cluster, tensors, gradient_dtype=gradient_dtype
     )
     return {
         "algorithm": choice.algorithm,
@@ -236,7 +236,7 @@ def worker(rounds, warmup, shapes):
         "torus_auto": (_summer(strategy, _torus("auto")), (grads,)),
         "torus_2d_hierarchical": (_summer(strategy, _torus("torus_2d")), (grads,)),
         "torus_2d_bfloat16_between_hosts": (
-            _summer(strategy, _torus("torus_2d", transport_dtype="bfloat16")),
+            _summer(strategy, _torus("torus_2d", gradient_dtype="bfloat16")),
             (grads,),
         ),
         "torus_flat": (_summer(strategy, _torus("flat")), (grads,)),

@@ -148,10 +148,10 @@ def transport_plan(strategy, tensors):
             raise RuntimeError(f"no planner choice for this gradient; it holds {planner.choices}")
         algorithm = picked[0]
         info["planner"] = plan_choice.choose_algorithm(
-            planner.cluster, tensors, planner.pack_bytes or 0, planner.transport_dtype
+            planner.cluster, tensors, planner.pack_bytes or 0, planner.gradient_dtype
         ).summary()
     info["algorithm"] = algorithm
-    info["transport_dtype"] = settings.gradient_dtype or "float32"
+    info["wire_dtype"] = settings.gradient_dtype or "float32"
     if algorithm == "native":
         return info
     mesh = strategy.mesh
@@ -166,7 +166,7 @@ def transport_plan(strategy, tensors):
     # buffer per `pack_bytes` (phases outside a process are collectives, so it fuses), padded.
     itemsize = 4
     sizes = [b for b, _ in tensors]
-    wires = {"float32": itemsize, info["transport_dtype"]: 2 if settings.gradient_dtype else 4}
+    wires = {"float32": itemsize, info["wire_dtype"]: 2 if settings.gradient_dtype else 4}
     crossing = dict.fromkeys(wires, 0)
     for pack in torus.pack_indices(sizes, settings.pack_bytes):
         schedule = torus.buffer_schedule(mesh, sum(sizes[i] for i in pack), itemsize, algorithm)
@@ -294,7 +294,7 @@ def run_cluster(dtype, args):
                 mine,
                 gradient_dtype=dtype,
                 algorithm=plan["algorithm"],
-                transport_dtype=plan["transport_dtype"],
+                wire_dtype=plan["wire_dtype"],
                 top_1_other_worker=theirs["top_1"],
                 max_abs_difference_between_workers=differences,
             )
@@ -419,7 +419,7 @@ def main(argv=None):
             print(
                 f"  batch {r['batch']} seed {r['seed']}: top-1 {r['top_1']:.3f} (other worker "
                 f"{r['top_1_other_worker']:.3f}), loss {r['final_loss']:.3f}, {r['algorithm']} "
-                f"with {r['transport_dtype']} between processes",
+                f"with {r['wire_dtype']} between processes",
                 flush=True,
             )
     summary = summarize(runs)

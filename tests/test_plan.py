@@ -474,12 +474,12 @@ def test_auto_decision_small_gradients_across_gpu_hosts_take_the_torus():
 def test_bfloat16_transport_halves_only_phases_between_hosts():
     cluster = plan.hardware_cluster("cpu", hosts=2, replicas_per_host=4)
     f32 = plan.price_option(cluster, RESNET50, "torus_2d")
-    bf16 = plan.price_option(cluster, RESNET50, "torus_2d", transport_dtype="bfloat16")
+    bf16 = plan.price_option(cluster, RESNET50, "torus_2d", gradient_dtype="bfloat16")
     assert bf16 < f32
     # One host: no phase between hosts, nothing changes.
     one = plan.hardware_cluster("cpu", replicas_per_host=8)
     assert plan.price_option(
-        one, RESNET50, "flat", transport_dtype="bfloat16"
+        one, RESNET50, "flat", gradient_dtype="bfloat16"
     ) == plan.price_option(one, RESNET50, "flat")
     mesh = ReplicaMesh.for_workers(2, 4)
     schedule = torus.build_schedule(mesh, 8 * 1000, "torus_2d")

@@ -8,7 +8,7 @@ executor picks the primitive per phase: a phase whose groups sit inside this pro
 (every phase on one host, the row phases of a hosts x replicas mesh) is built from plain ops in the
 step graph (`collectives.in_graph_groups`: the replicas share the host's memory); every other phase
 is a collective op on CPU/GPU (reduce-scatter as all-to-all plus a local sum: the CPU runtime has no
-reduce-scatter kernel) and a TPU op on TPU. With `transport_dtype`, the phases between hosts carry
+reduce-scatter kernel) and a TPU op on TPU. With `gradient_dtype`, the phases between hosts carry
 bfloat16.
 
 `"auto"` is the planner's choice for the strategy's hardware (`tpu_scale.plan.choice`, attached by
@@ -65,7 +65,7 @@ def all_reduce_sum(
     mesh=None,
     algorithm=DEFAULT_ALGORITHM,
     pack_bytes=DEFAULT_PACK_BYTES,
-    transport_dtype=None,
+    gradient_dtype=None,
 ):
     """Sums gradients over all replicas with the 2-D torus schedule; call it in replica context.
 
@@ -86,7 +86,7 @@ def all_reduce_sum(
         larger tensor gets its own buffer); `None` or 0 fuses each dtype into one buffer. When every
         phase runs as plain ops in the step graph (one CPU host) nothing is fused: there is no
         launch to amortize, and fusing would copy every gradient once more.
-      transport_dtype: e.g. `tf.bfloat16`: phases whose groups hold one replica per host (the column
+      gradient_dtype: e.g. `tf.bfloat16`: phases whose groups hold one replica per host (the column
         all-reduce of `"torus_2d"` across hosts) carry wider gradients in this dtype (cast before
         the phase, back after it); every other phase sums in the gradient's own dtype. None: every
         phase in the gradient's dtype.
@@ -112,7 +112,7 @@ def all_reduce_sum(
         raise ValueError(
             f"pack_bytes must be positive, or None / 0 for one buffer per dtype; got {pack_bytes}."
         )
-    transport = None if transport_dtype is None else tf.as_dtype(transport_dtype)
+    transport = None if gradient_dtype is None else tf.as_dtype(gradient_dtype)
 
     flat = tf.nest.flatten(grads)
     dense = [None if g is None else _densify(g) for g in flat]

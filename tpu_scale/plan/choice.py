@@ -68,7 +68,7 @@ def _host_of(cluster):
 
 
 def price_option(
-    cluster, tensors, algorithm, pack_bytes=torus_schedule.DEFAULT_PACK_BYTES, transport_dtype=None
+    cluster, tensors, algorithm, pack_bytes=torus_schedule.DEFAULT_PACK_BYTES, gradient_dtype=None
 ):
     """Predicted seconds of one option for the gradient `tensors` on `cluster`.
 
@@ -77,7 +77,7 @@ def price_option(
       tensors: `[(num_bytes, dtype_name), ...]`, one per gradient tensor.
       algorithm: one of `OPTIONS`.
       pack_bytes: the executor's fused buffer size.
-      transport_dtype: dtype name of the phases between hosts (e.g. `"bfloat16"`), or None.
+      gradient_dtype: dtype name of the phases between hosts (e.g. `"bfloat16"`), or None.
 
     Returns:
       Seconds, or None when the option cannot be priced (TensorFlow's own reduction on TPU).
@@ -111,7 +111,7 @@ def price_option(
                 [sizes[i] for i in pack] for pack in torus_schedule.pack_indices(sizes, pack_bytes)
             ]
         )
-        transport = ITEMSIZE.get(transport_dtype, itemsize) if transport_dtype else itemsize
+        transport = ITEMSIZE.get(gradient_dtype, itemsize) if gradient_dtype else itemsize
         for pack in packs:
             schedule = torus_schedule.buffer_schedule(mesh, sum(pack), itemsize, algorithm)
             schedule = torus_schedule.transport_schedule(schedule, host_of, itemsize, transport)
@@ -137,7 +137,7 @@ def choose_algorithm(
     cluster,
     tensors,
     pack_bytes=torus_schedule.DEFAULT_PACK_BYTES,
-    transport_dtype=None,
+    gradient_dtype=None,
     options=OPTIONS,
 ):
     """The cheapest option for summing `tensors` on `cluster`, by the cost model.
@@ -146,7 +146,7 @@ def choose_algorithm(
       cluster: a `Cluster`.
       tensors: `[(num_bytes, dtype_name), ...]`, one per gradient tensor.
       pack_bytes: the executor's fused buffer size.
-      transport_dtype: dtype name of the phases between hosts, or None.
+      gradient_dtype: dtype name of the phases between hosts, or None.
       options: the options to price (default `OPTIONS`: every algorithm and `"native"`).
 
     Returns:
@@ -156,7 +156,7 @@ def choose_algorithm(
         raise ValueError(
             "choose_algorithm needs at least one gradient tensor [(num_bytes, dtype)]."
         )
-    predicted = {a: price_option(cluster, tensors, a, pack_bytes, transport_dtype) for a in options}
+    predicted = {a: price_option(cluster, tensors, a, pack_bytes, gradient_dtype) for a in options}
     priced = [a for a in options if predicted[a] is not None]
     best = min(priced, key=lambda a: predicted[a])
     return Choice(best, predicted, cluster.name)
