@@ -118,7 +118,7 @@ def test_one_cross_replica_sum_per_accumulated_step(monkeypatch):
 
 def test_keras_own_accumulation_fails_under_a_strategy(cpu_devices):
     # Keras's own code path (a strategy create_strategy did not make). When this stops failing,
-    # keras_hook.accumulation_under_strategies can go.
+    # keras_hook.accumulation_needs_phases turns the workaround off by itself.
     plain = tf.distribute.MirroredStrategy(
         cpu_devices[:2], cross_device_ops=tf.distribute.ReductionToOneDevice()
     )

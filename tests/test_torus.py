@@ -346,20 +346,12 @@ def test_fit_eagerly_matches_native(monkeypatch):
         np.testing.assert_allclose(w, native, atol=1e-5, rtol=0)
 
 
-def test_install_is_idempotent_and_other_strategies_keep_native():
-    from keras.src.backend.tensorflow.optimizer import TFOptimizer
-
+def test_the_torus_runs_for_the_strategies_that_ask_and_others_keep_native():
     registered = _strategy((2, 4))
     assert keras_hook.settings_for(registered).algorithm == "auto"
-    keras_hook.install(registered)
-    keras_hook.install(registered)
-    assert (
-        keras_hook.is_installed()
-        and TFOptimizer._all_reduce_sum_gradients.original
-        is not TFOptimizer._all_reduce_sum_gradients
-    )
+    assert keras_hook.settings_for(registered).torus_sum
     native = _strategy((2, 4), "native")
-    assert keras_hook.settings_for(native) is None
+    assert not keras_hook.settings_for(native).torus_sum
 
     # A strategy not made by create_strategy: Keras's own all-reduce, no torus ops. All 8 devices:
     # every strategy numbers its group keys from 1, and key 1 already means a group of 8 in this

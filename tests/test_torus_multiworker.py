@@ -52,7 +52,7 @@ def cluster_main():
         def summed(grads, algorithm=algorithm, transport=transport):
             return strategy.run(
                 lambda g: torus.all_reduce_sum(
-                    g, algorithm=algorithm, pack_bytes=512, transport_dtype=transport
+                    g, algorithm=algorithm, pack_bytes=512, gradient_dtype=transport
                 ),
                 args=(grads,),
             )
@@ -80,7 +80,9 @@ def cluster_main():
         if reduction == "torus":
             keras_hook.install(strategy)
         elif reduction == "torus_bfloat16":
-            keras_hook.install(strategy, keras_hook.Settings("torus_2d", gradient_dtype="bfloat16"))
+            keras_hook.install(
+                strategy, keras_hook.Settings(algorithm="torus_2d", gradient_dtype="bfloat16")
+            )
         else:
             keras_hook.uninstall(strategy)
         with strategy.scope():

@@ -22,6 +22,7 @@ CASES = {
     "sgd_accumulated": (dict(momentum=0.9, gradient_accumulation_steps=2), None),
     "lars": (dict(momentum=0.9, weight_decay=1e-2), None),
     "lars_eager": (dict(momentum=0.9, weight_decay=1e-2), None),
+    "lion": (dict(weight_decay=1e-2), None),  # any element-wise Keras optimizer, by its own rule
     # create_strategy(gradient_dtype="bfloat16"): the phase between the workers in bfloat16
     "sgd_bfloat16": (dict(momentum=0.9), None),
     "adamw": (dict(weight_decay=1e-1), "mixed_bfloat16"),  # last: the final save uses it
@@ -34,6 +35,8 @@ CASES = {
 def workers_main():
     """Runs in each worker: per case, a sharded fit, its save and reload, then an unsharded fit
     from the same weights; last, a save on the chief alone."""
+    import dataclasses
+
     import keras
     import tensorflow as tf
     from test_weight_update_sharding import BATCH, OPTIMIZERS, _data, _model
@@ -53,9 +56,7 @@ def workers_main():
     for name, (options, dtype) in CASES.items():
         runs, weights = {}, None
         narrow = "bfloat16" if name.endswith("_bfloat16") else None
-        keras_hook.install(
-            strategy, keras_hook.Settings(settings.algorithm, settings.pack_bytes, narrow)
-        )
+        keras_hook.install(strategy, dataclasses.replace(settings, gradient_dtype=narrow))
         for sharded in (True, False):
             (weight_update.enable if sharded else weight_update.disable)(strategy)
             keras.utils.set_random_seed(1)

@@ -1,7 +1,7 @@
-"""Weight-update sharding (`create_strategy(..., weight_update_sharding=True)`): the update of
-Keras's SGD, Adam and AdamW and of the package's LARS, sharded over one host's replicas, equals the
+"""Weight-update sharding (`create_strategy(..., weight_update_sharding=True)`): the update of every
+element-wise Keras optimizer and of the package's LARS, sharded over one host's replicas, equals the
 unsharded one (float32 and mixed_bfloat16), holds 1/N of the optimizer state per replica, and
-checkpoints in Keras's own layout."""
+checkpoints in Keras's own layout; an optimizer whose rule is not element-wise is refused by name."""
 
 import keras
 import numpy as np
@@ -51,6 +51,13 @@ OPTIMIZERS = {
     "lars": lambda options: LARS(2.0, **options),
     "adam": lambda options: keras.optimizers.Adam(0.01, **options),
     "adamw": lambda options: keras.optimizers.AdamW(0.01, **options),
+    "lion": lambda options: keras.optimizers.Lion(0.003, **options),
+    "rmsprop": lambda options: keras.optimizers.RMSprop(0.01, **options),
+    "nadam": lambda options: keras.optimizers.Nadam(0.01, **options),
+    "adamax": lambda options: keras.optimizers.Adamax(0.01, **options),
+    "adagrad": lambda options: keras.optimizers.Adagrad(0.05, **options),
+    "adadelta": lambda options: keras.optimizers.Adadelta(10.0, **options),
+    "ftrl": lambda options: keras.optimizers.Ftrl(0.5, **options),
 }
 
 
@@ -62,6 +69,13 @@ OPTIMIZERS = {
         ((2, 4), "lars", dict(momentum=0.9, weight_decay=1e-2), None),
         ((2, 4), "adamw", dict(weight_decay=1e-1, amsgrad=True), None),
         ((1, 8), "adamw", dict(weight_decay=1e-1, clipnorm=1.0), "mixed_bfloat16"),
+        ((2, 4), "lion", dict(weight_decay=1e-2), None),
+        ((1, 8), "rmsprop", dict(momentum=0.9, centered=True), None),
+        ((1, 8), "nadam", {}, None),
+        ((2, 4), "adamax", {}, None),
+        ((1, 8), "adagrad", dict(initial_accumulator_value=0.3), None),
+        ((2, 4), "adadelta", {}, None),
+        ((1, 8), "ftrl", dict(l1_regularization_strength=1e-3, l2_regularization_strength=1e-3), None),
     ],
 )
 def test_sharded_update_equals_the_unsharded_one(mesh_shape, name, options, dtype, strategy):
@@ -174,13 +188,25 @@ def test_a_sharded_run_resumes_on_another_replica_count(tmp_path):
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=3e-4)
 
 
-def test_an_optimizer_it_cannot_shard_is_named():
+@pytest.mark.parametrize("name", ["Lamb", "Adafactor"])
+def test_an_optimizer_it_cannot_shard_is_named(name):
     x, y = _data()
-    model = _model(_sharded((1, 8)), lambda: keras.optimizers.RMSprop(0.01))
-    with pytest.raises(ValueError, match="supports keras.optimizers.SGD") as raised:
+    model = _model(_sharded((1, 8)), lambda: getattr(keras.optimizers, name)())
+    with pytest.raises(ValueError, match="not known to be element-wise") as raised:
         model.fit(x[:32], y[:32], batch_size=BATCH, epochs=1, verbose=0)
     message = str(raised.value)
-    assert "got RMSprop" in message and "weight_update_sharding=False" in message
+    assert f"{name}'s rule" in message and "weight_update_sharding=False" in message
+
+
+def test_a_subclass_with_its_own_rule_is_refused():
+    class Scaled(keras.optimizers.Adam):
+        def update_step(self, gradient, variable, learning_rate):
+            super().update_step(gradient / keras.ops.norm(gradient), variable, learning_rate)
+
+    x, y = _data()
+    model = _model(_sharded((1, 8)), Scaled)
+    with pytest.raises(ValueError, match="Scaled's rule is not known to be element-wise"):
+        model.fit(x[:32], y[:32], batch_size=BATCH, epochs=1, verbose=0)
 
 
 def test_sharding_composes_with_gradient_accumulation(strategy):

@@ -1,195 +1,499 @@
-"""The one module that touches Keras's private API: routes `model.fit`'s gradient sum to the torus
-sum.
+"""The Keras seam: the one module that touches Keras's private API, and the map of how it does.
 
-Every Keras 3 optimizer on the TensorFlow backend sums its gradients in
-`keras.src.backend.tensorflow.optimizer.TFOptimizer._all_reduce_sum_gradients`, in replica context,
-under every `tf.distribute` strategy (TPU included). `install(strategy, ...)` replaces that method
-once per process and registers the strategy with its settings; the replacement runs
-`tpu_scale.torus.all_reduce_sum` only for registered strategies, and Keras's own code for every
-other one. `create_strategy` registers the strategies it makes with `gradient_reduction="torus"`;
-users never call this module themselves.
+A gradient's path from `model.fit` to the update, under a strategy of `create_strategy`:
 
-It also holds the package's other uses of Keras internals: `is_functional_or_sequential(model)`
-(Keras exports no name for its functional model class), `all_layers(model)` (every nested layer),
-`set_initial_epoch(model, epoch)` (how a backup callback tells `fit` where to resume, as Keras's
-own BackupAndRestore does), `learning_rate_of(optimizer)` (the schedule itself, not its current
-value), `check_jit_compile(strategy)` (XLA on several logical CPU replicas: a clear error before the
-first step) and two workarounds, indexed with the others in `_workarounds.py`:
-`build_from_one_replica` (keras-team/keras#19246) and `accumulation_under_strategies`
-(keras-team/keras#20582: `gradient_accumulation_steps` under a strategy; the strategies of
-`create_strategy` call `run_train_step` from their `run`).
+1. The optimizer is created under `strategy.scope()`; `TFOptimizer.__init__` (wrapped here) adopts
+   it: its class becomes `Seam` + its own class, for this object only (`adopt`).
+2. `fit` builds it (`Seam.build`): Keras's own `build`, or with `weight_update_sharding` the same
+   build with its slots made 1/N per replica (`weight_update.build`).
+3. Each step is `strategy.run(train_step)` (the strategy's public `run`); with
+   `gradient_accumulation_steps`, `run_train_step` traces one step per phase and picks one with a
+   `tf.cond` in cross-replica context (keras-team/keras#20582).
+4. Keras's `train_step` -> `optimizer.apply` -> `Seam._backend_apply_gradients` (the phase's
+   branch of Keras's accumulation) -> Keras's clipping, weight decay and `_backend_update_step`.
+5. `Seam._all_reduce_sum_gradients`: the torus sum (`torus.all_reduce_sum`: the schedule of
+   `torus_schedule`, its phases run by `collectives`); sharded, instead, `sharded_update.update`:
+   reduce-scatter, the optimizer's own `update_step` on each replica's 1/N, all-gather.
+6. Keras's `_distributed_tf_update_step`: `update_step` per variable (none left when sharded).
 
-Keras versions: the hook needs `TFOptimizer._all_reduce_sum_gradients` and the module function
-`filter_empty_gradients`; `check_keras()` fails with the versions that have them when they are
-missing.
+Everything an adopted optimizer does differently is in `Seam`; optimizers created under any other
+strategy are untouched. `check_keras()` runs in `create_strategy()` and fails there, naming the
+tested range and the fix, when this Keras lacks a name below.
+
+Every use of `keras.src` (Keras versions seen: 3.12.4, 3.15.1, 3.16.0.dev2026102704):
+
+  what                                        how        why
+  TF trainer `_maybe_symbolic_build`          replaced   keras-team/keras#19246 (evaluate with a
+                                                         partial first batch); off once fixed
+  `TFOptimizer.__init__`                      replaced   adopts optimizers made under our strategies
+  `TFOptimizer._all_reduce_sum_gradients`     overridden the torus sum; the sharded update
+  `BaseOptimizer._backend_apply_gradients`    overridden accumulation under strategies (#20582)
+  `_backend_increment_gradient_accumulators`, called     Keras's own accumulation steps, in phase
+  `_backend_reset_gradient_accumulators`,
+  `_clip_gradients`, `_apply_weight_decay`,
+  `_backend_update_step`, `_accumulated_gradients`
+  `_iterations`, `_get_variable_index`        read       accumulation windows; sharded state
+  `_distribution_strategy`                    read       the strategy an optimizer was made under
+  `_learning_rate`                            read       `learning_rate_of` (the schedule itself)
+  `Model._flatten_layers`, `_initial_epoch`   called/set `all_layers`; resuming `fit` at an epoch
+  `keras.src.models.functional.Functional`    read       `is_functional_or_sequential`
+Public ways in: `build`, `add_variable_from_reference`, `update_step`, `save_own_variables` and
+`load_own_variables` (Keras's optimizer contract), `Strategy.run`, callbacks.
 """
 
+import contextlib
+import dataclasses
+import inspect
+import re
 import threading
-import weakref
+from typing import Optional
 
 import keras
 import tensorflow as tf
 
 from tpu_scale import torus, weight_update
 
-TESTED_KERAS = "3.15"
-SUPPORTED_KERAS = ">=3.3,<4"
-
-_lock = threading.Lock()
-_settings = weakref.WeakKeyDictionary()  # strategy -> Settings
-
+# The Keras releases the package is tested on (CI runs the oldest, the current and the nightly).
+TESTED_KERAS = ("3.12.4", "3.15.1", "3.16.0.dev2026102704")
+SUPPORTED_KERAS = ">=3.12,<3.17"
+_SUPPORTED_RANGE = ((3, 12), (3, 17))
 
 GRADIENT_DTYPES = (None, "float32", "bfloat16")
+GRADIENT_REDUCTIONS = ("torus", "native")
 
 
+# --------------------------------------------------------------------------- settings
+
+
+@dataclasses.dataclass
 class Settings:
-    """How one strategy's gradients are summed: the algorithm, the fused buffer size, the wire
-    dtype.
+    """One strategy's training settings: how gradients are summed and whether the update is sharded.
+
+    `create_strategy` makes one and keeps it as `strategy.settings`; the seam reads it there.
 
     Args:
-      algorithm: `"auto"` (the planner's choice, see `tpu_scale.plan.choose_algorithm`), `"native"`
-        or one of `tpu_scale.torus.ALGORITHMS`.
+      reduction: `"torus"` (the package's gradient sum) or `"native"` (the strategy's own).
+      algorithm: with `"torus"`: `"auto"` (the planner's choice, `tpu_scale.plan.choose_algorithm`),
+        `"native"` or one of `tpu_scale.torus.ALGORITHMS`.
       pack_bytes: size of the fused gradient buffers (`None` or 0: one buffer per dtype).
       gradient_dtype: `"bfloat16"` to carry the phases between hosts in bfloat16 (sums within a host
         stay float32); None or `"float32"`: every phase in the gradients' own dtype.
+      weight_update_sharding: True to shard the optimizer's update and state over the replicas
+        (`tpu_scale.weight_update`).
     """
 
-    def __init__(
-        self,
-        algorithm=torus.DEFAULT_ALGORITHM,
-        pack_bytes=torus.DEFAULT_PACK_BYTES,
-        gradient_dtype=None,
-    ):
-        if algorithm != "auto" and algorithm not in torus.CHOICES:
-            raise ValueError(f"algorithm={algorithm!r}; choose 'auto' or one of {torus.CHOICES}.")
-        if pack_bytes is not None and pack_bytes < 0:
-            raise ValueError(
-                f"pack_bytes must be positive, or None / 0 for one buffer; got {pack_bytes}."
-            )
-        if gradient_dtype not in GRADIENT_DTYPES:
-            raise ValueError(
-                f"gradient_dtype={gradient_dtype!r}; choose one of {GRADIENT_DTYPES} (bfloat16 "
-                "halves "
-                f"the bytes between hosts)."
-            )
-        self.algorithm = algorithm
-        self.pack_bytes = pack_bytes
-        self.gradient_dtype = None if gradient_dtype == "float32" else gradient_dtype
+    reduction: str = "torus"
+    algorithm: str = torus.DEFAULT_ALGORITHM
+    pack_bytes: Optional[int] = torus.DEFAULT_PACK_BYTES
+    gradient_dtype: Optional[str] = None
+    weight_update_sharding: bool = False
 
-    def __repr__(self):
-        return (
-            f"Settings(algorithm={self.algorithm!r}, pack_bytes={self.pack_bytes}, "
-            f"gradient_dtype={self.gradient_dtype!r})"
-        )
+    def __post_init__(self):
+        if self.reduction not in GRADIENT_REDUCTIONS:
+            raise ValueError(f"gradient_reduction={self.reduction!r}; choose one of {GRADIENT_REDUCTIONS}.")
+        if self.algorithm != "auto" and self.algorithm not in torus.CHOICES:
+            raise ValueError(f"algorithm={self.algorithm!r}; choose 'auto' or one of {torus.CHOICES}.")
+        if self.pack_bytes is not None and self.pack_bytes < 0:
+            raise ValueError(f"pack_bytes must be positive, or None / 0 for one buffer; got {self.pack_bytes}.")
+        if self.gradient_dtype not in GRADIENT_DTYPES:
+            raise ValueError(f"gradient_dtype={self.gradient_dtype!r}; choose one of {GRADIENT_DTYPES} (bfloat16 halves the bytes between hosts).")
+        if self.gradient_dtype == "float32":
+            self.gradient_dtype = None
 
-
-def _keras_optimizer_module():
-    """Keras's TensorFlow optimizer module, checked for what the hook replaces."""
-    try:
-        from keras.src.backend.tensorflow import optimizer as module
-    except ImportError as e:
-        raise ImportError(
-            _version_message(f"keras.src.backend.tensorflow.optimizer is missing ({e})")
-        ) from e
-    missing = [
-        name
-        for name, present in (
-            (
-                "TFOptimizer._all_reduce_sum_gradients",
-                hasattr(getattr(module, "TFOptimizer", None), "_all_reduce_sum_gradients"),
-            ),
-            ("filter_empty_gradients", hasattr(module, "filter_empty_gradients")),
-        )
-        if not present
-    ]
-    if missing:
-        raise ImportError(_version_message(f"{', '.join(missing)} not found"))
-    return module
-
-
-def _version_message(problem):
-    return (
-        f"tpu_scale's model.fit gradient sum cannot hook into Keras {keras.__version__}: "
-        f"{problem}. "
-        f"Install a Keras 3 release the package supports (pip install 'keras{SUPPORTED_KERAS}'; "
-        "tested with "
-        f"{TESTED_KERAS}), or create the strategy with gradient_reduction='native'."
-    )
-
-
-def check_keras():
-    """Raises ImportError naming the supported Keras versions if the hook cannot be installed."""
-    _keras_optimizer_module()
-
-
-def _all_reduce_sum_gradients(self, grads_and_vars):
-    """Keras's gradient sum, done by `torus.all_reduce_sum` for registered strategies."""
-    import tensorflow as tf
-
-    ctx = tf.distribute.get_replica_context()
-    settings = _settings.get(ctx.strategy) if ctx is not None else None
-    if settings is None:
-        return _all_reduce_sum_gradients.original(self, grads_and_vars)
-    grads_and_vars = list(grads_and_vars)
-    # Keras's own filter: warns about missing gradients, raises when there are none.
-    _keras_optimizer_module().filter_empty_gradients(grads_and_vars)
-    summed = torus.all_reduce_sum(
-        [g for g, _ in grads_and_vars],
-        strategy=ctx.strategy,
-        algorithm=settings.algorithm,
-        pack_bytes=settings.pack_bytes,
-        transport_dtype=settings.gradient_dtype,
-    )
-    return [(g, v) for g, (_, v) in zip(summed, grads_and_vars)]
-
-
-def install(strategy, settings=None):
-    """Makes Keras `model.fit` under `strategy` sum gradients with `torus.all_reduce_sum`.
-
-    Replaces Keras's gradient-sum method once per process (idempotent) and registers `strategy`;
-    every strategy not registered keeps Keras's own sum.
-
-    Args:
-      strategy: a `tf.distribute.Strategy` whose replicas sum gradients with the torus schedule.
-      settings: a `Settings` (default: "auto" algorithm, default buffer size).
-
-    Raises:
-      ImportError: if this Keras lacks what the hook replaces (the message names the versions that
-        work).
-    """
-    module = _keras_optimizer_module()
-    with _lock:
-        _settings[strategy] = settings or Settings()
-        current = module.TFOptimizer._all_reduce_sum_gradients
-        if current is not _all_reduce_sum_gradients:
-            _all_reduce_sum_gradients.original = current
-            module.TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients
+    @property
+    def torus_sum(self):
+        """True when `model.fit` sums gradients with the package's torus sum."""
+        return self.reduction == "torus"
 
 
 def settings_for(strategy):
-    """The `Settings` `strategy` was registered with, or None when Keras sums its gradients
-    natively."""
-    return _settings.get(strategy)
+    """The `Settings` of `strategy` (None for a strategy `create_strategy` did not make)."""
+    return getattr(strategy, "settings", None) if strategy is not None else None
 
 
-def uninstall(strategy=None):
-    """Unregisters `strategy`; with no strategy (or none left registered), restores Keras's own
-    method."""
-    module = _keras_optimizer_module()
+def install(strategy, settings=None):
+    """Gives `strategy` the package's settings (default: the torus sum, "auto" algorithm), so that
+    optimizers made under it from now on are adopted; `create_strategy` does this itself."""
+    check_keras()
+    strategy.settings = settings or Settings()
+
+
+def uninstall(strategy):
+    """Returns `strategy` to Keras's own gradient sum (optimizers made under it from now on)."""
+    settings = settings_for(strategy)
+    if settings is not None:
+        strategy.settings = dataclasses.replace(settings, reduction="native")
+
+
+# --------------------------------------------------------------------------- start-up checks
+
+
+def _tf_trainer_class():
+    """Keras's TensorFlow trainer class (named `TensorFlowTrainer` up to 3.15, `Trainer` after)."""
+    for cls in keras.Model.__mro__:
+        if cls.__module__ == "keras.src.backend.tensorflow.trainer":
+            return cls
+    return None
+
+
+def _tf_optimizer_class():
+    try:
+        from keras.src.backend.tensorflow.optimizer import TFOptimizer
+    except ImportError:
+        return None
+    return TFOptimizer
+
+
+_NEEDED = (
+    ("TFOptimizer", lambda: _tf_optimizer_class()),
+    ("the TensorFlow trainer's _maybe_symbolic_build", lambda: getattr(_tf_trainer_class(), "_maybe_symbolic_build", None)),
+    ("TFOptimizer._all_reduce_sum_gradients", lambda: getattr(_tf_optimizer_class(), "_all_reduce_sum_gradients", None)),
+    ("BaseOptimizer._backend_apply_gradients", lambda: getattr(keras.optimizers.Optimizer, "_backend_apply_gradients", None)),
+    ("BaseOptimizer._backend_increment_gradient_accumulators", lambda: getattr(keras.optimizers.Optimizer, "_backend_increment_gradient_accumulators", None)),
+    ("BaseOptimizer._backend_reset_gradient_accumulators", lambda: getattr(keras.optimizers.Optimizer, "_backend_reset_gradient_accumulators", None)),
+    ("BaseOptimizer._clip_gradients", lambda: getattr(keras.optimizers.Optimizer, "_clip_gradients", None)),
+    ("BaseOptimizer._get_variable_index", lambda: getattr(keras.optimizers.Optimizer, "_get_variable_index", None)),
+    ("Model._flatten_layers", lambda: getattr(keras.Model, "_flatten_layers", None)),
+)
+
+
+def keras_version():
+    """This Keras's (major, minor) version."""
+    found = re.match(r"(\d+)\.(\d+)", keras.__version__)
+    return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
+
+
+def _version_message(problem):
+    return f"tpu_scale cannot train with Keras {keras.__version__}: {problem}. The package supports keras{SUPPORTED_KERAS} (tested with {', '.join(TESTED_KERAS)}): pip install 'keras{SUPPORTED_KERAS}'."
+
+
+def check_keras():
+    """Checks, at start-up, that this Keras is in the supported range and has every private name the
+    seam uses; wraps `TFOptimizer.__init__` and, while Keras needs it, the trainer's build.
+
+    Raises:
+      ImportError: naming the supported range, the tested versions and the fix (pin Keras).
+    """
+    low, high = _SUPPORTED_RANGE
+    if not low <= keras_version() < high:
+        raise ImportError(_version_message("this version is outside the supported range"))
+    if keras.backend.backend() != "tensorflow":
+        raise ImportError(f"tpu_scale trains with Keras's TensorFlow backend; KERAS_BACKEND is {keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow before importing Keras.")
+    missing = [name for name, find in _NEEDED if find() is None]
+    if missing:
+        raise ImportError(_version_message(f"{', '.join(missing)} not found"))
+    _wrap_optimizer_init()
+    build_from_one_replica()
+
+
+# --------------------------------------------------------------------------- adoption
+
+_lock = threading.Lock()
+_adopted_classes = {}  # a Keras optimizer class -> its adopted subclass (classes only, no state)
+_suspended = threading.local()
+
+
+def _wrap_optimizer_init():
+    """Wraps `TFOptimizer.__init__` once per process: an optimizer made under a strategy with
+    `Settings` is adopted; every other optimizer is Keras's, untouched."""
+    cls = _tf_optimizer_class()
     with _lock:
-        if strategy is not None:
-            _settings.pop(strategy, None)
-        if strategy is None or not len(_settings):
-            _settings.clear()
-            if module.TFOptimizer._all_reduce_sum_gradients is _all_reduce_sum_gradients:
-                module.TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients.original
+        if getattr(cls.__init__, "_tpu_scale_original", None) is not None:
+            return
+        original = cls.__init__
+
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            if not getattr(_suspended, "on", False) and settings_for(tf.distribute.get_strategy()):
+                adopt(self)
+
+        __init__._tpu_scale_original = original
+        cls.__init__ = __init__
 
 
-def is_installed():
-    """True when Keras optimizers route their gradient sum through this module."""
-    return (
-        _keras_optimizer_module().TFOptimizer._all_reduce_sum_gradients is _all_reduce_sum_gradients
-    )
+@contextlib.contextmanager
+def _not_adopting():
+    """Optimizers made inside are Keras's own (the sharded update's inner optimizer)."""
+    _suspended.on = True
+    try:
+        yield
+    finally:
+        _suspended.on = False
+
+
+def adopt(optimizer):
+    """Makes `optimizer` (made under a strategy of `create_strategy`) run through `Seam`.
+
+    Only this object changes: its class becomes a subclass of its own class and `Seam`, named and
+    serialized as its own class, so `isinstance`, `get_config` and saved models are unchanged.
+    """
+    if isinstance(optimizer, Seam):
+        return optimizer
+    cls = type(optimizer)
+    with _lock:
+        adopted = _adopted_classes.get(cls)
+        if adopted is None:
+            namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+            adopted = type(cls.__name__, (Seam, cls), namespace)
+            _adopted_classes[cls] = adopted
+    optimizer.__class__ = adopted
+    return optimizer
+
+
+def keras_class(optimizer):
+    """The optimizer's own class (for an adopted one, the class it was made as)."""
+    cls = type(optimizer)
+    return cls.__mro__[2] if issubclass(cls, Seam) and cls is not Seam else cls
+
+
+class Seam:
+    """What an optimizer made under a strategy of `create_strategy` does differently.
+
+    Each method runs Keras's own code unless the strategy's `Settings` or a traced accumulation
+    phase say otherwise (see the module docstring's map).
+    """
+
+    @property
+    def __class__(self):
+        # What Keras's serialization (and `copy`, `pickle`) sees: the class it was made as, so a
+        # saved adopted optimizer is the same as a plain one. `type()` still gives the adopted one.
+        return keras_class(self)
+
+    # ----------------------------------------------------------------- build and state
+
+    def build(self, variables):
+        settings = settings_for(tf.distribute.get_strategy())
+        if self.built or settings is None or not settings.weight_update_sharding:
+            return super().build(variables)
+        cls = keras_class(self)
+        with _not_adopting():
+            inner = cls.from_config(self.get_config())
+        weight_update.build(self, variables, tf.distribute.get_strategy(), super().build, inner)
+
+    def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
+        slot = weight_update.record_slot(self, reference_variable, name)
+        if slot is not None:  # a sharded build: the state lives 1/N per replica instead
+            return slot
+        return super().add_variable_from_reference(reference_variable, name=name, initializer=initializer)
+
+    def save_own_variables(self, store):
+        state = weight_update.full_state(self)
+        if state is None:
+            return super().save_own_variables(store)
+        for i, value in enumerate(state):
+            store[str(i)] = value
+
+    def load_own_variables(self, store):
+        if not weight_update.load_full_state(self, store):
+            super().load_own_variables(store)
+        _restart_window(self)
+
+    # ----------------------------------------------------------------- the step
+
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        ctx = tf.distribute.get_replica_context()
+        settings = settings_for(ctx.strategy) if ctx is not None else None
+        if settings is None:
+            return super()._all_reduce_sum_gradients(grads_and_vars)
+        grads_and_vars = list(grads_and_vars)
+        if weight_update.is_sharded(self):
+            # The sum, the update and the gather in one: nothing is left for Keras's update.
+            weight_update.update(self, ctx, grads_and_vars, self.learning_rate, settings.gradient_dtype)
+            return []
+        if not settings.torus_sum:
+            return super()._all_reduce_sum_gradients(grads_and_vars)
+        present = [(g, v) for g, v in grads_and_vars if g is not None]
+        if not present:
+            raise ValueError(f"No gradients provided for any variable: {[v.name for _, v in grads_and_vars]}.")
+        summed = iter(
+            torus.all_reduce_sum(
+                [g for g, _ in present],
+                strategy=ctx.strategy,
+                algorithm=settings.algorithm,
+                pack_bytes=settings.pack_bytes,
+                gradient_dtype=settings.gradient_dtype,
+            )
+        )
+        return [(None if g is None else next(summed), v) for g, v in grads_and_vars]
+
+    def _backend_apply_gradients(self, grads, trainable_variables):
+        phase = getattr(self, "_tpu_scale_phase", None)
+        if phase is None or not self.gradient_accumulation_steps:
+            return super()._backend_apply_gradients(grads, trainable_variables)
+        # Keras's accumulation, one branch at a time (see `run_train_step`).
+        accumulators = [self._accumulated_gradients[self._get_variable_index(v)] for v in trainable_variables]
+        if phase == _ACCUMULATE:
+            self._backend_increment_gradient_accumulators(grads, accumulators)
+            return
+        steps = self.gradient_accumulation_steps
+        grads = [(g + a) / steps for g, a in zip(grads, accumulators)]
+        grads = self._clip_gradients(grads)
+        self._apply_weight_decay(trainable_variables)
+        self._backend_update_step(grads, trainable_variables, self.learning_rate)
+        self._backend_reset_gradient_accumulators()
+
+
+def _restart_window(optimizer):
+    """After a restore under several replicas, an accumulation window in progress starts again.
+
+    Each replica accumulates its own local gradients, but a saved accumulator holds only the first
+    replica's: restoring it into every replica would count that replica's partial sum once per
+    replica. So after a restore in the middle of a window the accumulators are zeroed and the step
+    counter goes back to the window's start: the window's micro-batches seen before the save are
+    dropped, and the next `gradient_accumulation_steps` micro-batches form a full window.
+    `optimizer.iterations` (and so every completed update) is unchanged.
+    """
+    steps = optimizer.gradient_accumulation_steps
+    strategy = getattr(optimizer, "_distribution_strategy", None)
+    if not steps or strategy is None or strategy.num_replicas_in_sync < 2:
+        return
+    done = int(optimizer._iterations.numpy())
+    if done % steps:
+        optimizer._iterations.assign(done - done % steps)
+        optimizer._backend_reset_gradient_accumulators()
+
+
+# --------------------------------------------------------------------------- a workaround: Keras
+# gradient accumulation under a strategy (indexed in _workarounds.py)
+
+_ACCUMULATE, _UPDATE = "accumulate", "update"
+
+
+def accumulation_needs_phases():
+    """True while Keras applies an accumulated update inside a condition in replica context.
+
+    Why: Keras 3 applies it inside `cond(is_update_step, update, accumulate)` in
+    `BaseOptimizer._backend_apply_gradients`. Both branches synchronize the replicas (`merge_call`
+    for the gradient sum and `extended.update`), which a MirroredStrategy cannot do inside a
+    control-flow branch: `RuntimeError: ... merge_call called while defining a new graph or a
+    tf.function`. `run_train_step` moves the condition out of the replicas: it traces Keras's train
+    step once per phase and picks one with a `tf.cond` in cross-replica context, where a strategy
+    may run replica functions inside a branch (as Keras's own `steps_per_execution` loop does);
+    `Seam._backend_apply_gradients` does, without the condition, what Keras does in that branch.
+    What Keras keeps is unchanged: its counter counts micro-batches, a learning-rate schedule is
+    evaluated at the micro-batch count, clipping sees each replica's accumulated gradient before
+    the sum, and batch-norm statistics are each micro-batch's.
+
+    Upstream: keras-team/keras#20582 ("Rethink the conditional in the gradient accumulation",
+    open); seen with Keras 3.12.4, 3.15.1 and 3.16.0.dev2026102704 on TF 2.21. It turns itself off
+    when Keras's `_backend_apply_gradients` no longer branches on `is_update_step`; how to tell it
+    can go: `tests/test_accumulation.py::test_keras_own_accumulation_fails_under_a_strategy` fails.
+    """
+    source = inspect.getsource(keras.optimizers.Optimizer._backend_apply_gradients)
+    return "is_update_step" in source and "cond(" in source
+
+
+def _accumulating_optimizer(fn):
+    """The optimizer of the Keras model whose `train_step` `fn` is, when it accumulates; else
+    None."""
+    model = getattr(fn, "__self__", None)
+    if getattr(fn, "__name__", None) != "train_step" or not isinstance(model, keras.Model):
+        return None
+    optimizer = getattr(model, "optimizer", None)
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # a LossScaleOptimizer's
+    if optimizer is None or not getattr(optimizer, "gradient_accumulation_steps", None):
+        return None
+    return optimizer
+
+
+def run_train_step(run, strategy, fn, args=(), kwargs=None, options=None):
+    """`strategy.run(fn, ...)`, with Keras's train step split by accumulation phase.
+
+    Args:
+      run: the strategy class's own `run`.
+      strategy: the strategy.
+      fn, args, kwargs, options: as for `tf.distribute.Strategy.run`.
+
+    Returns:
+      What `run` returns.
+
+    Raises:
+      ValueError: when the step is compiled with XLA on several logical CPU devices
+        (`check_jit_compile`), or accumulation is combined with `use_ema`.
+    """
+    check_jit_compile(strategy)
+    optimizer = _accumulating_optimizer(fn)
+    if optimizer is None or not isinstance(optimizer, Seam) or not accumulation_needs_phases():
+        return run(fn, args=args, kwargs=kwargs, options=options)
+    if optimizer.use_ema:
+        raise ValueError(f"{keras_class(optimizer).__name__}(gradient_accumulation_steps={optimizer.gradient_accumulation_steps}, use_ema=True) cannot train under a tf.distribute strategy: Keras updates the moving average in a branch that synchronizes the replicas. Use either gradient_accumulation_steps or use_ema.")
+
+    def phase(name):
+        def step():
+            optimizer._tpu_scale_phase = name
+            try:
+                return run(fn, args=args, kwargs=kwargs, options=options)
+            finally:
+                optimizer._tpu_scale_phase = None
+
+        return step
+
+    steps = optimizer.gradient_accumulation_steps
+    is_update = tf.equal((optimizer._iterations + 1) % steps, 0)
+    if tf.executing_eagerly():
+        return phase(_UPDATE if bool(is_update) else _ACCUMULATE)()
+    return tf.cond(is_update, phase(_UPDATE), phase(_ACCUMULATE))
+
+
+# --------------------------------------------------------------------------- a workaround: Keras
+# evaluate with a partial first batch (indexed in _workarounds.py)
+
+
+def build_from_one_replica_needed():
+    """True while Keras's trainer learns input shapes from the replicas' mean first batch."""
+    method = _tf_trainer_class()._maybe_symbolic_build
+    source = inspect.getsource(getattr(method, "_tpu_scale_original", method))
+    return '"MEAN"' in source
+
+
+def build_from_one_replica():
+    """Lets Keras build a model for `evaluate`/`predict` from one replica's first batch.
+
+    Why: before evaluating or predicting under a strategy, Keras 3 takes the first distributed
+    batch and asks the strategy for its mean over the replicas (`strategy.reduce("MEAN", batch,
+    axis=None)`), only to learn the input shapes. When the data end within the first global batch
+    (a validation set smaller than the global batch), the replicas' batches differ in size, some
+    empty, and the mean fails: "Inputs to operation AddN of type AddN must have the same size and
+    shape". The wrapper reads the same first batch, takes the largest of this process's replica
+    batches instead of their mean, and hands it to Keras's own method as its `data_batch`.
+
+    Upstream: keras-team/keras#19246; seen with Keras 3.12.4, 3.15.1 and 3.16.0.dev2026102704 on
+    TF 2.21. It turns itself off when Keras's method no longer takes that mean; how to tell it can
+    go: `tests/test_workarounds.py::test_evaluate_a_validation_set_smaller_than_the_batch` passes
+    with Keras's own `_maybe_symbolic_build`.
+
+    Applied once per process by `check_keras` (so by `create_strategy`); idempotent.
+    """
+    cls = _tf_trainer_class()
+    with _lock:
+        current = cls._maybe_symbolic_build
+        if getattr(current, "_tpu_scale_original", None) is not None or not build_from_one_replica_needed():
+            return
+
+        def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+            strategy = self._distribute_strategy
+            if iterator is not None and strategy is not None:
+                for _, _, it in iterator:
+                    data_batch = _largest_replica_batch(strategy, next(it))
+                    break
+                iterator = None
+            return current(self, iterator=iterator, data_batch=data_batch)
+
+        _maybe_symbolic_build._tpu_scale_original = current
+        cls._maybe_symbolic_build = _maybe_symbolic_build
+
+
+def _largest_replica_batch(strategy, batch):
+    flat = tf.nest.flatten(batch)
+    if not flat or not all(isinstance(v, tf.distribute.DistributedValues) for v in flat):
+        return batch
+    local = [strategy.experimental_local_results(v) for v in flat]
+    sizes = [int(tf.shape(value)[0]) if value.shape.rank else 1 for value in local[0]]
+    largest = sizes.index(max(sizes))
+    return tf.nest.pack_sequence_as(batch, [values[largest] for values in local])
+
+
+# --------------------------------------------------------------------------- other Keras internals
 
 
 def is_functional_or_sequential(model):
@@ -218,216 +522,6 @@ def learning_rate_of(optimizer):
     return getattr(optimizer, "_learning_rate", None)
 
 
-# --------------------------------------------------------------------------- a workaround: Keras
-# evaluate with a partial first batch (indexed in _workarounds.py)
-
-_build_from_one_replica_applied = False
-
-
-def build_from_one_replica():
-    """Lets Keras build a model for `evaluate`/`predict` from one replica's first batch.
-
-    Why: before evaluating or predicting under a strategy, Keras 3 takes the first distributed
-    batch and asks the strategy for its mean over the replicas (`strategy.reduce("MEAN", batch,
-    axis=None)`), only to learn the input shapes. When the data end within the first global batch
-    (a validation set smaller than the global batch), the replicas' batches differ in size, some
-    empty, and the mean fails: "Inputs to operation AddN of type AddN must have the same size and
-    shape. Input 0: [14,64,64,3] != input 1: [0,64,64,3]". The replacement reads the same first
-    batch and takes the largest of this process's replica batches instead of their mean; the
-    build itself is Keras's own.
-
-    Upstream: keras-team/keras#19246; seen with Keras 3.15.1 on TF 2.21. How to tell it can go:
-    `tests/test_workarounds.py::test_evaluate_a_validation_set_smaller_than_the_batch` passes
-    with Keras's own `_maybe_symbolic_build`.
-
-    Applied once per process by `create_strategy`; idempotent. Here rather than in
-    `_workarounds.py` because it replaces a private Keras method.
-    """
-    global _build_from_one_replica_applied
-    if _build_from_one_replica_applied:
-        return
-    from keras.src.backend.tensorflow import trainer
-
-    def maybe_symbolic_build(self, iterator=None, data_batch=None):
-        strategy = self._distribute_strategy
-        if strategy is None:
-            return  # Keras defers the build to the first traced step
-        if iterator is not None:
-            for _, _, it in iterator:
-                data_batch = _largest_replica_batch(strategy, next(it))
-                break
-        with strategy.scope():
-            self._symbolic_build(data_batch=data_batch)
-
-    def _largest_replica_batch(strategy, batch):
-        flat = tf.nest.flatten(batch)
-        if not flat or not all(isinstance(v, tf.distribute.DistributedValues) for v in flat):
-            return batch
-        local = [strategy.experimental_local_results(v) for v in flat]
-        sizes = [int(tf.shape(value)[0]) if value.shape.rank else 1 for value in local[0]]
-        largest = sizes.index(max(sizes))
-        return tf.nest.pack_sequence_as(batch, [values[largest] for values in local])
-
-    trainer.TensorFlowTrainer._maybe_symbolic_build = maybe_symbolic_build
-    _build_from_one_replica_applied = True
-
-
-# --------------------------------------------------------------------------- a workaround: Keras
-# gradient accumulation under a strategy (indexed in _workarounds.py)
-
-_phases = {}  # id(optimizer) -> "accumulate" | "update", while a train step is traced
-_accumulation_applied = False
-_ACCUMULATE, _UPDATE = "accumulate", "update"
-
-
-def accumulation_under_strategies():
-    """Lets `gradient_accumulation_steps` train under a `tf.distribute` strategy in `model.fit`.
-
-    Why: Keras 3 applies an accumulated update inside `ops.cond(is_update_step, update,
-    accumulate)` in replica context (`BaseOptimizer._backend_apply_gradients`). Both branches
-    synchronize the replicas (`merge_call` for the gradient sum and `extended.update`), which a
-    MirroredStrategy cannot do inside a control-flow branch: `RuntimeError: Exception encountered
-    when calling Cond.call(). merge_call called while defining a new graph or a tf.function`.
-
-    The fix moves the condition out of the replicas: `run_train_step` (called by the strategies of
-    `create_strategy` from their `run`) traces Keras's train step twice, once per phase, and picks
-    one with a `tf.cond` in cross-replica context, where a strategy may run replica functions
-    inside a branch (as Keras's own `steps_per_execution` loop does). This module's
-    `_backend_apply_gradients` reads the phase being traced and does, without a condition, what
-    Keras does in that branch: "accumulate" adds each replica's local gradient to its own
-    accumulators (no cross-replica sum); "update" adds the last micro-batch, divides by
-    `gradient_accumulation_steps`, clips, applies weight decay, sums over the replicas once (the
-    torus or the strategy's own sum) and applies the optimizer, then zeroes the accumulators.
-    What Keras keeps is unchanged: its counter counts micro-batches (`optimizer.iterations`
-    divides it by the number of steps, so it counts updates), a learning-rate schedule is
-    evaluated at the micro-batch count, clipping sees each replica's accumulated gradient before
-    the sum, and batch-norm statistics are each micro-batch's. Outside a phase (no strategy from
-    `create_strategy`, or no accumulation) Keras's own method runs. A restore in the middle of a
-    window (the accumulators are optimizer variables, saved with the weights, but only the first
-    replica's) drops that window instead of counting one replica's partial sum on every replica
-    (`_load_own_variables`).
-
-    Upstream: keras-team/keras#20582 ("Rethink the conditional in the gradient accumulation",
-    open); seen with Keras 3.15.1 on TF 2.21. How to tell it can go:
-    `tests/test_accumulation.py::test_keras_own_accumulation_fails_under_a_strategy` fails (Keras's
-    own code then trains under MirroredStrategy).
-
-    Applied once per process by `create_strategy`; idempotent. Here rather than in
-    `_workarounds.py` because it replaces a private Keras method.
-    """
-    global _accumulation_applied
-    if _accumulation_applied:
-        return
-    from keras.src.backend.tensorflow import optimizer as module
-
-    _backend_apply_gradients.original = module.TFOptimizer._backend_apply_gradients
-    module.TFOptimizer._backend_apply_gradients = _backend_apply_gradients
-    _load_own_variables.original = module.TFOptimizer.load_own_variables
-    module.TFOptimizer.load_own_variables = _load_own_variables
-    _accumulation_applied = True
-
-
-def _accumulating_optimizer(fn):
-    """The optimizer of the Keras model whose `train_step` `fn` is, when it accumulates; else
-    None."""
-    model = getattr(fn, "__self__", None)
-    if getattr(fn, "__name__", None) != "train_step" or not isinstance(model, keras.Model):
-        return None
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is None or not getattr(optimizer, "gradient_accumulation_steps", None):
-        return None
-    return optimizer
-
-
-def run_train_step(run, strategy, fn, args=(), kwargs=None, options=None):
-    """`strategy.run(fn, ...)`, with Keras's train step split by accumulation phase.
-
-    Args:
-      run: the strategy class's own `run`.
-      strategy: the strategy.
-      fn, args, kwargs, options: as for `tf.distribute.Strategy.run`.
-
-    Returns:
-      What `run` returns.
-
-    Raises:
-      ValueError: when the step is compiled with XLA on several logical CPU devices
-        (`check_jit_compile`), or accumulation is combined with `use_ema`.
-    """
-    check_jit_compile(strategy)
-    optimizer = _accumulating_optimizer(fn) if _accumulation_applied else None
-    if optimizer is None:
-        return run(fn, args=args, kwargs=kwargs, options=options)
-    if optimizer.use_ema:
-        raise ValueError(
-            f"{type(optimizer).__name__}(gradient_accumulation_steps="
-            f"{optimizer.gradient_accumulation_steps}, use_ema=True) cannot train under a "
-            "tf.distribute strategy: Keras updates the moving average in a branch that "
-            "synchronizes the replicas. Use either gradient_accumulation_steps or use_ema."
-        )
-
-    def phase(name):
-        def step():
-            _phases[id(optimizer)] = name
-            try:
-                return run(fn, args=args, kwargs=kwargs, options=options)
-            finally:
-                _phases.pop(id(optimizer), None)
-
-        return step
-
-    steps = optimizer.gradient_accumulation_steps
-    is_update = tf.equal((optimizer._iterations + 1) % steps, 0)
-    if tf.executing_eagerly():
-        return phase(_UPDATE if bool(is_update) else _ACCUMULATE)()
-    return tf.cond(is_update, phase(_UPDATE), phase(_ACCUMULATE))
-
-
-def _backend_apply_gradients(self, grads, trainable_variables):
-    """Keras's update with gradient accumulation, one phase at a time (see
-    `accumulation_under_strategies`)."""
-    phase = _phases.get(id(self))
-    if phase is None or not self.gradient_accumulation_steps:
-        return _backend_apply_gradients.original(self, grads, trainable_variables)
-    accumulators = [
-        self._accumulated_gradients[self._get_variable_index(v)] for v in trainable_variables
-    ]
-    if phase == _ACCUMULATE:
-        self._backend_increment_gradient_accumulators(grads, accumulators)
-        return
-    steps = self.gradient_accumulation_steps
-    grads = [(g + a) / steps for g, a in zip(grads, accumulators)]
-    grads = self._clip_gradients(grads)
-    self._apply_weight_decay(trainable_variables)
-    self._backend_update_step(grads, trainable_variables, self.learning_rate)
-    self._backend_reset_gradient_accumulators()
-
-
-def _load_own_variables(self, store):
-    """Keras's optimizer restore; under several replicas, a window in progress starts again.
-
-    Each replica accumulates its own local gradients, but a saved accumulator holds only the
-    first replica's. Restoring it into every replica would count that replica's partial sum once
-    per replica, so after a restore in the middle of an accumulation window the accumulators are
-    zeroed and the step counter goes back to the window's start: the window's micro-batches seen
-    before the save are dropped, and the next `gradient_accumulation_steps` micro-batches form a
-    full window. `optimizer.iterations` (and so every completed update) is unchanged.
-    """
-    if not weight_update.load_full_state(self, store):  # a sharded update's state is resharded
-        _load_own_variables.original(self, store)
-    steps = self.gradient_accumulation_steps
-    strategy = getattr(self, "_distribution_strategy", None)
-    if not steps or strategy is None or strategy.num_replicas_in_sync < 2:
-        return
-    done = int(self._iterations.numpy())
-    if done % steps:
-        self._iterations.assign(done - done % steps)
-        self._backend_reset_gradient_accumulators()
-
-
-# --------------------------------------------------------------------------- XLA on virtual CPUs
-
-
 def check_jit_compile(strategy):
     """Raises a clear error before a step compiled with XLA runs on several logical CPU devices.
 
@@ -452,76 +546,4 @@ def check_jit_compile(strategy):
     devices = strategy.extended.worker_devices
     cpus = [d for d in devices if tf.DeviceSpec.from_string(d).device_type in (None, "CPU")]
     if len(cpus) > 1:
-        raise ValueError(
-            f"jit_compile=True cannot run on {len(cpus)} logical CPU replicas: XLA compiles the "
-            "step for one device and cannot place the other replicas' variables on it (TensorFlow "
-            "fails with 'Trying to access resource ... from device CPU:0'). Compile with "
-            "jit_compile=False (model.compile(..., jit_compile=False)), or use one CPU replica "
-            "(create_strategy(num_cpu_replicas=1)); XLA works on TPU and GPU replicas."
-        )
-
-
-# --------------------------------------------------------------------------- weight-update sharding
-
-_sharding_hooked = False
-
-
-def shard_weight_updates():
-    """Routes SGD's and Adam's `build` (AdamW's too) and the optimizer's weight decay, update and
-    save through `tpu_scale.weight_update`.
-
-    Each wrapper runs Keras's own code unless the strategy (or the optimizer) is sharded; the
-    restore goes through `_load_own_variables` (installed by `accumulation_under_strategies`).
-    Called by `create_strategy(..., weight_update_sharding=True)`; idempotent.
-    """
-    global _sharding_hooked
-    if _sharding_hooked:
-        return
-    from keras.src.backend.tensorflow import optimizer as module
-
-    accumulation_under_strategies()  # the restore of a sharded state lives in its load
-    sgd_build = keras.optimizers.SGD.build
-    adam_build = keras.optimizers.Adam.build
-    update_step = module.TFOptimizer._backend_update_step
-    save = module.TFOptimizer.save_own_variables
-    apply_decay = module.TFOptimizer._apply_weight_decay
-
-    def build(self, variables):
-        return weight_update.build_sgd(self, variables, sgd_build)
-
-    def build_adam(self, variables):
-        if weight_update.build_adam(self, variables, adam_build):
-            self._momentums, self._velocities = [], []  # the sharded slots stand for them
-
-    def backend_update_step(self, grads, trainable_variables, learning_rate):
-        indices = [self._get_variable_index(v) for v in trainable_variables]
-        ctx = tf.distribute.get_replica_context()
-        settings = settings_for(ctx.strategy) if ctx is not None else None
-        if not weight_update.update(
-            self,
-            grads,
-            trainable_variables,
-            indices,
-            learning_rate,
-            self._use_weight_decay,
-            transport_dtype=settings.gradient_dtype if settings else None,
-        ):
-            update_step(self, grads, trainable_variables, learning_rate)
-
-    def apply_weight_decay(self, variables):
-        if not weight_update.decays_in_update(self):  # else each replica decays its shard
-            apply_decay(self, variables)
-
-    def save_own_variables(self, store):
-        state = weight_update.full_state(self)
-        if state is None:
-            return save(self, store)
-        for i, value in enumerate(state):
-            store[str(i)] = value
-
-    keras.optimizers.SGD.build = build
-    keras.optimizers.Adam.build = build_adam
-    module.TFOptimizer._backend_update_step = backend_update_step
-    module.TFOptimizer.save_own_variables = save_own_variables
-    module.TFOptimizer._apply_weight_decay = apply_weight_decay
-    _sharding_hooked = True
+        raise ValueError(f"jit_compile=True cannot run on {len(cpus)} logical CPU replicas: XLA compiles the step for one device and cannot place the other replicas' variables on it (TensorFlow fails with 'Trying to access resource ... from device CPU:0'). Compile with jit_compile=False (model.compile(..., jit_compile=False)), or use one CPU replica (create_strategy(num_cpu_replicas=1)); XLA works on TPU and GPU replicas.")

@@ -5,8 +5,6 @@ import re
 import keras
 from keras import ops
 
-from tpu_scale import weight_update
-
 # Batch-norm scales and offsets and biases: few parameters, no useful notion of a per-layer
 # "weight norm" to adapt to, and decaying them only hurts. The rank rule below catches them
 # whatever their layer is called; these patterns catch them by name as well.
@@ -145,11 +143,6 @@ class LARS(keras.optimizers.Optimizer):
         # strategy. Indexed like `self.momentums`.
         self._decay_flags = [self._decays(v) for v in variables]
         self._adapt_flags = [self._adapts(v) for v in variables]
-        # Under `create_strategy(..., weight_update_sharding=True)` each replica holds 1/N of
-        # the velocities instead (`tpu_scale.weight_update`).
-        if weight_update.build_lars(self, variables, self._decay_flags, self._adapt_flags):
-            self.momentums = []
-            return
         self.momentums = self.add_optimizer_variables(variables, "momentum")
 
     def _excluded_by(self, variable, patterns):
@@ -173,43 +166,55 @@ class LARS(keras.optimizers.Optimizer):
         # LARS folds the decay into the gradient and the trust ratio instead.
         return
 
-    def update_step(self, gradient, variable, learning_rate):
-        """Update step given gradient and the associated model variable."""
-        index = self._get_variable_index(variable)
+    def layer_factors(self, index, weight_norm, grad_norm):
+        """Variable `index`'s learning-rate factor (its trust ratio, or 1 when it is excluded from
+        layer adaptation) and weight decay (0 when it is excluded), from its weight and gradient
+        norms. With `scaled_update`, the rule in the two parts a sharded update needs
+        (`tpu_scale.weight_update`: the norms of a variable split across replicas are summed
+        first)."""
+        dtype = weight_norm.dtype
+        decay = self.weight_decay if self._decay_flags[index] else 0.0
+        weight_decay = ops.cast(decay, dtype)
+        if not self._adapt_flags[index]:
+            return ops.ones_like(weight_norm), weight_decay
+        denominator = grad_norm + weight_decay * weight_norm
+        # A fresh zero-initialized variable, or one with no gradient this step, has no scale to
+        # adapt to: fall back to the plain learning rate rather than 0 or NaN.
+        usable = ops.logical_and(ops.greater(weight_norm, 0.0), ops.greater(grad_norm, 0.0))
+        safe_denominator = ops.where(usable, denominator, ops.ones_like(denominator))
+        trust_ratio = ops.where(
+            usable,
+            ops.cast(self.eta, dtype) * weight_norm / safe_denominator,
+            ops.ones_like(weight_norm),
+        )
+        return trust_ratio, weight_decay
+
+    def scaled_update(self, gradient, variable, rate, weight_decay):
+        """The element-wise part of the rule: `velocity = momentum * velocity + rate * (gradient +
+        weight_decay * variable)`, `variable -= velocity`, with `rate` the learning rate times the
+        layer's factor (scalars, or one value per element)."""
         dtype = variable.dtype
-        learning_rate = ops.cast(learning_rate, dtype)
-        gradient = ops.cast(ops.convert_to_tensor(gradient), dtype)
-        weights = ops.convert_to_tensor(variable)
-        velocity = self.momentums[index]
-
-        if self._decay_flags[index]:
-            weight_decay = ops.cast(self.weight_decay, dtype)
-            update = gradient + weight_decay * weights
-        else:
-            weight_decay = ops.cast(0.0, dtype)
-            update = gradient
-
-        if self._adapt_flags[index]:
-            w_norm = ops.sqrt(ops.sum(ops.square(weights)))
-            g_norm = ops.sqrt(ops.sum(ops.square(gradient)))
-            denominator = g_norm + weight_decay * w_norm
-            # A fresh zero-initialized variable, or one with no gradient this step, has no
-            # scale to adapt to: fall back to the plain learning rate rather than 0 or NaN.
-            usable = ops.logical_and(ops.greater(w_norm, 0.0), ops.greater(g_norm, 0.0))
-            safe_denominator = ops.where(usable, denominator, ops.ones_like(denominator))
-            trust_ratio = ops.where(
-                usable, ops.cast(self.eta, dtype) * w_norm / safe_denominator, ops.ones_like(w_norm)
-            )
-            learning_rate = learning_rate * trust_ratio
-
+        velocity = self.momentums[self._get_variable_index(variable)]
+        update = ops.cast(gradient, dtype) + weight_decay * ops.convert_to_tensor(variable)
         self.assign(
             velocity,
             ops.add(
                 ops.multiply(velocity, ops.cast(self.momentum, dtype)),
-                ops.multiply(update, learning_rate),
+                ops.multiply(update, rate),
             ),
         )
         self.assign_sub(variable, velocity)
+
+    def update_step(self, gradient, variable, learning_rate):
+        """Update step given gradient and the associated model variable."""
+        index = self._get_variable_index(variable)
+        dtype = variable.dtype
+        gradient = ops.cast(ops.convert_to_tensor(gradient), dtype)
+        weights = ops.convert_to_tensor(variable)
+        factor, weight_decay = self.layer_factors(
+            index, ops.sqrt(ops.sum(ops.square(weights))), ops.sqrt(ops.sum(ops.square(gradient)))
+        )
+        self.scaled_update(gradient, variable, ops.cast(learning_rate, dtype) * factor, weight_decay)
 
     def get_config(self):
         config = super().get_config()

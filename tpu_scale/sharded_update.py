@@ -1,7 +1,7 @@
 """The sharded weight update's step: each replica sums, updates and hands out its shard.
 
-`tpu_scale.weight_update` holds the layout, the sharded state and what the Keras hooks call; this
-module builds the step itself, in replica context, from the optimizer's update:
+`tpu_scale.weight_update` holds the layout, the sharded state and what the Keras seam calls; this
+module builds the step itself, in replica context, from the optimizer's gradient sum:
 
 * one host: every replica lives in this process. One merge call builds the reduce-scatter, the
   update and the all-gather from plain ops on the replicas' devices: no collective op and no fused
@@ -11,14 +11,16 @@ module builds the step itself, in replica context, from the optimizer's update:
   shard `l * workers + r`. Its gradient shard is the torus sum's first two phases: a reduce-scatter
   along its worker's row (plain ops, in a merge call) and one down its mesh column (a collective op
   across the workers, in the strategy's `gradient_dtype` when that is narrower). The replica
-  updates its pieces (LARS's norms summed along the row and down the column alike), and the
-  updated shards come back by the same two phases in reverse: an all-gather down the column (a
+  updates its shard (a layer-wise rule's norms summed along the row and down the column alike), and
+  the updated shards come back by the same two phases in reverse: an all-gather down the column (a
   collective op, in the weights' own dtype), then, in a merge call, every local copy written from
   the worker's gathered chunks.
 
-The update rules are Keras's own arithmetic (`keras.optimizers.SGD`, `Adam`) and
-`tpu_scale.optimizers.LARS`'s, applied piece by piece; under mixed precision they run on the
-float32 master weights.
+The update itself is the optimizer's own: Keras's `update_step` of the inner optimizer on each
+replica's shard, run by `extended.update` as Keras runs it on a replicated variable (each replica's
+call reads and writes that replica's part of the inner optimizer's variables). A layer-wise rule
+runs its element-wise part, `scaled_update`, with each piece's rate and decay from
+`layer_factors`.
 """
 
 import contextlib
@@ -29,29 +31,28 @@ from tensorflow.python.distribute import values as values_lib
 from tpu_scale import collectives, context
 
 
-def update(ctx, optimizer, state, grads, values, learning_rate, decayed, transport_dtype=None):
+def update(ctx, state, grads, values, learning_rate, layer=None, gradient_dtype=None):
     """The sharded update of one replica, on one host or across workers (the module docstring).
 
     Args:
       ctx: the replica context.
-      optimizer: the optimizer.
-      state: its `weight_update.Sharded` state.
+      state: the optimizer's `weight_update.Sharded` state.
       grads: this replica's flattened local gradients, one per variable.
       values: the variables (their replica-local values).
       learning_rate: the step's learning rate.
-      decayed: per variable, whether Keras's decoupled weight decay applies to it here.
-      transport_dtype: across workers, a narrower float dtype (e.g. `"bfloat16"`) for the
+      layer: for a layer-wise rule, the optimizer, whose `layer_factors(index, weight_norm,
+        grad_norm)` gives the rate factor and weight decay of variable `index`; None for an
+        element-wise rule.
+      gradient_dtype: across workers, a narrower float dtype (e.g. `"bfloat16"`) for the
         gradient's phase between the workers, or None.
     """
     if not state.across_workers:
-        ctx.merge_call(
-            _update_in_graph, args=(optimizer, state, grads, values, learning_rate, decayed)
-        )
+        ctx.merge_call(_update_in_graph, args=(state, grads, values, learning_rate, layer))
         return
-    _across_workers(ctx, optimizer, state, grads, values, learning_rate, decayed, transport_dtype)
+    _across_workers(ctx, state, grads, values, learning_rate, layer, gradient_dtype)
 
 
-def _across_workers(ctx, optimizer, state, grads, values, learning_rate, decayed, transport_dtype):
+def _across_workers(ctx, state, grads, values, learning_rate, layer, gradient_dtype):
     """`update` across workers, one mesh row per worker."""
     strategy, layout, workers = ctx.strategy, state.layout, state.workers
     index = int(tf.get_static_value(ctx.replica_id_in_sync_group)) % len(state.owned)
@@ -60,34 +61,28 @@ def _across_workers(ctx, optimizer, state, grads, values, learning_rate, decayed
     # This replica's chunk of its row's sum.
     chunk = ctx.merge_call(_row_sums, args=(flat, len(state.owned)))
     wide = chunk.dtype
-    if transport_dtype is not None and tf.as_dtype(transport_dtype).size < wide.size:
-        chunk = tf.cast(chunk, transport_dtype)  # the phase between the workers only
+    if gradient_dtype is not None and tf.as_dtype(gradient_dtype).size < wide.size:
+        chunk = tf.cast(chunk, gradient_dtype)  # the phase between the workers only
     grad = _down_column(chunk, columns, state.rank, workers, "reduce_scatter")
-    grad = tf.reshape(tf.cast(grad, wide), [layout.shard])  # collectives leave the length unknown
-    pieces = []
-    with tf.name_scope(f"update_{index}"):
-        slots = {name: tf.convert_to_tensor(v.value) for name, v in state.slots.items()}
-        for var, a, b, offset in layout.pieces(state.owned[index]):
-            weight = tf.reshape(tf.convert_to_tensor(values[var]), [-1])[a:b]
-            pieces.append(
-                _Piece(
-                    var,
-                    weight,
-                    tf.cast(grad[offset : offset + b - a], weight.dtype),
-                    {name: s[offset : offset + b - a] for name, s in slots.items()},
-                )
-            )
-        if state.kind == "lars":
-            norms = _squared_norms(state, pieces)
-            norms = collectives.group_sum(norms, strategy.mesh.row_groups(), latency_bound=True)
-            norms = collectives.group_sum(norms, columns)
-            _set_lars_scales(optimizer, state, pieces, norms, learning_rate)
-        _apply(optimizer, state, pieces, learning_rate, decayed)
-        new_slots = {name: _shard_of(layout, pieces, name, s.dtype) for name, s in slots.items()}
-        new_weights = _shard_of(layout, pieces, None, state.dtype)
+    grad = tf.reshape(tf.cast(grad, state.dtype), [layout.shard])  # collectives lose the length
+    pieces = layout.pieces(state.owned[index])
+    weights = [
+        _part(tf.reshape(tf.convert_to_tensor(values[var]), [-1]), a, b, layout.sizes[var])
+        for var, a, b, _ in pieces
+    ]
+    weight = _padded(weights, layout.shard, state.dtype)
+    rate = decay = None
+    if layer is not None:
+        norms = _squared_norms(len(layout.sizes), pieces, weights, _pieces_of(grad, pieces))
+        norms = collectives.group_sum(norms, strategy.mesh.row_groups(), latency_bound=True)
+        norms = collectives.group_sum(norms, columns)
+        rate, decay = _layer_vectors(layer, layout, pieces, norms, learning_rate, state.dtype)
+    new_weights = ctx.merge_call(
+        _apply_to_shards, args=(state, weight, grad, learning_rate, rate, decay)
+    )
     gathered = _down_column(new_weights, columns, state.rank, workers, "all_gather")
     gathered = tf.reshape(gathered, [workers * layout.shard])
-    ctx.merge_call(_write_chunks, args=(state, values, gathered, new_slots))
+    ctx.merge_call(_write_chunks, args=(state, values, gathered))
 
 
 def _row_sums(strategy, flat, local):
@@ -124,33 +119,15 @@ def _down_column(x, columns, rank, workers, kind):
     return collectives.group_sum(placed, columns)
 
 
-def _shard_of(layout, pieces, slot, dtype):
-    """The replica's updated shard, `layout.shard` long.
+def _write_chunks(strategy, state, variables, gathered):
+    """Merge call: writes every local copy of the variables from the worker's gathered chunks.
 
-    Its pieces' new weights (`slot` None) or values of `slot`, padded with zeros."""
-    parts = [p.weight if slot is None else p.slots[slot] for p in pieces]
-    tail = layout.shard - sum(int(p.weight.shape[0]) for p in pieces)
-    if tail:
-        parts.append(tf.zeros([tail], dtype))
-    return parts[0] if len(parts) == 1 else tf.concat(parts, 0)
-
-
-def _write_chunks(strategy, state, variables, gathered, new_slots):
-    """Merge call: writes the local replicas' new state and every local copy of the variables.
-
-    Each replica's slot shards take its new values; each variable is rebuilt from the worker's
-    gathered chunks (chunk `l`, on replica `l`, covers positions `[l * size, (l + 1) * size)` of the
-    flattened variables) and written to every local copy."""
+    Chunk `l`, on replica `l`, covers positions `[l * size, (l + 1) * size)` of the flattened
+    variables; each variable is rebuilt from the chunks that cover it."""
     layout = state.layout
     devices = strategy.extended.worker_devices
     chunks = strategy.experimental_local_results(gathered)
     size = int(chunks[0].shape[0])
-    for name, variable in state.slots.items():
-        for part, value in zip(
-            strategy.experimental_local_results(variable.value),
-            strategy.experimental_local_results(new_slots[name]),
-        ):
-            part.assign(value)
     for var, (a, b) in enumerate(zip(layout.offsets[:-1], layout.offsets[1:])):
         if a == b:
             continue
@@ -172,7 +149,51 @@ def _part(flat, a, b, size):
     return flat if (a, b) == (0, size) else flat[a:b]
 
 
-def _update_in_graph(strategy, optimizer, state, grads, variables, learning_rate, decayed):
+def _padded(parts, length, dtype):
+    """`parts` end to end, padded with zeros to `length`."""
+    tail = length - sum(int(p.shape[0]) for p in parts)
+    if tail:
+        parts = list(parts) + [tf.zeros([tail], dtype)]
+    return parts[0] if len(parts) == 1 else tf.concat(parts, 0)
+
+
+def _pieces_of(shard, pieces):
+    """The parts of a flat shard that are `pieces`."""
+    return [shard[offset : offset + b - a] for _, a, b, offset in pieces]
+
+
+def _local(strategy, value, i):
+    """Replica `i`'s part of `value` (a distributed value, or one value for every replica)."""
+    parts = strategy.experimental_local_results(value)
+    return parts[i] if len(parts) > 1 else parts[0]
+
+
+def _apply_to_shards(strategy, state, weights, grads, learning_rate, rates=None, decays=None):
+    """Merge call: each replica's shard of the weights into the inner optimizer's variable, the
+    optimizer's own update on it, and each replica's updated shard back (per replica)."""
+    inner, variable = state.inner, state.weights.value
+    devices = strategy.extended.worker_devices
+    for i, (part, device) in enumerate(zip(strategy.experimental_local_results(variable), devices)):
+        with tf.device(device):
+            part.assign(_local(strategy, weights, i))
+    if rates is None:
+        strategy.extended.update(
+            variable, lambda v, g, r: inner.update_step(g, v, r), args=(grads, learning_rate),
+            group=False,
+        )
+    else:
+        strategy.extended.update(
+            variable, lambda v, g, r, d: inner.scaled_update(g, v, r, d),
+            args=(grads, rates, decays), group=False,
+        )
+    updated = []
+    for part, device in zip(strategy.experimental_local_results(variable), devices):
+        with tf.device(device):
+            updated.append(tf.identity(part.read_value()))
+    return values_lib.PerReplica(tuple(updated))
+
+
+def _update_in_graph(strategy, state, grads, variables, learning_rate, layer):
     """Merge call of `update` on one host: reduce-scatter, sharded update and all-gather.
 
     All are plain ops on each replica's device. Each shard is a list of pieces of variables (a
@@ -181,43 +202,48 @@ def _update_in_graph(strategy, optimizer, state, grads, variables, learning_rate
     devices = strategy.extended.worker_devices
     grads = [strategy.experimental_local_results(g) for g in grads]
     copies = [strategy.experimental_local_results(v) for v in variables]
-    slots = {name: strategy.experimental_local_results(v.value) for name, v in state.slots.items()}
-    shards = []  # per replica: its pieces
+    weight_shards, grad_shards, weight_pieces, grad_pieces = [], [], [], []
     for i, device in enumerate(devices):
         with tf.device(device):
-            shard = []
-            for var, a, b, offset in layout.pieces(state.owned[i]):
+            weights, sums = [], []
+            for var, a, b, _ in layout.pieces(state.owned[i]):
                 size = layout.sizes[var]
-                weight = _part(tf.reshape(copies[var][i], [-1]), a, b, size)
-                grad = tf.add_n([_part(g, a, b, size) for g in grads[var]])
-                shard.append(
-                    _Piece(
-                        var,
-                        weight,
-                        tf.cast(grad, weight.dtype),
-                        {name: s[i][offset : offset + b - a] for name, s in slots.items()},
-                    )
-                )
-            shards.append(shard)
-    if state.kind == "lars":
+                weights.append(_part(tf.reshape(copies[var][i], [-1]), a, b, size))
+                summed = tf.add_n([_part(g, a, b, size) for g in grads[var]])
+                sums.append(tf.cast(summed, state.dtype))
+            weight_pieces.append(weights)
+            grad_pieces.append(sums)
+            weight_shards.append(_padded(weights, layout.shard, state.dtype))
+            grad_shards.append(_padded(sums, layout.shard, state.dtype))
+    rates = decays = None
+    if layer is not None:
+        count = len(layout.sizes)
         partial = []
         for i, device in enumerate(devices):
-            with _on_replica(i, device):
-                partial.append(_squared_norms(state, shards[i]))
+            with tf.device(device):
+                pieces = layout.pieces(state.owned[i])
+                partial.append(_squared_norms(count, pieces, weight_pieces[i], grad_pieces[i]))
+        rates, decays = [], []
         for i, device in enumerate(devices):
             with _on_replica(i, device):
                 norms = tf.add_n(partial)
-                _set_lars_scales(optimizer, state, shards[i], norms, learning_rate)
-    for i, device in enumerate(devices):
-        with _on_replica(i, device):
-            _apply(optimizer, state, shards[i], learning_rate, decayed)
-            for name, s in slots.items():
-                s[i].assign(_shard_of(layout, shards[i], name, s[i].dtype))
+                rate, decay = _layer_vectors(
+                    layer, layout, layout.pieces(state.owned[i]), norms,
+                    _local(strategy, learning_rate, i), state.dtype,
+                )
+                rates.append(rate)
+                decays.append(decay)
+        rates, decays = values_lib.PerReplica(tuple(rates)), values_lib.PerReplica(tuple(decays))
+    updated = _apply_to_shards(
+        strategy, state, values_lib.PerReplica(tuple(weight_shards)),
+        values_lib.PerReplica(tuple(grad_shards)), learning_rate, rates, decays,
+    )
+    updated = strategy.experimental_local_results(updated)
     # All-gather: every replica writes each variable from the updated pieces that cover it.
     parts = [[] for _ in layout.sizes]
     for i, device in enumerate(devices):
-        for piece in shards[i]:
-            parts[piece.var].append((device, piece.weight))
+        for var, a, b, offset in layout.pieces(state.owned[i]):
+            parts[var].append((device, updated[i][offset : offset + b - a]))
     for var, pieces in enumerate(parts):
         if not pieces:
             continue
@@ -238,108 +264,28 @@ def _on_replica(i, device):
     return scope
 
 
-class _Piece:
-    """One variable's piece in one shard: its weights, summed gradient and optimizer slots
-    (tensors, replaced by their updated values), and for LARS its learning-rate scale."""
-
-    def __init__(self, var, weight, grad, slots):
-        self.var = var
-        self.weight = weight
-        self.grad = grad
-        self.slots = slots
-        self.scale = None
-        self.decay = None
-
-
-def _apply(optimizer, state, pieces, learning_rate, decayed):
-    """Keras's decoupled weight decay where `decayed` says, then the update rule, piece by piece."""
-    for piece in pieces:
-        if decayed[piece.var]:  # Keras's decoupled decay: w - w * weight_decay * rate
-            w, dtype = piece.weight, piece.weight.dtype
-            rate = tf.cast(learning_rate, dtype)
-            piece.weight = w - w * tf.cast(optimizer.weight_decay, dtype) * rate
-        _UPDATES[state.kind](optimizer, piece, learning_rate)
-
-
-def _sgd(optimizer, piece, learning_rate):
-    """Keras's SGD rule (plain, momentum or Nesterov) on one piece."""
-    w, grad = piece.weight, piece.grad
-    rate = tf.cast(learning_rate, w.dtype)
-    if "momentum" not in piece.slots:
-        piece.weight = w - rate * grad
-        return
-    decay = tf.cast(optimizer.momentum, w.dtype)
-    momentum = decay * piece.slots["momentum"] - rate * grad
-    piece.slots["momentum"] = momentum
-    step = decay * momentum - rate * grad if optimizer.nesterov else momentum
-    piece.weight = w + step
-
-
-def _squared_norms(state, pieces):
-    """`[2, variables]`: the squared weight and gradient norms of `pieces`, per variable (zero for
-    the variables with no piece here or no trust ratio). Summed over every shard, they are each
-    variable's squared norms."""
-    _, adapts = state.lars
-    count, dtype = len(adapts), state.slots["momentum"].dtype
-    parts = {}
-    for piece in pieces:
-        if adapts[piece.var]:
-            parts[piece.var] = tf.stack(
-                [tf.reduce_sum(tf.square(piece.weight)), tf.reduce_sum(tf.square(piece.grad))]
-            )
-    if not parts:
+def _squared_norms(count, pieces, weights, grads):
+    """`[2, count]`: the squared weight and gradient norms of `pieces` per variable (zero for the
+    variables with no piece here). Summed over every shard, they are each variable's squared
+    norms."""
+    dtype = weights[0].dtype if weights else tf.float32
+    if not pieces:
         return tf.zeros([2, count], dtype)
-    indices = sorted(parts)
-    return tf.transpose(
-        tf.scatter_nd([[i] for i in indices], tf.stack([parts[i] for i in indices]), [count, 2])
-    )
+    rows = [
+        tf.stack([tf.reduce_sum(tf.square(w)), tf.reduce_sum(tf.square(g))])
+        for w, g in zip(weights, grads)
+    ]
+    indices = [[var] for var, _, _, _ in pieces]
+    return tf.transpose(tf.scatter_nd(indices, tf.stack(rows), [count, 2]))
 
 
-def _set_lars_scales(optimizer, state, pieces, norms, learning_rate):
-    """Each piece's LARS learning rate and decay, from the variables' squared `norms` (`[2,
-    variables]`, summed over every shard)."""
-    decays, adapts = state.lars
-    dtype = state.slots["momentum"].dtype
-    weight_decay = tf.cast(optimizer.weight_decay, dtype)
+def _layer_vectors(layer, layout, pieces, norms, learning_rate, dtype):
+    """Per element of a shard, the layer-wise rule's rate (the learning rate times its variable's
+    factor) and weight decay, from the variables' squared `norms` summed over every shard."""
+    rates, decays = [], []
     rate = tf.cast(learning_rate, dtype)
-    for piece in pieces:
-        decay = weight_decay if decays[piece.var] else tf.zeros([], dtype)
-        piece.decay = decay
-        piece.scale = rate
-        if not adapts[piece.var]:
-            continue
-        w_norm, g_norm = tf.sqrt(norms[0, piece.var]), tf.sqrt(norms[1, piece.var])
-        usable = tf.logical_and(w_norm > 0.0, g_norm > 0.0)
-        denominator = tf.where(usable, g_norm + decay * w_norm, 1.0)
-        trust = tf.where(usable, tf.cast(optimizer.eta, dtype) * w_norm / denominator, 1.0)
-        piece.scale = rate * trust
-
-
-def _lars(optimizer, piece, learning_rate):
-    """`tpu_scale.optimizers.LARS`'s rule on one piece, with its scale and decay set."""
-    w, dtype = piece.weight, piece.weight.dtype
-    update = piece.grad + piece.decay * w
-    velocity = piece.slots["momentum"] * tf.cast(optimizer.momentum, dtype) + update * piece.scale
-    piece.slots["momentum"] = velocity
-    piece.weight = w - velocity
-
-
-def _adam(optimizer, piece, learning_rate):
-    """Keras's Adam rule (`keras.optimizers.Adam.update_step`, constants included) on one piece."""
-    w, grad, dtype = piece.weight, piece.grad, piece.weight.dtype
-    rate = tf.cast(learning_rate, dtype)
-    step = tf.cast(optimizer.iterations + 1, dtype)
-    beta_1_power = tf.pow(tf.cast(optimizer.beta_1, dtype), step)
-    beta_2_power = tf.pow(tf.cast(optimizer.beta_2, dtype), step)
-    alpha = rate * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)
-    m, v = piece.slots["momentum"], piece.slots["velocity"]
-    m = m + (grad - m) * tf.cast(1 - optimizer.beta_1, dtype)
-    v = v + (tf.square(grad) - v) * tf.cast(1 - optimizer.beta_2, dtype)
-    piece.slots["momentum"], piece.slots["velocity"] = m, v
-    if "velocity_hat" in piece.slots:
-        v = tf.maximum(piece.slots["velocity_hat"], v)
-        piece.slots["velocity_hat"] = v
-    piece.weight = w - (m * alpha) / (tf.sqrt(v) + tf.cast(optimizer.epsilon, dtype))
-
-
-_UPDATES = {"sgd": _sgd, "lars": _lars, "adam": _adam}
+    for var, a, b, _ in pieces:
+        factor, decay = layer.layer_factors(var, tf.sqrt(norms[0, var]), tf.sqrt(norms[1, var]))
+        rates.append(tf.fill([b - a], rate * tf.cast(factor, dtype)))
+        decays.append(tf.fill([b - a], tf.cast(decay, dtype)))
+    return _padded(rates, layout.shard, dtype), _padded(decays, layout.shard, dtype)

@@ -30,7 +30,7 @@ from tpu_scale.context import mesh_of  # noqa: F401  (tpu_scale.mesh_of)
 from tpu_scale.mesh import ReplicaMesh
 from tpu_scale.plan import choice as plan_choice
 
-GRADIENT_REDUCTIONS = ("torus", "native")
+GRADIENT_REDUCTIONS = keras_hook.GRADIENT_REDUCTIONS
 
 
 # --------------------------------------------------------------------------- strategy classes
@@ -39,15 +39,17 @@ GRADIENT_REDUCTIONS = ("torus", "native")
 class _MeshMixin:
     """What our strategies add to TensorFlow's: the mesh and the gradient reduction."""
 
-    def _attach(self, mesh, gradient_reduction):
+    def _attach(self, mesh, settings):
         if mesh.num_replicas != self.num_replicas_in_sync:
-            raise ValueError(
-                f"The mesh {mesh} holds {mesh.num_replicas} replicas but the strategy has "
-                f"{self.num_replicas_in_sync}."
-            )
+            raise ValueError(f"The mesh {mesh} holds {mesh.num_replicas} replicas but the strategy has {self.num_replicas_in_sync}.")
         self.mesh = mesh
-        self.gradient_reduction = gradient_reduction
+        self.settings = settings  # the seam reads it: keras_hook.Settings
         self.gradient_planner = None
+
+    @property
+    def gradient_reduction(self):
+        """`"torus"` or `"native"`: how `model.fit` sums gradients (`settings.reduction`)."""
+        return self.settings.reduction
 
     def run(self, fn, args=(), kwargs=None, options=None):
         """`tf.distribute.Strategy.run`; a Keras train step with gradient accumulation is split by
@@ -81,13 +83,13 @@ class GradientPlanner:
       cluster: the `tpu_scale.plan.Cluster` of the hardware, or None (then the fixed rule of
         `torus_schedule.resolve_algorithm`).
       pack_bytes: the fused buffer size the executor will use.
-      transport_dtype: dtype name of the phases between hosts, or None.
+      gradient_dtype: dtype name of the phases between hosts, or None.
     """
 
-    def __init__(self, cluster, pack_bytes, transport_dtype=None):
+    def __init__(self, cluster, pack_bytes, gradient_dtype=None):
         self.cluster = cluster
         self.pack_bytes = pack_bytes
-        self.transport_dtype = transport_dtype
+        self.gradient_dtype = gradient_dtype
         self.choices = {}
 
     def __call__(self, mesh, tensors):
@@ -103,7 +105,7 @@ class GradientPlanner:
                 self.choices[key] = algorithm
             else:
                 decision = plan_choice.choose_algorithm(
-                    self.cluster, list(tensors), self.pack_bytes or 0, self.transport_dtype
+                    self.cluster, list(tensors), self.pack_bytes or 0, self.gradient_dtype
                 )
                 logging.info(
                     "tpu_scale: gradient sum 'auto' -> %s, %d tensors, %.1f MB",
@@ -252,27 +254,27 @@ def create_strategy(
       gradient_dtype: with `"torus"`: `"bfloat16"` carries the phases between hosts in bfloat16
         (half the bytes on the network; sums within a host stay float32); None keeps the gradients'
         dtype.
-      weight_update_sharding: True to shard the update of `keras.optimizers.SGD`, `Adam`, `AdamW`
-        and `tpu_scale.optimizers.LARS` over all N replicas, across hosts too: gradients
-        reduce-scattered, each replica updating 1/N of the weights with 1/N of the optimizer
-        state, the weights all-gathered (`tpu_scale.weight_update`). Checkpoints keep Keras's
-        unsharded layout; with several workers every worker saves (the others to scratch).
-        The sharded update sums the gradients itself, so `algorithm` and `pack_bytes` do not
-        apply to it; `gradient_dtype` does, to its gradient phase between the workers. Other
-        optimizers and TPUs raise a clear error.
+      weight_update_sharding: True to shard the update of every element-wise Keras optimizer (SGD,
+        Adam, AdamW, Adamax, Nadam, RMSprop, Adagrad, Adadelta, Lion, Ftrl) and of
+        `tpu_scale.optimizers.LARS` over all N replicas, across hosts too: gradients
+        reduce-scattered, each replica running the optimizer's own `update_step` on 1/N of the
+        weights with 1/N of its state, the weights all-gathered (`tpu_scale.weight_update`).
+        Checkpoints keep Keras's unsharded layout; with several workers every worker saves (the
+        others to scratch). The sharded update sums the gradients itself, so `algorithm` and
+        `pack_bytes` do not apply to it; `gradient_dtype` does, to its gradient phase between the
+        workers. Other optimizers (named) and TPUs raise a clear error.
 
     Returns:
       A strategy with `.mesh` (`ReplicaMesh`) and `.gradient_reduction`. Keras optimizers'
       `gradient_accumulation_steps=k` trains under it in `model.fit` with either gradient sum: each
       replica accumulates its local gradients for k micro-batches, the cross-replica sum runs once
-      per k, then the update (`keras_hook.accumulation_under_strategies`). `compile(jit_compile=
+      per k, then the update (`keras_hook.accumulation_needs_phases`). `compile(jit_compile=
       True)` on several CPU replicas fails before the first step, naming what works.
     """
-    if gradient_reduction not in GRADIENT_REDUCTIONS:
-        raise ValueError(
-            f"gradient_reduction={gradient_reduction!r}; choose one of {GRADIENT_REDUCTIONS}."
-        )
-    settings = keras_hook.Settings(gradient_algorithm, gradient_pack_bytes, gradient_dtype)
+    keras_hook.check_keras()  # an unsupported Keras fails here, naming the range and the fix
+    settings = keras_hook.Settings(
+        gradient_reduction, gradient_algorithm, gradient_pack_bytes, gradient_dtype
+    )
     if num_cpu_replicas is not None and (
         not isinstance(num_cpu_replicas, int) or num_cpu_replicas < 1
     ):
@@ -329,25 +331,20 @@ def create_strategy(
         kind = f"{len(devices)} CPU replica(s)"
         hardware = dict(kind="cpu", replicas_per_host=len(devices), mesh_shape=mesh.shape)
 
-    strategy._attach(mesh, gradient_reduction)
+    strategy._attach(mesh, settings)
     cluster = plan_choice.hardware_cluster(**hardware)
     if cluster is not None and cluster.mesh.shape != mesh.shape:
         cluster = None  # e.g. a one-host mesh_shape other than (1, n): priced by the fixed rule
     strategy.gradient_planner = GradientPlanner(
         cluster, gradient_pack_bytes, settings.gradient_dtype
     )
-    if gradient_reduction == "torus":
-        keras_hook.install(strategy, settings)
     if weight_update_sharding:
         if found.is_tpu:
             raise ValueError(
                 "weight_update_sharding=True works on CPU and GPU hosts; not on a TPU yet."
             )
         weight_update.enable(strategy)
-        keras_hook.shard_weight_updates()
     _workarounds.replica_iterators_untuned()
-    keras_hook.build_from_one_replica()
-    keras_hook.accumulation_under_strategies()
     on_cpus = not found.is_tpu and _workarounds.local_device_type(strategy) == "CPU"
     if on_cpus:
         _workarounds.empty_batch_convolutions()

@@ -1,39 +1,32 @@
 """Weight-update sharding: each of the N replicas updates 1/N of the weights and holds 1/N of the
 optimizer state.
 
-`create_strategy(..., weight_update_sharding=True)` registers the strategy here; `model.fit` then
-runs Keras's `keras.optimizers.SGD` (plain, momentum or Nesterov), `Adam` and `AdamW` (with or
-without `amsgrad`) and the package's `tpu_scale.optimizers.LARS` this way, with no change to the
-model or the optimizer:
+`create_strategy(..., weight_update_sharding=True)` makes `model.fit` run the update this way, with
+no change to the model or the optimizer, for every Keras optimizer whose update rule is element-wise
+(`ELEMENTWISE`: SGD, Adam, AdamW, Adamax, Nadam, RMSprop, Adagrad, Adadelta, Lion, Ftrl) and for
+layer-wise ones that state their rule in two parts (`tpu_scale.optimizers.LARS`, see
+`is_layerwise`). Any other optimizer is refused by name when it is built.
 
 1. the optimizer's variables, flattened and laid end to end in its order, are cut into N equal
    shards (the last padded), one per replica: pieces of the variables (a variable inside one shard
    is one whole piece, and only the at most N - 1 variables on a boundary are cut);
-2. reduce-scatter: each replica sums every replica's gradient over its pieces;
-3. each replica applies the update to its pieces with its shard of the optimizer state (one
-   `sharded_momentum`, `sharded_velocity`, ... variable of `ceil(parameters / N)` floats per
-   replica, instead of one slot the size of the model on every replica). LARS's per-variable
-   trust ratios take each variable's weight and gradient norms as the sum of its pieces' parts;
-   its batch-norm and bias exclusions hold;
+2. reduce-scatter: each replica sums every replica's gradient over its shard;
+3. each replica runs the optimizer's own `update_step` on its shard: an inner optimizer of the same
+   class and configuration, built by Keras on one variable of `ceil(parameters / N)` elements per
+   replica, holds the state (so each replica holds 1/N of every slot). An element-wise rule on a
+   flat shard is the rule on each of its pieces. A layer-wise rule takes each variable's weight
+   and gradient norms as the sums of its pieces' parts, summed over the shards;
 4. all-gather: every replica writes its copy of each variable from the updated pieces that cover
    it.
 
-On one host replica `i` owns shard `i`, and steps 2 and 4 are plain ops in the step graph, as the
-torus executor builds the phases inside a host: all replicas share the host's memory, and no fused
-buffer is built (concatenating, padding and slicing a model-sized buffer on every replica would
-cost more memory traffic than the update saves). Across workers (`MultiWorkerMirroredStrategy`,
-one mesh row per worker), steps 2 and 4 are the torus sum's phases: a reduce-scatter along the
-worker's row (plain ops) and one down each mesh column (a collective op across the workers), then
-the all-gather back the same way; replica `l` of the worker of rank `r` in the column's
-collective ops owns shard `l * workers + r`. `tpu_scale.sharded_update` builds the step.
-
-Clipping runs as Keras runs it, on each replica's full gradient. Weight decay is sharded too:
-Keras's decoupled decay (SGD's and AdamW's `weight_decay`, with their exclusions) runs on each
-replica's pieces just before the update rule, in place of Keras's pass over the full weights; LARS
-folds its decay into its rule. Gradient accumulation (`gradient_accumulation_steps`) composes with
-it. Under mixed precision the variables and the state are float32 (Keras's master weights). The
-result equals Keras's unsharded update up to float rounding (the same arithmetic; the sums in
-another order).
+`tpu_scale.sharded_update` builds steps 2-4 (on one host as plain ops, across workers as the torus
+sum's phases). The optimizer's own `build` runs as Keras wrote it: its slots are recorded
+(`record_slot`) instead of made, which gives Keras's saved layout; its scalar state (the step
+counter, Nadam's `u_product`, ...) is shared with the inner optimizer. Clipping, Keras's decoupled
+weight decay (`weight_decay`, with its exclusions) and the moving average (`use_ema`) run as Keras
+runs them, on each replica's full copy; gradient accumulation composes with it. Under mixed
+precision the variables and the state are float32 (Keras's master weights). The result equals
+Keras's unsharded update up to float rounding (the same arithmetic; the sums in another order).
 
 Checkpoints hold the full state in Keras's own layout (one slot per variable, gathered from the
 replicas), so a backup, `final.keras` and `keras.models.load_model` are the same as without
@@ -46,9 +39,9 @@ save on some workers only fails with an error naming this after `SAVE_WAIT_SECON
 waiting forever. When an optimizer is built across workers, one all-gather checks that the
 collective ops order the workers as the shards assume.
 
-Scope: the strategies of `create_strategy` on CPUs or GPUs, the optimizers above, every trainable
-variable of one floating dtype with a gradient at each step. Anything else is a clear error;
-TPUs are not sharded yet.
+Scope: the strategies of `create_strategy` on CPUs or GPUs, every trainable variable of one
+floating dtype with a gradient at each step. Anything else is a clear error; TPUs are not sharded
+yet.
 
 Reference:
   Ying et al., "Image Classification at Supercomputer Scale", 2018 (arXiv:1811.06992), section 3.2
@@ -56,7 +49,6 @@ Reference:
 """
 
 import itertools
-import weakref
 
 import keras
 import numpy as np
@@ -65,53 +57,19 @@ from tensorflow.python.eager import context as tf_context
 
 from tpu_scale import collectives, sharded_update
 
-_strategies = weakref.WeakSet()
-_states = weakref.WeakKeyDictionary()  # optimizer -> Sharded, for the optimizers built sharded
-
-
-class Sharded:
-    """What a sharded optimizer holds besides Keras's own state.
-
-    Args:
-      strategy: the strategy it was built under.
-      layout: the `Layout` of its variables over all of the strategy's replicas.
-      kind: `"sgd"`, `"lars"` or `"adam"`: the update rule.
-      slots: its sharded state, in Keras's order: name (`"momentum"`, `"velocity"`,
-        `"velocity_hat"`) -> a variable of `layout.shard` elements per replica.
-      groups: the slot names Keras builds together, e.g. `[["momentum", "velocity"],
-        ["velocity_hat"]]` for Adam with `amsgrad` (their saved layout interleaves them).
-      lars: for LARS, `(decays, adapts)`: per variable, whether it gets weight decay and a trust
-        ratio; None otherwise.
-      dtype: the variables' dtype (and the state's).
-
-    Attributes:
-      workers: the workers the shards span (1 on one host).
-      rank: this worker's rank in the collective ops down the mesh's columns
-        (`collectives.worker_rank`); 0 on one host.
-      owned: per local replica `l`, the index of the shard it owns: `l * workers + rank`.
-    """
-
-    def __init__(self, strategy, layout, kind, slots, groups, lars=None, dtype="float32"):
-        self.strategy = strategy
-        self.layout = layout
-        self.kind = kind
-        self.slots = dict(slots)
-        self.groups = [list(g) for g in groups if g]
-        self.lars = lars
-        local = len(strategy.extended.worker_devices)
-        self.workers = layout.num_shards // local
-        self.rank = collectives.worker_rank(strategy) if self.workers > 1 else 0
-        self.owned = [i * self.workers + self.rank for i in range(local)]
-        self.dtype = dtype
-
-    @property
-    def across_workers(self):
-        """True when the shards span several workers' replicas."""
-        return self.workers > 1
+# Keras's element-wise optimizers, by name (those this Keras has): their `update_step` on a flat
+# shard is their `update_step` on each piece of it.
+ELEMENTWISE = (
+    "SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad", "Adadelta", "Lion", "Ftrl"
+)
+# The slots Keras's base optimizer makes for every optimizer (the moving average, the gradient
+# accumulators): full size, made by Keras, never sharded.
+KERAS_BASE_SLOTS = ("average", "gradient_accumulator")
 
 
 def enable(strategy):
-    """Makes `model.fit` under `strategy` shard the weight update (see the module docstring).
+    """Makes optimizers built from now on under `strategy` shard their update (see the module
+    docstring); `create_strategy(weight_update_sharding=True)` calls it.
 
     Args:
       strategy: a strategy made by `create_strategy`: one host's replicas, or several workers'
@@ -123,36 +81,44 @@ def enable(strategy):
     local = len(strategy.extended.worker_devices)
     mesh = getattr(strategy, "mesh", None)
     if local != strategy.num_replicas_in_sync and (mesh is None or mesh.shape[1] != local):
-        raise ValueError(
-            "weight_update_sharding=True across workers needs one mesh row per worker (the "
-            f"default); this strategy's mesh is {mesh.shape if mesh else None} with {local} "
-            "replicas per worker. Leave mesh_shape unset, or use weight_update_sharding=False."
-        )
-    _strategies.add(strategy)
+        raise ValueError(f"weight_update_sharding=True across workers needs one mesh row per worker (the default); this strategy's mesh is {mesh.shape if mesh else None} with {local} replicas per worker. Leave mesh_shape unset, or use weight_update_sharding=False.")
+    strategy.settings.weight_update_sharding = True
 
 
 def disable(strategy):
     """Stops sharding the update of optimizers built from now on under `strategy` (those built
     sharded stay sharded)."""
-    _strategies.discard(strategy)
+    strategy.settings.weight_update_sharding = False
 
 
-def momentum_shards(optimizer):
-    """The `sharded_momentum` variable of a sharded optimizer (one shard per replica), else
-    None."""
-    return slot_shards(optimizer).get("momentum")
+def is_layerwise(optimizer):
+    """True for a layer-wise optimizer that states its rule in the two parts sharding needs:
+    `layer_factors(index, weight_norm, grad_norm)` -> (rate factor, weight decay) of variable
+    `index`, and the element-wise `scaled_update(gradient, variable, rate, weight_decay)`."""
+    return callable(getattr(optimizer, "layer_factors", None)) and callable(
+        getattr(optimizer, "scaled_update", None)
+    )
 
 
-def slot_shards(optimizer):
-    """A sharded optimizer's state variables (name -> one shard per replica); {} when it is not
-    sharded."""
-    state = _states.get(optimizer)
-    return dict(state.slots) if state is not None else {}
+def check_shardable(optimizer, variables):
+    """Raises a clear error, naming the optimizer, when its update cannot be sharded exactly."""
+    name = type(optimizer).__name__
+    if not (is_layerwise(optimizer) or _elementwise_rule(optimizer)):
+        raise ValueError(f"weight_update_sharding=True runs the optimizer's own update_step on each replica's 1/N of the weights, which is exact for element-wise rules ({', '.join(ELEMENTWISE)}) and for tpu_scale.optimizers.LARS; {name}'s rule is not known to be element-wise (e.g. Lamb, Adafactor and Muon take norms or factors of whole variables). Create the strategy with weight_update_sharding=False for {name}.")
+    dtypes = {v.dtype for v in variables}
+    if len(dtypes) != 1 or not keras.backend.is_float_dtype(next(iter(dtypes))):
+        raise ValueError(f"weight_update_sharding=True needs every trainable variable in one floating dtype (Keras keeps float32 ones under mixed precision); got {sorted(dtypes)}.")
+    if any(getattr(v, "overwrite_with_gradient", False) for v in variables):
+        raise ValueError("weight_update_sharding=True cannot shard variables with overwrite_with_gradient=True (their gradient is their new value). Create the strategy with weight_update_sharding=False.")
 
 
-def is_sharded(strategy):
-    """True when `strategy` shards the weight update."""
-    return strategy is not None and strategy in _strategies
+def _elementwise_rule(optimizer):
+    """True when the `update_step` `optimizer` runs is one of `ELEMENTWISE`'s own."""
+    rule = type(optimizer).update_step
+    return any(
+        getattr(getattr(keras.optimizers, name, None), "update_step", None) is rule
+        for name in ELEMENTWISE
+    )
 
 
 class Layout:
@@ -196,178 +162,214 @@ class Layout:
         ]
 
 
-# --------------------------------------------------------------------------- what the Keras hooks
-# call (`keras_hook.shard_weight_updates` wraps SGD's and Adam's `build` and the optimizer's
-# update, save and load)
+class Slot:
+    """What a sharded optimizer's `build` gets instead of a slot variable: which variable's slot it
+    stands for, and where it sits in Keras's saved layout."""
+
+    def __init__(self, variable, name, position):
+        self.variable = variable  # index among the trainable variables
+        self.name = name
+        self.position = position  # how many optimizer variables Keras had made before it
+
+    def __repr__(self):
+        return f"Slot({self.name!r} of variable {self.variable}, sharded)"
 
 
-def _register(optimizer, strategy, variables, kind, groups, lars=None):
-    """Builds the sharded state of `optimizer`: the layout over all of the strategy's replicas and
-    one `sharded_<name>` variable of a shard per replica for each slot name in `groups`."""
+class Sharded:
+    """What a sharded optimizer holds besides Keras's own state.
+
+    Args:
+      strategy: the strategy it was built under.
+      layout: the `Layout` of its variables over all of the strategy's replicas.
+      inner: the inner optimizer (the same class and configuration) that runs `update_step` on
+        each replica's shard.
+      weights: the inner optimizer's one variable: `layout.shard` elements per replica, each
+        replica's own shard of the weights.
+      slots: the inner optimizer's slot variables, in the order Keras made them.
+      recorded: the `Slot`s the optimizer's own `build` recorded, in its order.
+      layerwise: True for a layer-wise rule (`is_layerwise`), with `flags` per variable.
+
+    Attributes:
+      workers: the workers the shards span (1 on one host).
+      rank: this worker's rank in the collective ops down the mesh's columns
+        (`collectives.worker_rank`); 0 on one host.
+      owned: per local replica `l`, the index of the shard it owns: `l * workers + rank`.
+    """
+
+    def __init__(self, strategy, layout, inner, weights, slots, recorded, layerwise):
+        self.strategy = strategy
+        self.layout = layout
+        self.inner = inner
+        self.weights = weights
+        self.slots = list(slots)
+        self.recorded = list(recorded)
+        self.layerwise = layerwise
+        self.dtype = weights.dtype
+        local = len(strategy.extended.worker_devices)
+        self.workers = layout.num_shards // local
+        self.rank = collectives.worker_rank(strategy) if self.workers > 1 else 0
+        self.owned = [i * self.workers + self.rank for i in range(local)]
+        # Per variable, its recorded slots in order; slot `j` of every variable is inner slot `j`.
+        per_variable = {}
+        for slot in self.recorded:
+            per_variable.setdefault(slot.variable, []).append(slot)
+        self.names = [s.name for s in per_variable.get(0, [])]
+        if any([s.name for s in v] != self.names for v in per_variable.values()) or len(
+            self.names
+        ) != len(self.slots):
+            raise ValueError(f"weight_update_sharding=True needs the same slots for every variable (an element-wise rule); {type(inner).__name__}'s build made {[s.name for s in self.recorded]}. Create the strategy with weight_update_sharding=False.")
+
+    @property
+    def across_workers(self):
+        """True when the shards span several workers' replicas."""
+        return self.workers > 1
+
+
+def _state(optimizer):
+    return getattr(optimizer, "_tpu_scale_sharded", None)
+
+
+def is_sharded(optimizer):
+    """True when `optimizer` was built with its update sharded."""
+    return _state(optimizer) is not None
+
+
+def momentum_shards(optimizer):
+    """The sharded `momentum` variable of a sharded optimizer (one shard per replica), else
+    None."""
+    return slot_shards(optimizer).get("momentum")
+
+
+def slot_shards(optimizer):
+    """A sharded optimizer's state variables (slot name -> one shard per replica); {} when it is
+    not sharded."""
+    state = _state(optimizer)
+    return dict(zip(state.names, state.slots)) if state is not None else {}
+
+
+# --------------------------------------------------------------------------- what the seam calls
+# (`keras_hook.Seam`: build, add_variable_from_reference, the update, save and load)
+
+
+def record_slot(optimizer, reference_variable, name):
+    """During a sharded `build`, a `Slot` standing for the slot `name` of `reference_variable`;
+    None otherwise (Keras then makes the variable)."""
+    recording = getattr(optimizer, "_tpu_scale_recording", None)
+    if recording is None or name in KERAS_BASE_SLOTS:
+        return None
+    index = recording["indices"].get(id(reference_variable))
+    if index is None:
+        raise ValueError(f"weight_update_sharding=True shards slots of the trainable variables; {type(optimizer).__name__}'s build asked for slot {name!r} of {getattr(reference_variable, 'path', reference_variable)}, which is not one. Create the strategy with weight_update_sharding=False.")
+    slot = Slot(index, name, len(optimizer.variables) + len(recording["slots"]))
+    recording["slots"].append(slot)
+    return slot
+
+
+def build(optimizer, variables, strategy, keras_build, inner):
+    """Builds `optimizer` with its update sharded over `strategy`'s replicas.
+
+    Args:
+      optimizer: the optimizer being built (adopted by `keras_hook`).
+      variables: its trainable variables.
+      strategy: the strategy it is built under.
+      keras_build: its own class's `build` (Keras's), run with its slots recorded.
+      inner: a fresh optimizer of the same class and configuration, not adopted.
+
+    Raises:
+      ValueError: for an optimizer or variables that cannot be sharded (named).
+    """
+    variables = list(variables)
+    check_shardable(optimizer, variables)
+    optimizer._tpu_scale_recording = {"indices": {id(v): i for i, v in enumerate(variables)}, "slots": []}
+    try:
+        keras_build(variables)
+    finally:
+        recorded = optimizer._tpu_scale_recording["slots"]
+        optimizer._tpu_scale_recording = None
     layout = Layout(variables, strategy.num_replicas_in_sync)
-    slots = {
-        name: optimizer.add_variable(
-            (layout.shard,), dtype=variables[0].dtype, name=f"sharded_{name}"
+    dtype = variables[0].dtype
+    with tf.init_scope():
+        weights = keras.Variable(
+            np.zeros([layout.shard], dtype), dtype=dtype, trainable=False, name="sharded_weights"
         )
-        for group in groups
-        for name in group
-    }
-    state = Sharded(strategy, layout, kind, slots, groups, lars, variables[0].dtype)
+    # The inner optimizer runs `update_step` only: no moving average, no accumulation of its own;
+    # it counts steps as the optimizer does.
+    inner.use_ema = False
+    steps = optimizer.gradient_accumulation_steps
+    inner.gradient_accumulation_steps = None
+    before = {id(v) for v in inner.variables}
+    inner.build([weights])
+    slots = [v for v in inner.variables if id(v) not in before and tuple(v.shape) == (layout.shard,)]
+    inner.gradient_accumulation_steps = steps
+    for name, value in list(vars(inner).items()):
+        shared = getattr(optimizer, name, None)
+        if isinstance(value, keras.Variable) and isinstance(shared, keras.Variable):
+            if value is not shared and tuple(value.shape) == () == tuple(shared.shape):
+                setattr(inner, name, shared)  # the step counter, Nadam's u_product, ...
+    state = Sharded(strategy, layout, inner, weights, slots, recorded, is_layerwise(optimizer))
     if state.across_workers:
         _check_column_ranks(state)
-    _states[optimizer] = state
+    optimizer._tpu_scale_sharded = state
 
 
-def build_sgd(optimizer, variables, sgd_build):
-    """SGD's `build` under a sharded strategy: no full-size momentum, one shard per replica.
-
-    Args:
-      optimizer: a `keras.optimizers.SGD`.
-      variables: its trainable variables.
-      sgd_build: Keras's own `SGD.build`.
-    """
-    strategy = tf.distribute.get_strategy()
-    if optimizer.built or not is_sharded(strategy):
-        return sgd_build(optimizer, variables)
-    _check_variables(variables)
-    momentum = optimizer.momentum
-    optimizer.momentum = 0.0  # SGD then makes no full-size momentum
-    try:
-        sgd_build(optimizer, variables)
-    finally:
-        optimizer.momentum = momentum
-    _register(optimizer, strategy, variables, "sgd", [["momentum"] if momentum else []])
-
-
-def build_adam(optimizer, variables, adam_build):
-    """Adam's (and AdamW's) `build` under a sharded strategy: its momentums and velocities (and
-    velocity hats with `amsgrad`) as one shard per replica instead of one per variable.
+def update(optimizer, ctx, grads_and_vars, learning_rate, gradient_dtype=None):
+    """The sharded update of one replica (steps 2-4 of the module docstring), in replica context.
 
     Args:
-      optimizer: a `keras.optimizers.Adam` or `AdamW`.
-      variables: its trainable variables.
-      adam_build: Keras's own `Adam.build`.
-
-    Returns:
-      True when the state was built sharded.
-    """
-    strategy = tf.distribute.get_strategy()
-    if optimizer.built or not is_sharded(strategy):
-        adam_build(optimizer, variables)
-        return False
-    _check_variables(variables)
-    super(keras.optimizers.Adam, optimizer).build(variables)  # Keras's base state only
-    hats = ["velocity_hat"] if optimizer.amsgrad else []
-    _register(optimizer, strategy, variables, "adam", [["momentum", "velocity"], hats])
-    return True
-
-
-def build_lars(optimizer, variables, decays, adapts):
-    """LARS's state under a sharded strategy: one momentum shard per replica, the per-variable
-    rules; False (nothing built) when the current strategy is not sharded.
-
-    Args:
-      optimizer: a `tpu_scale.optimizers.LARS`, its base class already built.
-      variables: its trainable variables.
-      decays: per variable, whether it gets weight decay.
-      adapts: per variable, whether it gets a trust ratio.
-    """
-    strategy = tf.distribute.get_strategy()
-    if not is_sharded(strategy):
-        return False
-    _check_variables(variables)
-    _register(optimizer, strategy, variables, "lars", [["momentum"]], (list(decays), list(adapts)))
-    return True
-
-
-def update(optimizer, grads, variables, indices, learning_rate, uses_decay, transport_dtype=None):
-    """The sharded update, when the replica context's strategy is sharded; else False.
-
-    Args:
-      optimizer: the optimizer.
-      grads: the replica's local gradients.
-      variables: their variables.
-      indices: each variable's index among the optimizer's variables.
+      optimizer: a sharded optimizer.
+      ctx: the replica context.
+      grads_and_vars: the replica's local gradients and their variables.
       learning_rate: the step's learning rate.
-      uses_decay: the optimizer's test of whether its weight decay applies to a variable (Keras's
-        exclusions).
-      transport_dtype: e.g. `"bfloat16"` (the strategy's `gradient_dtype`): across workers, the
-        gradient's reduce-scatter between the workers carries it (cast there and back), as the
-        torus sum's phases between hosts do; the weights' all-gather stays in their dtype.
-
-    Returns:
-      True when the update was built here.
+      gradient_dtype: e.g. `"bfloat16"` (the strategy's): across workers, the gradient's
+        reduce-scatter between the workers carries it, as the torus sum's phases between hosts do;
+        the weights' all-gather stays in their dtype.
     """
-    ctx = tf.distribute.get_replica_context()
-    if ctx is None or not is_sharded(ctx.strategy):
-        return False
-    _sharded_update(
-        optimizer, ctx, grads, variables, indices, learning_rate, uses_decay, transport_dtype
-    )
-    return True
-
-
-def decays_in_update(optimizer):
-    """True when the sharded update applies `optimizer`'s decoupled weight decay (Keras's SGD's and
-    AdamW's `weight_decay`) shard by shard, so that Keras's own pass over the full weights is
-    skipped; called in replica context."""
-    ctx = tf.distribute.get_replica_context()
-    state = _states.get(optimizer)
-    return (
-        ctx is not None
-        and is_sharded(ctx.strategy)
-        and state is not None
-        and state.kind != "lars"  # LARS decays inside its own rule
-        and optimizer.weight_decay is not None
-    )
+    state = _state(optimizer)
+    layout = state.layout
+    grads = [g for g, _ in grads_and_vars]
+    variables = [v for _, v in grads_and_vars]
+    indices = [optimizer._get_variable_index(v) for v in variables]
+    if indices != list(range(len(layout.sizes))) or any(g is None for g in grads):
+        raise ValueError("weight_update_sharding=True needs a gradient for every trainable variable at every step; some had none (Keras warned which). Freeze them (trainable=False) instead.")
+    grads = [tf.reshape(tf.convert_to_tensor(g), [-1]) for g in grads]
+    values = [v.value if isinstance(v, keras.Variable) else v for v in variables]
+    layer = optimizer if state.layerwise else None
+    sharded_update.update(ctx, state, grads, values, learning_rate, layer, gradient_dtype)
 
 
 def full_state(optimizer):
     """The optimizer's variables as numpy arrays in Keras's unsharded layout, or None when it is
-    not sharded."""
-    if optimizer not in _states:
+    not sharded. Across workers this is a collective: every worker must call it at the same point.
+    """
+    state = _state(optimizer)
+    if state is None:
         return None
-    state = _states[optimizer]
-    gathered = _gathered_slots(state)
+    gathered = [state.layout.split(flat) for flat in _gathered_slots(state)]
+    names = {name: j for j, name in enumerate(state.names)}
+    own = iter(optimizer.variables)
     values = []
     for item in _keras_layout(optimizer, state):
-        if isinstance(item, list):  # slots built together: Keras interleaves them per variable
-            pieces = [state.layout.split(gathered[id(v)]) for v in item]
-            values.extend(p for per_variable in zip(*pieces) for p in per_variable)
+        if isinstance(item, Slot):
+            values.append(gathered[names[item.name]][item.variable])
         else:
-            values.append(keras.ops.convert_to_numpy(item))
+            values.append(keras.ops.convert_to_numpy(next(own)))
     return values
 
 
 def _keras_layout(optimizer, state):
-    """The optimizer's variables in order, each group of sharded slots as one list where its
-    first member stands (Keras's `add_optimizer_variables` interleaves a group's slots per
-    variable: momentum, velocity, momentum, velocity, ...)."""
-    groups = {id(state.slots[g[0]]): [state.slots[n] for n in g] for g in state.groups}
-    members = {id(state.slots[n]) for g in state.groups for n in g}
-    out = []
-    for variable in optimizer.variables:
-        if id(variable) in groups:
-            out.append(groups[id(variable)])
-        elif id(variable) not in members:
-            out.append(variable)
-    return out
-
-
-def _check_variables(variables):
-    dtypes = {v.dtype for v in variables}
-    if len(dtypes) != 1 or not keras.backend.is_float_dtype(next(iter(dtypes))):
-        raise ValueError(
-            "weight_update_sharding=True needs every trainable variable in one floating dtype "
-            f"(Keras keeps float32 ones under mixed precision); got {sorted(dtypes)}."
-        )
+    """Keras's saved order: the optimizer's own variables with its recorded slots placed where
+    Keras would have made them."""
+    count = len(optimizer.variables) + len(state.recorded)
+    slots = {s.position: s for s in state.recorded}
+    return [slots.get(i, "own") for i in range(count)]
 
 
 def _gathered_slots(state):
-    """Every sharded slot's value in full (all replicas' shards in shard order), by `id` of its
-    variable. Across workers this is a collective: every worker must call it at the same point."""
+    """Every inner slot's value in full (all replicas' shards in shard order), in the inner
+    optimizer's order. Across workers this is a collective: every worker must call it at the same
+    point."""
     strategy = state.strategy
-    slots = list(state.slots.values())
+    slots = state.slots
     if not state.across_workers or not slots:  # one host: all shards are here
         gathered = [v.value for v in slots]
     else:
@@ -378,10 +380,10 @@ def _gathered_slots(state):
             return [collectives.all_gather(tf.convert_to_tensor(v.value), columns) for v in slots]
 
         gathered = tf.function(lambda: strategy.run(gather))()
-    return {
-        id(v): np.concatenate([p.numpy() for p in strategy.experimental_local_results(g)])
-        for v, g in zip(slots, gathered)
-    }
+    return [
+        np.concatenate([p.numpy() for p in strategy.experimental_local_results(g)])
+        for g in gathered
+    ]
 
 
 # Seconds a worker saving a sharded optimizer's state waits for the other workers to save too.
@@ -431,18 +433,13 @@ def _check_column_ranks(state):
     gathered = strategy.experimental_local_results(tf.function(lambda: strategy.run(ranks))())
     order = [int(r) for r in gathered[0].numpy()]
     if order != list(range(len(order))):
-        raise RuntimeError(
-            f"The collective ops across the workers order them {order}, not by "
-            "collectives.worker_rank (0, 1, ...): weight_update_sharding=True cannot place the "
-            "shards. Please report this with your cluster's task names; meanwhile create the "
-            "strategy with weight_update_sharding=False."
-        )
+        raise RuntimeError(f"The collective ops across the workers order them {order}, not by collectives.worker_rank (0, 1, ...): weight_update_sharding=True cannot place the shards. Please report this with your cluster's task names; meanwhile create the strategy with weight_update_sharding=False.")
 
 
 def saving_gathers(optimizer):
     """True when saving `optimizer` is a collective across workers (its state is sharded over
     several workers' replicas): every worker must then save at the same point."""
-    state = _states.get(optimizer)
+    state = _state(optimizer)
     return state is not None and bool(state.slots) and state.across_workers
 
 
@@ -459,60 +456,24 @@ def load_full_state(optimizer, store):
     Raises:
       ValueError: when the store does not hold this optimizer's state.
     """
-    state = _states.get(optimizer)
+    state = _state(optimizer)
     if state is None:
         return False
     layout = state.layout
-    count = len(layout.sizes)
-    expected = len(optimizer.variables) + len(state.slots) * (count - 1)
-    if len(store.keys()) != expected:
-        raise ValueError(
-            f"The saved optimizer state holds {len(store.keys())} variables; this sharded "
-            f"{type(optimizer).__name__} expects {expected} (Keras's layout for its "
-            f"{count} trainable variables). Load a checkpoint of the same model and optimizer."
-        )
-    index = 0
-    for item in _keras_layout(optimizer, state):
-        if not isinstance(item, list):
-            item.assign(store[str(index)])
-            index += 1
-            continue
-        for k, variable in enumerate(item):
-            pieces = [np.reshape(store[str(index + j * len(item) + k)], [-1]) for j in range(count)]
-            flat = np.concatenate(pieces + [np.zeros(layout.padding, pieces[0].dtype)])
-            parts = state.strategy.experimental_local_results(variable.value)
-            for part, shard in zip(parts, state.owned):
-                part.assign(flat[shard * layout.shard : (shard + 1) * layout.shard])
-        index += count * len(item)
+    items = _keras_layout(optimizer, state)
+    if len(store.keys()) != len(items):
+        raise ValueError(f"The saved optimizer state holds {len(store.keys())} variables; this sharded {type(optimizer).__name__} expects {len(items)} (Keras's layout for its {len(layout.sizes)} trainable variables). Load a checkpoint of the same model and optimizer.")
+    own = iter(optimizer.variables)
+    pieces = [[None] * len(layout.sizes) for _ in state.slots]
+    names = {name: j for j, name in enumerate(state.names)}
+    for index, item in enumerate(items):
+        if isinstance(item, Slot):
+            pieces[names[item.name]][item.variable] = np.reshape(store[str(index)], [-1])
+        else:
+            next(own).assign(store[str(index)])
+    for slot, parts in zip(state.slots, pieces):
+        flat = np.concatenate(parts + [np.zeros(layout.padding, parts[0].dtype)])
+        values = state.strategy.experimental_local_results(slot.value)
+        for value, shard in zip(values, state.owned):
+            value.assign(flat[shard * layout.shard : (shard + 1) * layout.shard])
     return True
-
-
-# --------------------------------------------------------------------------- the sharded step
-
-
-def _sharded_update(
-    optimizer, ctx, grads, variables, indices, learning_rate, uses_decay, transport_dtype
-):
-    """Steps 1-4 of the module docstring, called in replica context from the optimizer's update."""
-    state = _states.get(optimizer)
-    if state is None:
-        raise ValueError(
-            "weight_update_sharding=True supports keras.optimizers.SGD (plain, momentum or "
-            "Nesterov), Adam, AdamW and tpu_scale.optimizers.LARS; got "
-            f"{type(optimizer).__name__}. Create the strategy with "
-            "weight_update_sharding=False for other optimizers, or create the optimizer under "
-            "the strategy's scope."
-        )
-    layout = state.layout
-    if list(indices) != list(range(len(layout.sizes))):
-        raise ValueError(
-            "weight_update_sharding=True needs a gradient for every trainable variable at every "
-            "step; some had none (Keras warned which). Freeze them (trainable=False) instead."
-        )
-    grads = [tf.reshape(tf.convert_to_tensor(g), [-1]) for g in grads]
-    decays = decays_in_update(optimizer)
-    decayed = [decays and bool(uses_decay(v)) for v in variables]
-    values = [v.value if isinstance(v, keras.Variable) else v for v in variables]
-    sharded_update.update(
-        ctx, optimizer, state, grads, values, learning_rate, decayed, transport_dtype
-    )
