@@ -131,6 +131,11 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
     def get_config(self):
         return {**super().get_config(), "group_size": self.group_size}
 
+    @property
+    def _renorm(self):
+        """Whether batch renormalization is on (Keras 3.12 has no `renorm`: off)."""
+        return getattr(self, "renorm", False)
+
     def call(self, inputs, training=None, mask=None):
         if not (training and self.trainable):
             return super().call(inputs, training=training, mask=mask)
@@ -150,7 +155,7 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
         mean, variance, filled = self._moments(x, mask)
         gamma = tf.cast(self.gamma, dtype) if self.scale else None
         beta = tf.cast(self.beta, dtype) if self.center else None
-        if self.renorm:
+        if self._renorm:
             r, d, mean, variance = self._renorm_correction_and_moments(mean, variance)
             gamma, beta = self._compose_transforms(r, d, gamma, beta, dtype)
         self._update_moving_statistics(mean, variance, filled)
@@ -175,7 +180,7 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
             training
             and self.trainable
             and mask is None
-            and not self.renorm
+            and not self._renorm
             and rank == 4
             and self.axis % rank == 3
             and inputs.dtype in (tf.float32, tf.bfloat16, tf.float16)
@@ -187,7 +192,7 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
         Where the statistics cover no element there is nothing to average in, and the moving
         statistics (all five of them with renorm) keep their values exactly.
         """
-        if self.renorm:
+        if self._renorm:
             tracked = [
                 self.moving_mean,
                 self.moving_variance,
