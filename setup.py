@@ -13,10 +13,11 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["tpu_scale", "tpu_scale.*"]),
     python_requires=">=3.9",
-    # The Keras range is the one tpu_scale.keras_hook supports (it hooks one private method).
+    # The ranges CI tests (.ci/run): TensorFlow 2.21 with Keras 3.12 (the oldest Keras it accepts),
+    # the current release and keras-nightly; tpu_scale.keras_hook checks the Keras range at start-up.
     install_requires=[
-        "tensorflow>=2.16",
-        "keras>=3.3,<4",
+        "tensorflow>=2.21,<2.22",
+        "keras>=3.12,<3.17",
         "numpy",
         "absl-py",
         "tensorboard",
