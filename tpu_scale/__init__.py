@@ -36,8 +36,10 @@ __getattr__ = _lazy.attributes(
     submodules=(
         "callbacks",
         "checkpointing",
+        "cluster",
         "collectives",
         "data",
+        "launch",
         "layers",
         "losses",
         "models",
