@@ -2,7 +2,7 @@
 
 Claim: accumulating gradients over k=4 micro-batches (`gradient_accumulation_steps=4`) trains at
 no less than 0.95x the images/s of plain training at the same micro-batch, under the package's
-strategy (its accumulation workaround, `keras_hook.accumulation_under_strategies`).
+strategy (its accumulation workaround, `keras_hook.accumulation_needs_phases`).
 
 Setup: the example's default model (`tpu_scale.models.small_resnet`, 10 classes, 64x64 images),
 global micro-batch 128, 8 virtual CPU replicas in a 2x4 mesh, the package's gradient sum, LARS.

@@ -353,14 +353,14 @@ def test_a_dying_peer_is_called_not_running_after_a_second_look(monkeypatch):
     import tensorflow as tf
 
     from tpu_scale.checkpointing import peers
-    from tpu_scale.checkpointing.preemption import _Cluster
+    from tpu_scale.checkpointing.preemption import PreemptionCluster
 
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)  # the kernel accepts; nobody answers
     address = "127.0.0.1:%d" % listener.getsockname()[1]
     me, peer = "/job:worker/replica:0/task:0", "/job:worker/replica:0/task:1"
-    cluster = _Cluster((me, peer), {me: "127.0.0.1:1", peer: address}, me)
+    cluster = PreemptionCluster((me, peer), {me: "127.0.0.1:1", peer: address}, me)
     error = tf.errors.UnavailableError(None, None, "Collective ops is aborted by: socket closed")
 
     sleep = time.sleep
@@ -374,7 +374,7 @@ def test_a_dying_peer_is_called_not_running_after_a_second_look(monkeypatch):
     frozen.bind(("127.0.0.1", 0))
     frozen.listen(8)
     address = "127.0.0.1:%d" % frozen.getsockname()[1]
-    cluster = _Cluster((me, peer), {me: "127.0.0.1:1", peer: address}, me)
+    cluster = PreemptionCluster((me, peer), {me: "127.0.0.1:1", peer: address}, me)
     monkeypatch.setattr(peers.time, "sleep", lambda seconds: None)
     with frozen:
         assert "does not answer: frozen" in str(peers.explain_peer_failure(error, cluster, 0.5))

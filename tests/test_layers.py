@@ -892,7 +892,7 @@ def worker_fit():
                     group_size(op)
                     for g in train_graphs(model)
                     for op in collective_ops(g)
-                    if int(tf.get_static_value(op.inputs[2])) >= collectives._PRIVATE_KEY_BASE
+                    if int(tf.get_static_value(op.inputs[2])) >= collectives.PRIVATE_KEY_BASE
                 }
             ),
         }

@@ -43,7 +43,7 @@ OP_OF_PHASE = {
 def _is_private(op):
     """True for collectives on tpu_scale's own group keys (TensorFlow's strategies number theirs
     from 1)."""
-    return int(tf.get_static_value(op.inputs[2])) >= collectives._PRIVATE_KEY_BASE
+    return int(tf.get_static_value(op.inputs[2])) >= collectives.PRIVATE_KEY_BASE
 
 
 # --------------------------------------------------------------------------- executor

@@ -100,7 +100,7 @@ def cluster_main():
                 (op.type, group_size(op), op.inputs[0].dtype.name)
                 for g in train_graphs(model)
                 for op in collective_ops(g)
-                if int(tf.get_static_value(op.inputs[2])) >= collectives._PRIVATE_KEY_BASE
+                if int(tf.get_static_value(op.inputs[2])) >= collectives.PRIVATE_KEY_BASE
             }
         )
     out["auto"] = sorted(set(strategy.gradient_planner.choices.values()))

@@ -20,7 +20,7 @@ from tensorflow.python.framework import ops
 from tensorflow.python.ops import collective_ops, resource_variable_ops
 
 # Every tf.distribute strategy numbers its group keys from 1; ours live far above them.
-_PRIVATE_KEY_BASE = 1 << 30
+PRIVATE_KEY_BASE = 1 << 30
 # No timeout by default: the runtime parks one thread per launched op for the whole timeout, so a
 # 300 s timeout on every batch-norm sum grew a training process to thousands of sleeping threads.
 # Mismatched groups are caught before launch instead (`_checked_groups`).
@@ -70,7 +70,7 @@ def ordering_channel(channel):
 def _group_key(members):
     """A private group key derived from the members alone, so every worker picks the same key."""
     members = tuple(sorted(int(m) for m in members))
-    key = _PRIVATE_KEY_BASE + zlib.crc32(np.asarray(members, np.int64).tobytes()) % (1 << 30)
+    key = PRIVATE_KEY_BASE + zlib.crc32(np.asarray(members, np.int64).tobytes()) % (1 << 30)
     with _lock:
         known = _group_keys.setdefault(key, members)
     if known != members:
@@ -122,7 +122,7 @@ def _ordering_token(device, channel=0):
     return token.handle
 
 
-class _Launch:
+class Launch:
     """What a replica needs to launch a collective op in its group."""
 
     def __init__(self, members):
@@ -141,29 +141,29 @@ class _Launch:
         )
 
 
-def _collective_sum(x, launch):
+def collective_sum(x, launch):
     @tf.custom_gradient
     def summed(x):
         with ops.device(launch.device):
             y = collective_ops.all_reduce_v2(x, **launch.kwargs())
-        return y, lambda dy: _collective_sum(dy, launch)
+        return y, lambda dy: collective_sum(dy, launch)
 
     return summed(x)
 
 
-def _collective_all_to_all(x, launch):
+def collective_all_to_all(x, launch):
     @tf.custom_gradient
     def exchanged(x):
         # The CPU/GPU kernel wants axis 0 to be exactly the group size: one row per rank.
         with ops.device(launch.device):
             rows = tf.reshape(x, [launch.group_size, -1])
             y = tf.reshape(collective_ops.all_to_all_v2(rows, **launch.kwargs()), tf.shape(x))
-        return y, lambda dy: _collective_all_to_all(dy, launch)
+        return y, lambda dy: collective_all_to_all(dy, launch)
 
     return exchanged(x)
 
 
-def _collective_all_gather(x, launch):
+def collective_all_gather(x, launch):
     @tf.custom_gradient
     def gathered(x):
         with ops.device(launch.device):
@@ -178,14 +178,14 @@ def _collective_all_gather(x, launch):
                 y = collective_ops.all_gather_v2(x, **launch.kwargs())
 
         def grad(dy):
-            return _local_shard_sum(_collective_all_to_all(dy, launch), launch.group_size)
+            return local_shard_sum(collective_all_to_all(dy, launch), launch.group_size)
 
         return y, grad
 
     return gathered(x)
 
 
-def _local_shard_sum(received, group_size):
+def local_shard_sum(received, group_size):
     """Sums the `group_size` equal chunks along axis 0: the local half of a reduce-scatter."""
     shape = tf.shape(received)
     chunks = tf.reshape(received, tf.concat([[group_size, shape[0] // group_size], shape[1:]], 0))

@@ -45,12 +45,12 @@ from tensorflow.python.framework import ops
 
 from tpu_scale import context
 from tpu_scale.collective_launch import (  # noqa: F401  (ordering_channel, timeout_seconds: public)
-    _PRIVATE_KEY_BASE,
-    _collective_all_gather,
-    _collective_all_to_all,
-    _collective_sum,
-    _Launch,
-    _local_shard_sum,
+    PRIVATE_KEY_BASE,
+    Launch,
+    collective_all_gather,
+    collective_all_to_all,
+    collective_sum,
+    local_shard_sum,
     ordering_channel,
     timeout_seconds,
 )
@@ -383,7 +383,7 @@ def group_sum(x, group_assignment, latency_bound=False, in_graph=False):
     if latency_bound and (_all_replicas_local(ctx) or groups_in_process(groups)):
         return _in_graph([x], groups, ctx, "sum")[0]
     _, members = _my_group(groups, _static_replica_id(ctx))
-    return _collective_sum(x, _Launch(members))
+    return collective_sum(x, Launch(members))
 
 
 def _eager_group_sum(x, groups, ctx):
@@ -431,7 +431,7 @@ def all_to_all(x, group_assignment):
             [slots[j, rank * chunk : (rank + 1) * chunk] for j in range(group_size)], axis=0
         )
     _, members = _my_group(groups, _static_replica_id(ctx))
-    return _collective_all_to_all(x, _Launch(members))
+    return collective_all_to_all(x, Launch(members))
 
 
 def reduce_scatter(x, group_assignment, in_graph=False):
@@ -455,7 +455,7 @@ def reduce_scatter(x, group_assignment, in_graph=False):
     if isinstance(x, (list, tuple)):
         return _each(reduce_scatter, x, group_assignment)
     group_size = np.asarray(group_assignment).shape[-1]
-    return _local_shard_sum(all_to_all(x, group_assignment), group_size)
+    return local_shard_sum(all_to_all(x, group_assignment), group_size)
 
 
 def all_gather(x, group_assignment, in_graph=False):
@@ -487,7 +487,7 @@ def all_gather(x, group_assignment, in_graph=False):
         slots, _ = _eager_slot_sum(x, groups, ctx)
         return tf.reshape(slots, tf.concat([[-1], tf.shape(x)[1:]], 0))
     _, members = _my_group(groups, _static_replica_id(ctx))
-    return _collective_all_gather(x, _Launch(members))
+    return collective_all_gather(x, Launch(members))
 
 
 def _check_divisible(x, group_size, name):

@@ -158,7 +158,7 @@ def _fsync(path):
         os.fsync(f.fileno())
 
 
-def _write_backup(model, backup_dir, epoch, step, reason, keep):
+def write_backup(model, backup_dir, epoch, step, reason, keep):
     """Saves `model` as a new backup and removes all but the newest `keep`; returns the `Backup`."""
     tf.io.gfile.makedirs(backup_dir)
     existing = _sequences(backup_dir)

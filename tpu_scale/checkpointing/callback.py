@@ -18,16 +18,16 @@ from tpu_scale.checkpointing.backups import (
     PREEMPTED_EXIT_CODE,
     WEIGHTS_FILE,
     DamagedBackupError,
-    _write_backup,
     latest_backup,
     read_backup,
+    write_backup,
 )
 from tpu_scale.checkpointing.preemption import (
-    _KEY_PREFIX,
-    _Cluster,
-    _kv_get,
-    _kv_set,
-    _PreemptionNotice,
+    KEY_PREFIX,
+    PreemptionCluster,
+    PreemptionNotice,
+    kv_get,
+    kv_set,
 )
 
 _fit_counter = itertools.count()
@@ -113,8 +113,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"BackupAndRestore needs a built model before fit(); {model.name} is not built. "
                 f"Build it first, e.g. with keras.Input in the model or model.build(input_shape)."
             )
-        self._cluster = _Cluster.of(model.distribute_strategy)
-        prefix = f"{_KEY_PREFIX}/{next(_fit_counter)}"
+        self._cluster = PreemptionCluster.of(model.distribute_strategy)
+        prefix = f"{KEY_PREFIX}/{next(_fit_counter)}"
         self._epoch, self._step, self._steps_done = 0, 0, 0
         self._batches_since_save = 0
         self._skip = 0
@@ -138,7 +138,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 backup.step,
             )
         if self.save_before_preemption:
-            self._notice = _PreemptionNotice(self._cluster, prefix, self.sync_timeout)
+            self._notice = PreemptionNotice(self._cluster, prefix, self.sync_timeout)
             self._notice.start()
 
     def _load(self, backup):
@@ -175,7 +175,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                     }
                 )
             )
-            _kv_set(choice_key, choice)
+            kv_set(choice_key, choice)
         else:
             choice = self._wait_for(
                 choice_key,
@@ -192,7 +192,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         except Exception as e:  # noqa: BLE001  every failure must reach the other workers
             failure = e
         verdict = "ok" if failure is None else f"{type(failure).__name__}: {failure}"
-        _kv_set(f"{prefix}/restored/{cluster.me}", verdict)
+        kv_set(f"{prefix}/restored/{cluster.me}", verdict)
         for task in cluster.tasks:
             other = (
                 verdict
@@ -227,7 +227,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _wait_for(self, key, what):
         try:
-            return _kv_get(key, self.sync_timeout)
+            return kv_get(key, self.sync_timeout)
         except tf.errors.OpError as e:
             raise RuntimeError(
                 f"{self._cluster.me} waited {self.sync_timeout} s for {what}, in vain "
@@ -280,7 +280,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _save(self, epoch, step, reason):
         if self._cluster is None or self._cluster.is_chief:
-            self.last_backup = _write_backup(
+            self.last_backup = write_backup(
                 self.model, self.backup_dir, epoch, step, reason, self.keep
             )
             return self.last_backup

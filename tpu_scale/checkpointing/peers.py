@@ -7,7 +7,7 @@ import time
 
 import tensorflow as tf
 
-from tpu_scale.checkpointing.preemption import _Cluster
+from tpu_scale.checkpointing.preemption import PreemptionCluster
 
 
 class PeerFailureError(RuntimeError):
@@ -78,7 +78,7 @@ def explain_peer_failure(error, cluster, probe_timeout=2.0):
 
     Args:
       error: the `tf.errors.OpError` from a collective or from the coordination service.
-      cluster: the `_Cluster` this process belongs to.
+      cluster: the `PreemptionCluster` this process belongs to.
       probe_timeout: seconds per liveness probe of each other task.
 
     Returns:
@@ -162,7 +162,7 @@ def peer_failures_explained(strategy=None, probe_timeout=2.0):
     try:
         yield
     except _PEER_ERRORS as e:
-        cluster = _Cluster.of(strategy or tf.distribute.get_strategy())
+        cluster = PreemptionCluster.of(strategy or tf.distribute.get_strategy())
         message = e.message or ""
         if cluster is None or not any(marker in message for marker in _PEER_MARKERS):
             raise

@@ -8,12 +8,12 @@ import tensorflow as tf
 from absl import logging
 from tensorflow.python.eager import context as tf_context
 
-_KEY_PREFIX = "tpu_scale/checkpointing"
+KEY_PREFIX = "tpu_scale/checkpointing"
 _STOP = "stop"
 
 
 @dataclasses.dataclass(frozen=True)
-class _Cluster:
+class PreemptionCluster:
     """This process's place in a multi-worker cluster."""
 
     tasks: tuple  # ("/job:worker/replica:0/task:0", ...), the chief first
@@ -73,18 +73,18 @@ def is_chief(strategy):
     return resolver.task_type == "worker" and resolver.task_id == 0
 
 
-def _kv_get(key, timeout_seconds):
+def kv_get(key, timeout_seconds):
     return tf_context.context().get_config_key_value(key, int(timeout_seconds * 1000))
 
 
-def _kv_set(key, value):
+def kv_set(key, value):
     tf_context.context().set_config_key_value(key, value)
 
 
 # --------------------------------------------------------------------------- preemption
 
 
-class _PreemptionNotice:
+class PreemptionNotice:
     """Turns SIGTERM into "save at train step N", the same N on every worker.
 
     The signalled worker claims a key in the coordination service with the step after its current
@@ -134,7 +134,7 @@ class _PreemptionNotice:
 
     def _watch(self):
         try:
-            value = _kv_get(self._key, 0)  # blocks until a notice or the end of training
+            value = kv_get(self._key, 0)  # blocks until a notice or the end of training
         except Exception:  # noqa: BLE001  the cluster is going down; the main thread reports that
             return
         if value == _STOP:
@@ -143,7 +143,7 @@ class _PreemptionNotice:
         self.save_at, self.origin = int(step), origin
         self._agreed.set()
         try:
-            _kv_set(f"{self._ack_prefix}/{self._cluster.me}", "1")
+            kv_set(f"{self._ack_prefix}/{self._cluster.me}", "1")
         except Exception as e:  # noqa: BLE001
             logging.warning("Could not acknowledge the preemption notice of %s: %s", origin, e)
 
@@ -161,7 +161,7 @@ class _PreemptionNotice:
         self._claimed = True
         me = self._cluster.me
         try:
-            _kv_set(self._key, f"{steps_done + 1}|{me}")
+            kv_set(self._key, f"{steps_done + 1}|{me}")
         except tf.errors.AlreadyExistsError:
             return False  # another worker's notice came first; its step applies to everyone
         logging.warning(
@@ -169,7 +169,7 @@ class _PreemptionNotice:
         )
         for task in self._cluster.tasks:
             try:
-                _kv_get(f"{self._ack_prefix}/{task}", self._ack_timeout)
+                kv_get(f"{self._ack_prefix}/{task}", self._ack_timeout)
             except tf.errors.OpError as e:
                 logging.warning(
                     "%s did not acknowledge the preemption notice within %d s (%s); saving anyway.",
@@ -182,7 +182,7 @@ class _PreemptionNotice:
     def stop(self):
         if self._thread is not None:
             try:
-                _kv_set(self._key, _STOP)
+                kv_set(self._key, _STOP)
             except tf.errors.OpError:
                 pass  # a notice or another worker's stop is there already: the watcher has returned
             self._thread.join(timeout=5)
