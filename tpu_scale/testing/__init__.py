@@ -5,6 +5,9 @@ collective_ops   the collective ops of a graph and of every function it calls
 group_size       the static group size of a collective op
 train_graphs     the graphs Keras traced for `model.fit`
 write_digits_folder  scikit-learn's digits as a folder of class folders (real images)
+
+tpu_scale.testing.slurm.SlurmCluster, a one-node Slurm cluster on this host (munged, slurmctld,
+slurmd from a generated slurm.conf), is imported from its module: it needs Slurm installed.
 """
 
 from tpu_scale.testing.digits import write_digits_folder

@@ -129,6 +129,10 @@ class SlurmCluster:
             names the daemon's log and holds its last lines.
         """
         self.folder = tempfile.mkdtemp(prefix="tpu_scale_slurm_")
+        if len(self.folder) > 60:
+            # Unix socket paths hold at most 107 bytes (munged's, slurmstepd's in the spool folder).
+            os.rmdir(self.folder)
+            self.folder = tempfile.mkdtemp(prefix="tpu_scale_slurm_", dir="/tmp")
         try:
             self._start()
         except BaseException:
@@ -179,10 +183,10 @@ class SlurmCluster:
                 f"--seed-file={path('munge', 'munged.seed')}",
             ],
         )
-        self._wait(lambda: os.path.exists(socket_path), "munged", "its socket to appear")
+        self._wait(lambda: os.path.exists(socket_path), "munged", "munge socket")
         self._spawn("slurmctld", ["-D", "-f", self.conf])
         self._spawn("slurmd", ["-D", "-f", self.conf])
-        self._wait(lambda: self.node_state() == "idle", "slurmd", "the node to become idle")
+        self._wait(lambda: self.node_state() == "idle", "slurmctld slurmd", "idle node")
 
     def _spawn(self, name, args):
         log = open(os.path.join(self.folder, "log", f"{name}.out"), "w")
@@ -196,19 +200,20 @@ class SlurmCluster:
                 start_new_session=True,  # a Ctrl-C in the terminal reaches the tests, not these
             )
 
-    def _wait(self, ready, daemon, what):
+    def _wait(self, ready, daemons, what):
         deadline = time.monotonic() + self.timeout
         while not ready():
             for name, process in self._daemons.items():
                 if process.poll() is not None:
                     raise RuntimeError(
-                        f"{name} exited with code {process.returncode} while waiting for {what}; "
-                        f"its log:\n{self.log_tail(name)}"
+                        f"{name} exited with code {process.returncode} before the cluster had its "
+                        f"{what}; its log:\n{self.log_tail(name)}"
                     )
             if time.monotonic() > deadline:
+                logs = "\n".join(self.log_tail(name) for name in daemons.split())
                 raise RuntimeError(
-                    f"Slurm cluster: no {what} within {self.timeout:.0f} s; {daemon}'s log:\n"
-                    f"{self.log_tail(daemon)}"
+                    f"Slurm cluster: still no {what} after {self.timeout:.0f} s; the logs of "
+                    f"{daemons}:\n{logs}"
                 )
             time.sleep(0.2)
 
@@ -411,6 +416,7 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/builtin
 MpiDefault=none
+MailProg=/bin/true
 SwitchType=switch/none
 ReturnToService=2
 AccountingStorageType=accounting_storage/none
