@@ -120,10 +120,35 @@ def test_recipe_augmentation_fits_the_data():
         "random_flip": False,
         "center_crop_fraction": 1.0,
     }
+    shift = recipe_for_batch(64, 15, train_examples=1617, augmentation="shift").input_arguments
+    assert shift["crop_area_range"] == (0.75, 1.0) and not shift["random_flip"]
     imagenet = recipe_for_batch(4096).input_arguments
     assert imagenet["crop_area_range"] == (0.08, 1.0) and imagenet["random_flip"]
     with pytest.raises(ValueError, match="augmentation"):
         recipe_for_batch(64, augmentation="strong")
+
+
+def test_recipe_weight_decay_by_data_size():
+    # Small data, a few hundred examples a class: SGD's stronger decay.
+    assert recipe_for_batch(64, 15, train_examples=4500, num_classes=10).weight_decay == 5e-4
+    assert recipe_for_batch(512, 30, train_examples=2361, num_classes=4).weight_decay == 5e-4
+    assert recipe_lib.default_weight_decay(9_999, 10) == 5e-4
+    # From 1,000 a class on, and for ImageNet (1,281 a class) or full MNIST: the reference 1e-4.
+    assert recipe_lib.default_weight_decay(10_000, 10) == 1e-4
+    imagenet = recipe_for_batch(1024, 90, train_examples=1281167, num_classes=1000)
+    assert imagenet.weight_decay == 1e-4
+    assert recipe_for_batch(4096, 10, train_examples=63_000, num_classes=10).weight_decay == 1e-4
+    # Data unknown: the reference value.
+    assert recipe_for_batch(64, 15).weight_decay == 1e-4
+    assert recipe_for_batch(64, 15, train_examples=4500).weight_decay == 1e-4
+    # LARS keeps the paper's decay whatever the data.
+    lars = recipe_for_batch(32768, 72, train_examples=4500, num_classes=10)
+    assert lars.optimizer == "lars" and lars.weight_decay == 1e-4
+    # A flag overrides it, and the optimizer gets the recipe's value.
+    small = recipe_for_batch(64, 15, train_examples=4500, num_classes=10)
+    assert small.with_settings(weight_decay=1e-4).weight_decay == 1e-4
+    sgd = small.build_optimizer(steps_per_epoch=70, total_epochs=15)
+    assert sgd.weight_decay == 5e-4
 
 
 def test_recipe_is_monotonic_in_batch_size():
@@ -223,7 +248,7 @@ def test_recipe_trains_real_digits_well_above_chance(tmp_path):
     batch, epochs = 64, 8
     steps_per_epoch = train_examples // batch
     recipe = recipe_for_batch(batch, epochs, train_examples=train_examples, num_classes=10)
-    assert recipe.optimizer == "sgd" and recipe.augmentation == "none"
+    assert (recipe.optimizer, recipe.augmentation, recipe.weight_decay) == ("sgd", "none", 5e-4)
     inputs = dict(global_batch_size=batch, image_size=32, **recipe.input_arguments)
     train = data.ImageNetInput(
         str(tmp_path / "records" / "train-*"), is_training=True, seed=0, **inputs
