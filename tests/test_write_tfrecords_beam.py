@@ -124,7 +124,8 @@ def test_beam_writes_what_the_local_writer_writes(image_dir, local, tmp_path, op
     assert leftovers(str(tmp_path)) == []
 
 
-def test_both_writers_name_the_bad_files_in_the_summary_and_the_report(image_dir, local):
+def test_bad_files_are_named_in_the_summary_and_the_report(image_dir, local):
+    # The Beam writer's summary, report and skipped.json are checked equal to these above.
     summary, output_dir = local
     path = lambda *parts: os.path.join(image_dir, *parts)  # noqa: E731
     expected = {
