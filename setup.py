@@ -33,6 +33,9 @@ setup(
             "pyyaml",
             "matplotlib",
             "scikit-learn",
+            # The Beam writer's tests run the DirectRunner (Beam pins protobuf<7, within
+            # TensorFlow 2.21's range, pillow<13 and pyarrow<26).
+            "apache-beam",
         ],
         "tfds": ["tensorflow-datasets"],
         # The own-images writer as an Apache Beam pipeline (--beam_pipeline_options): Dataflow,

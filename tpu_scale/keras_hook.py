@@ -298,7 +298,8 @@ class Seam:
         grads_and_vars = list(grads_and_vars)
         if weight_update.is_sharded(self):
             # The sum, the update and the gather in one: nothing is left for Keras's update.
-            weight_update.update(self, ctx, grads_and_vars, self.learning_rate, settings.gradient_dtype)
+            indices = [self._get_variable_index(v) for _, v in grads_and_vars]
+            weight_update.update(self, ctx, grads_and_vars, indices, self.learning_rate, settings.gradient_dtype)
             return []
         if not settings.torus_sum:
             return super()._all_reduce_sum_gradients(grads_and_vars)

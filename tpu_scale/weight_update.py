@@ -312,13 +312,14 @@ def build(optimizer, variables, strategy, keras_build, inner):
     optimizer._tpu_scale_sharded = state
 
 
-def update(optimizer, ctx, grads_and_vars, learning_rate, gradient_dtype=None):
+def update(optimizer, ctx, grads_and_vars, indices, learning_rate, gradient_dtype=None):
     """The sharded update of one replica (steps 2-4 of the module docstring), in replica context.
 
     Args:
       optimizer: a sharded optimizer.
       ctx: the replica context.
       grads_and_vars: the replica's local gradients and their variables.
+      indices: each variable's index among the optimizer's trainable variables.
       learning_rate: the step's learning rate.
       gradient_dtype: e.g. `"bfloat16"` (the strategy's): across workers, the gradient's
         reduce-scatter between the workers carries it, as the torus sum's phases between hosts do;
@@ -328,8 +329,7 @@ def update(optimizer, ctx, grads_and_vars, learning_rate, gradient_dtype=None):
     layout = state.layout
     grads = [g for g, _ in grads_and_vars]
     variables = [v for _, v in grads_and_vars]
-    indices = [optimizer._get_variable_index(v) for v in variables]
-    if indices != list(range(len(layout.sizes))) or any(g is None for g in grads):
+    if list(indices) != list(range(len(layout.sizes))) or any(g is None for g in grads):
         raise ValueError("weight_update_sharding=True needs a gradient for every trainable variable at every step; some had none (Keras warned which). Freeze them (trainable=False) instead.")
     grads = [tf.reshape(tf.convert_to_tensor(g), [-1]) for g in grads]
     values = [v.value if isinstance(v, keras.Variable) else v for v in variables]
