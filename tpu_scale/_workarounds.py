@@ -15,11 +15,12 @@ to tell it can go. Users never call these: `create_strategy` and the strategy cl
   slurm_node_order          TensorFlow's SlurmClusterResolver sorts host names as strings (n10 < n9)
   tensor_seeds              a tensor seed fails after `tf.random.set_seed(0)`
 
-Two more live in `keras_hook.py`, the only module that touches Keras's private API:
+Two more live in `keras_hook.py`, the only module that touches Keras's private API; each reads
+Keras's source at start-up and turns itself off once Keras no longer has what it works around:
 
   build_from_one_replica    Keras 3 `evaluate` fails when replicas' first batches differ in size
-  accumulation_under_strategies
-                            Keras 3 `gradient_accumulation_steps` fails under a strategy
+                            (keras-team/keras#19246; on while `build_from_one_replica_needed()`)
+  accumulation_needs_phases Keras 3 `gradient_accumulation_steps` fails under a strategy
                             (keras-team/keras#20582: `merge_call` inside the update's `cond`)
 """
 
