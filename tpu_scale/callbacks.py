@@ -115,19 +115,13 @@ class LossGuard(keras.callbacks.Callback):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be an integer >= 1; received {value!r}.")
         if isinstance(max_backoffs, bool) or not isinstance(max_backoffs, int) or max_backoffs < 0:
-            raise ValueError(
-                f"`max_backoffs` must be an integer >= 0; received {max_backoffs!r}: 0 stops at "
-                "the first divergence."
-            )
+            raise ValueError(f"`max_backoffs` must be an integer >= 0; received {max_backoffs!r}: 0 stops at the first divergence.")
         if not 0.0 < float(backoff_factor) < 1.0:
             raise ValueError(
                 f"`backoff_factor` must be in (0, 1); received {backoff_factor}: use e.g. 0.5."
             )
         if max_backoffs and not restore_weights:
-            raise ValueError(
-                "Backing off needs the last good weights: pass restore_weights=True, or "
-                "max_backoffs=0 to stop at the first divergence."
-            )
+            raise ValueError("Backing off needs the last good weights: pass restore_weights=True, or max_backoffs=0 to stop at the first divergence.")
         self.factor = float(factor)
         self.reference_steps = reference_steps
         self.window = window

@@ -74,11 +74,7 @@ def _group_key(members):
     with _lock:
         known = _group_keys.setdefault(key, members)
     if known != members:
-        raise RuntimeError(
-            f"Private collective group key {key} is shared by groups {known} and {members}. Use a "
-            "different "
-            f"group size."
-        )
+        raise RuntimeError(f"Private collective group key {key} is shared by groups {known} and {members}. Use a different group size.")
     return key
 
 

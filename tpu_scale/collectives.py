@@ -59,28 +59,16 @@ from tpu_scale.collective_launch import (  # noqa: F401  (ordering_channel, time
 def _checked_groups(group_assignment, num_replicas):
     groups = np.asarray(group_assignment, dtype=np.int64)
     if groups.ndim != 2 or groups.size == 0:
-        raise ValueError(
-            "group_assignment must be a 2-D [num_groups, group_size] array of replica ids, got "
-            "shape "
-            f"{groups.shape}. Build one with mesh.group_assignment(group_size)."
-        )
+        raise ValueError(f"group_assignment must be a 2-D [num_groups, group_size] array of replica ids, got shape {groups.shape}. Build one with mesh.group_assignment(group_size).")
     if sorted(groups.ravel().tolist()) != list(range(num_replicas)):
-        raise ValueError(
-            f"group_assignment {groups.tolist()} must hold each of the {num_replicas} replica ids "
-            "exactly "
-            f"once. Build one with mesh.group_assignment(group_size) from this strategy's mesh."
-        )
+        raise ValueError(f"group_assignment {groups.tolist()} must hold each of the {num_replicas} replica ids exactly once. Build one with mesh.group_assignment(group_size) from this strategy's mesh.")
     return groups
 
 
 def _static_replica_id(ctx):
     replica_id = tf.get_static_value(ctx.replica_id_in_sync_group)
     if replica_id is None:
-        raise RuntimeError(
-            "The replica id is not known while tracing, so the replica's group cannot be chosen. "
-            "This happens "
-            "on TPU-like strategies; use TPUStrategy (TPU ops) or MirroredStrategy."
-        )
+        raise RuntimeError("The replica id is not known while tracing, so the replica's group cannot be chosen. This happens on TPU-like strategies; use TPUStrategy (TPU ops) or MirroredStrategy.")
     return int(replica_id)
 
 
@@ -495,8 +483,4 @@ def _check_divisible(x, group_size, name):
     if x.shape.rank == 0:
         raise ValueError(f"{name} needs a tensor with a leading axis to split; got a scalar.")
     if first is not None and first % group_size:
-        raise ValueError(
-            f"{name} splits axis 0 into {group_size} equal chunks, but it has length {first}; pad "
-            "it to a "
-            f"multiple of {group_size}."
-        )
+        raise ValueError(f"{name} splits axis 0 into {group_size} equal chunks, but it has length {first}; pad it to a multiple of {group_size}.")

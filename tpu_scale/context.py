@@ -98,11 +98,7 @@ def backend():
         return "tpu"
     ctx = tf.distribute.get_replica_context()
     if ctx is None:
-        raise RuntimeError(
-            "tpu_scale collectives run in replica context: call them inside strategy.run(...), a "
-            "Keras "
-            "train_step or a layer's call, not in cross-replica context."
-        )
+        raise RuntimeError("tpu_scale collectives run in replica context: call them inside strategy.run(...), a Keras train_step or a layer's call, not in cross-replica context.")
     if ctx.num_replicas_in_sync == 1:
         return "single"
     if is_tpu_strategy(ctx.strategy):

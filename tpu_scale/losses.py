@@ -53,10 +53,7 @@ class SmoothedSparseCategoricalCrossentropy(keras.losses.Loss):
     ):
         label_smoothing = float(label_smoothing)
         if not 0.0 <= label_smoothing < 1.0:
-            raise ValueError(
-                f"`label_smoothing` must be in [0, 1); received {label_smoothing}: "
-                "use 0.1 for the recipe, 0.0 for none."
-            )
+            raise ValueError(f"`label_smoothing` must be in [0, 1); received {label_smoothing}: use 0.1 for the recipe, 0.0 for none.")
         # The base class converts predictions to `dtype` before `call` and reduces in it:
         # float32, whatever the global policy, so that the softmax and its sums of a
         # thousand terms keep float32 precision.

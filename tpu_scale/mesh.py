@@ -37,10 +37,7 @@ class ReplicaMesh:
                 f"A replica mesh needs a non-empty 2-D grid of replica ids, got shape {grid.shape}."
             )
         if sorted(grid.ravel().tolist()) != list(range(grid.size)):
-            raise ValueError(
-                f"A replica mesh must hold each replica id 0..{grid.size - 1} exactly once, got "
-                f"{grid.tolist()}."
-            )
+            raise ValueError(f"A replica mesh must hold each replica id 0..{grid.size - 1} exactly once, got {grid.tolist()}.")
         if cores_per_chip < 1 or grid.shape[1] % cores_per_chip:
             raise ValueError(
                 f"cores_per_chip={cores_per_chip} must divide the mesh's {grid.shape[1]} columns."
@@ -70,11 +67,7 @@ class ReplicaMesh:
         rows, cols = (int(s) for s in shape)
         if rows * cols != num_replicas:
             options = ", ".join(f"({d}, {num_replicas // d})" for d in _divisors(num_replicas))
-            raise ValueError(
-                f"mesh_shape={tuple(shape)} holds {rows * cols} replicas but there are "
-                f"{num_replicas}; "
-                f"use one of {options}."
-            )
+            raise ValueError(f"mesh_shape={tuple(shape)} holds {rows * cols} replicas but there are {num_replicas}; use one of {options}.")
         return cls.from_shape(rows, cols)
 
     @classmethod
@@ -114,10 +107,7 @@ class ReplicaMesh:
         rows = extent[1] * extent[2]
         cols = extent[0] * used_cores
         if rows * cols != len(coords):
-            raise ValueError(
-                f"The {len(coords)} replicas do not fill a full rectangle of the torus "
-                f"(extent x={extent[0]}, y={extent[1]}, z={extent[2]}, cores={used_cores})."
-            )
+            raise ValueError(f"The {len(coords)} replicas do not fill a full rectangle of the torus (extent x={extent[0]}, y={extent[1]}, z={extent[2]}, cores={used_cores}).")
         grid = np.full((rows, cols), -1, dtype=np.int64)
         for replica, (x, y, z, core) in enumerate(zip(*axes)):
             grid[z * extent[1] + y, x * used_cores + core] = replica
@@ -161,22 +151,14 @@ class ReplicaMesh:
         """
         n = self.num_replicas
         if not isinstance(group_size, (int, np.integer)) or group_size < 1 or n % group_size:
-            raise ValueError(
-                f"group_size={group_size} does not divide the {n} replicas; valid group sizes are "
-                f"{_divisors(n)}."
-            )
+            raise ValueError(f"group_size={group_size} does not divide the {n} replicas; valid group sizes are {_divisors(n)}.")
         group_size = int(group_size)
         if not tiled:
             return np.arange(n).reshape(n // group_size, group_size)
         tile = self._tile_shape(group_size)
         if tile is None:
             valid = [g for g in _divisors(n) if self._tile_shape(g) is not None]
-            raise ValueError(
-                f"group_size={group_size} cannot tile the {self.shape[0]}x{self.shape[1]} mesh of "
-                f"{n} replicas "
-                f"({self.cores_per_chip} cores per chip) into equal rectangles; sizes that tile: "
-                f"{valid}."
-            )
+            raise ValueError(f"group_size={group_size} cannot tile the {self.shape[0]}x{self.shape[1]} mesh of {n} replicas ({self.cores_per_chip} cores per chip) into equal rectangles; sizes that tile: {valid}.")
         tr, tc = tile
         rows, cols = self.shape
         groups = [

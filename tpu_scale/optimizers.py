@@ -252,17 +252,11 @@ def _check_patterns(name, patterns, default):
     if patterns is None:
         return tuple(default)
     if isinstance(patterns, str):
-        raise ValueError(
-            f"`{name}` must be a list of regular expressions, not a string; "
-            f"received {name}={patterns!r}: use {name}=[{patterns!r}]."
-        )
+        raise ValueError(f"`{name}` must be a list of regular expressions, not a string; received {name}={patterns!r}: use {name}=[{patterns!r}].")
     patterns = tuple(patterns)
     for p in patterns:
         try:
             re.compile(p)
         except (re.error, TypeError) as e:
-            raise ValueError(
-                f"`{name}` contains {p!r}, which is not a valid regular expression ({e}): "
-                "fix or remove it."
-            ) from None
+            raise ValueError(f"`{name}` contains {p!r}, which is not a valid regular expression ({e}): fix or remove it.") from None
     return patterns

@@ -168,14 +168,7 @@ def _configure_cpu_replicas(num_cpu_replicas):
                 cpu, [tf.config.LogicalDeviceConfiguration()] * num_cpu_replicas
             )
         except RuntimeError as e:
-            raise RuntimeError(
-                f"Asked for {num_cpu_replicas} CPU replicas but TensorFlow already started with "
-                f"{have} "
-                f"logical CPU device(s), and devices cannot be added after start-up. Call "
-                f"tpu_scale.create_strategy(num_cpu_replicas={num_cpu_replicas}) before any other "
-                "TensorFlow "
-                f"op runs."
-            ) from e
+            raise RuntimeError(f"Asked for {num_cpu_replicas} CPU replicas but TensorFlow already started with {have} logical CPU device(s), and devices cannot be added after start-up. Call tpu_scale.create_strategy(num_cpu_replicas={num_cpu_replicas}) before any other TensorFlow op runs.") from e
 
 
 def _connect_tpu(tpu, resolver=None):
@@ -184,11 +177,7 @@ def _connect_tpu(tpu, resolver=None):
         tf.config.experimental_connect_to_cluster(resolver)
         topology = tf.tpu.experimental.initialize_tpu_system(resolver)
     except Exception as e:  # resolver, connection and initialization each fail in their own way
-        raise RuntimeError(
-            f"Could not reach the TPU {tpu!r} ({type(e).__name__}: {e}). Check the TPU name and "
-            "that this "
-            f"VM can reach it, or call create_strategy() without a TPU to use GPUs or CPUs."
-        ) from e
+        raise RuntimeError(f"Could not reach the TPU {tpu!r} ({type(e).__name__}: {e}). Check the TPU name and that this VM can reach it, or call create_strategy() without a TPU to use GPUs or CPUs.") from e
     return resolver, topology
 
 
@@ -298,10 +287,7 @@ def create_strategy(
         hardware = dict(kind="tpu", tpu_slice_name=_tpu_slice_name(topology))
     elif found.is_multi_worker:
         if mesh_shape is not None:
-            raise ValueError(
-                f"mesh_shape cannot be set with several workers ({found.source}): the mesh is "
-                "workers x local replicas."
-            )
+            raise ValueError(f"mesh_shape cannot be set with several workers ({found.source}): the mesh is workers x local replicas.")
         num_cpu_replicas = num_cpu_replicas or cluster_lib.cpus_per_worker()
         if num_cpu_replicas and not tf.config.list_physical_devices("GPU"):
             _configure_cpu_replicas(num_cpu_replicas)

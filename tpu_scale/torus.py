@@ -101,11 +101,7 @@ def all_reduce_sum(
     """
     ambient = context.current_mesh()
     if ambient is None and tf.distribute.get_replica_context() is None:
-        raise RuntimeError(
-            "torus.all_reduce_sum runs in replica context: call it inside strategy.run(...) or a "
-            "Keras "
-            "train_step, not in cross-replica context."
-        )
+        raise RuntimeError("torus.all_reduce_sum runs in replica context: call it inside strategy.run(...) or a Keras train_step, not in cross-replica context.")
     if mesh is None:
         mesh = context.mesh_of(strategy) if strategy is not None else ambient
     if pack_bytes is not None and pack_bytes < 0:
@@ -134,11 +130,7 @@ def all_reduce_sum(
         return tf.nest.pack_sequence_as(grads, summed)
     algorithm = resolve_algorithm(algorithm, mesh)
     if ambient is not None and ambient.num_replicas != mesh.num_replicas:
-        raise ValueError(
-            f"The mesh {mesh} holds {mesh.num_replicas} replicas but {ambient.num_replicas} are "
-            "in sync here; "
-            f"pass the strategy's own mesh (tpu_scale.mesh_of(strategy))."
-        )
+        raise ValueError(f"The mesh {mesh} holds {mesh.num_replicas} replicas but {ambient.num_replicas} are in sync here; pass the strategy's own mesh (tpu_scale.mesh_of(strategy)).")
     _check_rank_order(mesh)
     phases = [p for stream in build_schedule(mesh, 0, algorithm).streams for p in stream]
     if phases and all(collectives.in_graph_groups(p.groups) for p in phases):
@@ -156,26 +148,13 @@ def all_reduce_sum(
 def _densify(g):
     if isinstance(g, tf.IndexedSlices):
         if tf.get_static_value(g.dense_shape) is None:
-            raise ValueError(
-                "An IndexedSlices gradient has no static dense_shape, so it cannot be densified "
-                "for the torus "
-                "sum. Give the embedding variable a static shape, or use "
-                "gradient_reduction='native'."
-            )
+            raise ValueError("An IndexedSlices gradient has no static dense_shape, so it cannot be densified for the torus sum. Give the embedding variable a static shape, or use gradient_reduction='native'.")
         g = tf.convert_to_tensor(g)  # unsorted segment sum into the variable's shape
     g = tf.convert_to_tensor(g)
     if not g.shape.is_fully_defined():
-        raise ValueError(
-            f"The torus sum needs static gradient shapes to lay out its buffers; got {g.shape}. "
-            "Gradients of "
-            f"variables always have one; for other tensors set the shape (tf.ensure_shape)."
-        )
+        raise ValueError(f"The torus sum needs static gradient shapes to lay out its buffers; got {g.shape}. Gradients of variables always have one; for other tensors set the shape (tf.ensure_shape).")
     if g.dtype.name not in SUPPORTED_DTYPES:
-        raise ValueError(
-            f"The torus sum supports {SUPPORTED_DTYPES} gradients; got {g.dtype.name}. Cast it, "
-            "or use "
-            f"gradient_reduction='native'."
-        )
+        raise ValueError(f"The torus sum supports {SUPPORTED_DTYPES} gradients; got {g.dtype.name}. Cast it, or use gradient_reduction='native'.")
     return g
 
 
@@ -205,12 +184,7 @@ def _check_rank_order(mesh):
         return
     rows, cols = mesh.shape
     if not np.array_equal(mesh.grid, np.arange(rows * cols).reshape(rows, cols)):
-        raise ValueError(
-            "The torus sum on CPU/GPU needs a mesh numbered row-major (replica r * cols + c at "
-            "(r, c)), so that "
-            f"collective ranks match mesh columns; got {mesh.grid.tolist()}. Use "
-            "ReplicaMesh.from_shape."
-        )
+        raise ValueError(f"The torus sum on CPU/GPU needs a mesh numbered row-major (replica r * cols + c at (r, c)), so that collective ranks match mesh columns; got {mesh.grid.tolist()}. Use ReplicaMesh.from_shape.")
 
 
 def _sum_packs(packs, mesh, algorithm, transport):

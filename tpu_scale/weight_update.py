@@ -408,14 +408,7 @@ def _wait_for_the_other_workers():
         )
     else:
         return
-    raise RuntimeError(
-        "Saving this optimizer gathers each worker's shard of its state "
-        "(weight_update_sharding=True across workers), so every worker must save at the same "
-        f"point; {problem}. Save on every worker, the chief to its path and the others to a "
-        "scratch path, as MultiWorkerMirroredStrategy asks of model.save, and restart the run "
-        "(its later saves would fail too); or create the strategy with "
-        "weight_update_sharding=False."
-    ) from None
+    raise RuntimeError(f"Saving this optimizer gathers each worker's shard of its state (weight_update_sharding=True across workers), so every worker must save at the same point; {problem}. Save on every worker, the chief to its path and the others to a scratch path, as MultiWorkerMirroredStrategy asks of model.save, and restart the run (its later saves would fail too); or create the strategy with weight_update_sharding=False.") from None
 
 
 def _check_column_ranks(state):

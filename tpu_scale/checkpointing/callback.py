@@ -88,10 +88,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             raise ValueError("BackupAndRestore needs a backup_dir, got an empty one.")
         batches = isinstance(save_freq, int) and not isinstance(save_freq, bool) and save_freq > 0
         if not (save_freq == "epoch" or save_freq is False or batches):
-            raise ValueError(
-                f"save_freq={save_freq!r}: use 'epoch', a positive number of batches, "
-                f"or False (save only before preemption)."
-            )
+            raise ValueError(f"save_freq={save_freq!r}: use 'epoch', a positive number of batches, or False (save only before preemption).")
         self.backup_dir = str(backup_dir)
         self.save_freq = save_freq
         self.keep = 2 if double_checkpoint else 1
@@ -109,10 +106,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         model = self.model
         if not model.built:
-            raise ValueError(
-                f"BackupAndRestore needs a built model before fit(); {model.name} is not built. "
-                f"Build it first, e.g. with keras.Input in the model or model.build(input_shape)."
-            )
+            raise ValueError(f"BackupAndRestore needs a built model before fit(); {model.name} is not built. Build it first, e.g. with keras.Input in the model or model.build(input_shape).")
         self._cluster = PreemptionCluster.of(model.distribute_strategy)
         prefix = f"{KEY_PREFIX}/{next(_fit_counter)}"
         self._epoch, self._step, self._steps_done = 0, 0, 0
@@ -149,13 +143,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                     model.optimizer.build(model.trainable_variables)
             model.load_weights(os.path.join(backup.path, WEIGHTS_FILE))
         except Exception as e:
-            raise ValueError(
-                f"Backup {backup.path} (epoch {backup.epoch + 1}, step {backup.step}) is complete "
-                f"but does not fit this model: {type(e).__name__}: {e}. The model or its optimizer "
-                f"changed since it was written (another model, number of classes or optimizer): "
-                f"train with the settings it was written with, write to another folder, or delete "
-                f"{self.backup_dir} to start over."
-            ) from e
+            raise ValueError(f"Backup {backup.path} (epoch {backup.epoch + 1}, step {backup.step}) is complete but does not fit this model: {type(e).__name__}: {e}. The model or its optimizer changed since it was written (another model, number of classes or optimizer): train with the settings it was written with, write to another folder, or delete {self.backup_dir} to start over.") from e
 
     def _restore_in_cluster(self, prefix):
         """The chief picks the backup; every worker loads that one; all check the others did."""
@@ -229,12 +217,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         try:
             return kv_get(key, self.sync_timeout)
         except tf.errors.OpError as e:
-            raise RuntimeError(
-                f"{self._cluster.me} waited {self.sync_timeout} s for {what}, in vain "
-                f"({type(e).__name__}: {(e.message or '').strip().splitlines()[:1]}). That "
-                f"worker is stopped, frozen or much slower; check its log, then relaunch every "
-                f"worker."
-            ) from e
+            raise RuntimeError(f"{self._cluster.me} waited {self.sync_timeout} s for {what}, in vain ({type(e).__name__}: {(e.message or '').strip().splitlines()[:1]}). That worker is stopped, frozen or much slower; check its log, then relaunch every worker.") from e
 
     def _skip_batches(self, count):
         """Makes the first `count` train steps read their batches and drop them, not train."""

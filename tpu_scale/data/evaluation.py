@@ -86,10 +86,7 @@ def exact_evaluation(eval_input, strategy, num_examples):
     replicas = strategy.num_replicas_in_sync
     batch = eval_input.global_batch_size
     if batch % replicas:
-        raise ValueError(
-            f"The global batch size {batch} does not divide over {replicas} replicas; use a "
-            f"multiple of {replicas}, e.g. {replicas * max(1, batch // replicas)}."
-        )
+        raise ValueError(f"The global batch size {batch} does not divide over {replicas} replicas; use a multiple of {replicas}, e.g. {replicas * max(1, batch // replicas)}.")
     if _is_tpu(strategy) and not getattr(eval_input, "pad_last_batch", True):
         eval_input = copy.copy(eval_input)
         eval_input.pad_last_batch = True

@@ -93,10 +93,7 @@ def list_class_folders(image_dir, flag="image_dir"):
         else:
             skipped.setdefault(NOT_IN_CLASS_FOLDER, []).append(path)
     if not class_folders:
-        raise ValueError(
-            f"{image_dir!r} has no sub-folders: put each class's images in their own sub-folder "
-            f"({image_dir}/<class name>/<image>.jpg)."
-        )
+        raise ValueError(f"{image_dir!r} has no sub-folders: put each class's images in their own sub-folder ({image_dir}/<class name>/<image>.jpg).")
     files_by_class, empty_classes = {}, []
     for name, path in class_folders:
         images = _images_below(path, skipped, set())

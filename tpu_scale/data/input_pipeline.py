@@ -185,20 +185,11 @@ class ImageNetInput:
             raise ValueError(f"image_size must be at least 1, got {image_size}.")
         self.dtype = tf.dtypes.as_dtype(dtype)
         if self.dtype not in (tf.float32, tf.bfloat16, tf.uint8):
-            raise ValueError(
-                f"dtype must be float32, bfloat16 (normalized images) or uint8 (raw pixels), got "
-                f"{self.dtype.name}."
-            )
+            raise ValueError(f"dtype must be float32, bfloat16 (normalized images) or uint8 (raw pixels), got {self.dtype.name}.")
         if pad_last_batch and is_training:
-            raise ValueError(
-                "pad_last_batch=True is for evaluation: training batches are already full "
-                "(drop_remainder=True). Pass is_training=False, or drop pad_last_batch."
-            )
+            raise ValueError("pad_last_batch=True is for evaluation: training batches are already full (drop_remainder=True). Pass is_training=False, or drop pad_last_batch.")
         if not 0 <= max_bad_fraction <= 1:
-            raise ValueError(
-                f"max_bad_fraction={max_bad_fraction} must be a fraction of the records read, in "
-                "[0, 1] (0.001 stops a run when more than 0.1% of its records are bad)."
-            )
+            raise ValueError(f"max_bad_fraction={max_bad_fraction} must be a fraction of the records read, in [0, 1] (0.001 stops a run when more than 0.1% of its records are bad).")
         if deterministic and seed is None:
             seed = 0
         self.is_training = is_training
@@ -217,15 +208,9 @@ class ImageNetInput:
         self.resize_method = resize_method
         self.scaled_decode = scaled_decode
         if crop_area_range is not None and not 0 < crop_area_range[0] <= crop_area_range[1] <= 1:
-            raise ValueError(
-                f"crop_area_range={crop_area_range!r} must be (min, max) with 0 < min <= max <= 1, "
-                "e.g. (0.08, 1.0) for ImageNet; None trains on the whole image."
-            )
+            raise ValueError(f"crop_area_range={crop_area_range!r} must be (min, max) with 0 < min <= max <= 1, e.g. (0.08, 1.0) for ImageNet; None trains on the whole image.")
         if not 0 < center_crop_fraction <= 1:
-            raise ValueError(
-                f"center_crop_fraction={center_crop_fraction} must be in (0, 1]: 0.875 is the "
-                "reference, 1.0 keeps the whole (square) image."
-            )
+            raise ValueError(f"center_crop_fraction={center_crop_fraction} must be in (0, 1]: 0.875 is the reference, 1.0 keeps the whole (square) image.")
         self.crop_area_range = None if crop_area_range is None else tuple(crop_area_range)
         self.random_flip = random_flip
         self.center_crop_fraction = center_crop_fraction
@@ -536,13 +521,7 @@ def _resolve_labels(label_map, label_offset, num_classes):
             ("num_classes", num_classes, label_map.num_classes),
         ):
             if given is not None and given != mapped:
-                raise ValueError(
-                    f"{name}={given} disagrees with the label map {label_map.path!r}, written with "
-                    f"the files: it says {name}={mapped}. Drop {name}= (the label map is read "
-                    f"automatically) or pass {name}={mapped}; if the label map is wrong, rewrite "
-                    "the "
-                    "files with tpu_scale.data.write_tfrecords."
-                )
+                raise ValueError(f"{name}={given} disagrees with the label map {label_map.path!r}, written with the files: it says {name}={mapped}. Drop {name}= (the label map is read automatically) or pass {name}={mapped}; if the label map is wrong, rewrite the files with tpu_scale.data.write_tfrecords.")
         return label_map.label_offset, label_map.num_classes
     if num_classes is not None and num_classes < 1:
         raise ValueError(f"num_classes must be at least 1, got {num_classes}.")

@@ -49,10 +49,7 @@ def check_output_dir(output_dir, overwrite):
     if not names:
         return False
     if not _looks_like_conversion(names):
-        raise ValueError(
-            f"output_dir {output_dir!r} is not empty and holds files other than shards and label "
-            f"maps ({_first_names(sorted(names), 5)}): choose a new or empty folder."
-        )
+        raise ValueError(f"output_dir {output_dir!r} is not empty and holds files other than shards and label maps ({_first_names(sorted(names), 5)}): choose a new or empty folder.")
     if not overwrite:
         finished = LABEL_MAP_FILE in names
         raise ValueError(

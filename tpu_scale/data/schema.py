@@ -211,10 +211,7 @@ def _parse_label_map(path, text):
         label_offset = int(content["label_offset"])
         class_names = tuple(str(entry["name"]) for entry in classes)
     except (KeyError, TypeError, ValueError) as error:
-        raise ValueError(
-            f"The label map {path!r} is not a valid {LABEL_MAP_FILE} ({error}). Rewrite it with "
-            "tpu_scale.data.write_tfrecords, or delete it and pass label_offset= and num_classes=."
-        ) from None
+        raise ValueError(f"The label map {path!r} is not a valid {LABEL_MAP_FILE} ({error}). Rewrite it with tpu_scale.data.write_tfrecords, or delete it and pass label_offset= and num_classes=.") from None
     counts = {str(k): int(v) for k, v in content.get("examples", {}).items()}
     class_counts = {
         str(k): tuple(int(n) for n in v) for k, v in content.get("examples_per_class", {}).items()
@@ -256,10 +253,5 @@ def read_label_map(
     maps = list(found.values())
     for other in maps[1:]:
         if (other.class_names, other.label_offset) != (maps[0].class_names, maps[0].label_offset):
-            raise ValueError(
-                f"The label maps {maps[0].path!r} and {other.path!r} disagree (classes or label "
-                "offset): read files written by one conversion together, or pass each set of "
-                "files to "
-                "its own ImageNetInput."
-            )
+            raise ValueError(f"The label maps {maps[0].path!r} and {other.path!r} disagree (classes or label offset): read files written by one conversion together, or pass each set of files to its own ImageNetInput.")
     return maps[0] if maps else None

@@ -145,11 +145,7 @@ class TFRecordSource:
         for pattern in self.patterns:
             files.extend(tf.io.gfile.glob(pattern))
         if not files:
-            raise ValueError(
-                f"No files match the pattern {self.description!r}. Check the path, and that the "
-                "glob "
-                "names the TFRecord shards (for example '/data/imagenet/train-*')."
-            )
+            raise ValueError(f"No files match the pattern {self.description!r}. Check the path, and that the glob names the TFRecord shards (for example '/data/imagenet/train-*').")
         return sorted(set(files))
 
     def check_features(self, first_file, strict=True):
@@ -171,11 +167,7 @@ class TFRecordSource:
                 if example is not None and example.features.feature:
                     break
                 if strict:
-                    raise ValueError(
-                        f"Record {index} of {first_file!r} is not a tf.train.Example with "
-                        "features: check that the file pattern names TFRecord files of Examples, "
-                        "or run without strict=True to skip, count and name such records."
-                    )
+                    raise ValueError(f"Record {index} of {first_file!r} is not a tf.train.Example with features: check that the file pattern names TFRecord files of Examples, or run without strict=True to skip, count and name such records.")
                 example = None
         except tf.errors.DataLossError:
             pass  # a truncated file: the pipeline names it when it gets there
@@ -189,11 +181,7 @@ class TFRecordSource:
             problems.append(f"label_key={self.label_key!r} (an int64 feature)")
         if problems:
             kinds = ", ".join(f"{k!r} ({v.WhichOneof('kind')})" for k, v in sorted(found.items()))
-            raise ValueError(
-                f"The records of {first_file!r} lack {' and '.join(problems)}. Keys found: "
-                f"{kinds}. "
-                "Pass image_key=... and label_key=... naming the JPEG bytes and the integer label."
-            )
+            raise ValueError(f"The records of {first_file!r} lack {' and '.join(problems)}. Keys found: {kinds}. Pass image_key=... and label_key=... naming the JPEG bytes and the integer label.")
 
     def records_per_shard(self, count):
         """The records each of `count` input pipelines reads, in pipeline order, or None when a
@@ -415,10 +403,7 @@ class TFDSSource:
         features = builder.info.features
         missing = [k for k in (self.image_key, self.label_key) if k not in features]
         if missing:
-            raise ValueError(
-                f"TFDS dataset {self.name!r} has no feature(s) {missing}. Keys found: "
-                f"{sorted(features.keys())}. Pass image_key=... and label_key=..."
-            )
+            raise ValueError(f"TFDS dataset {self.name!r} has no feature(s) {missing}. Keys found: {sorted(features.keys())}. Pass image_key=... and label_key=...")
         split = self.split
         if shard.count > 1:
             # Example-level even split: works for any number of files and reads only this pipeline's

@@ -103,17 +103,10 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
                 or not isinstance(group_size, (int, np.integer))
                 or group_size < 1
             ):
-                raise ValueError(
-                    "group_size must be a positive int (replicas per group) or None, got "
-                    f"{group_size!r}."
-                )
+                raise ValueError(f"group_size must be a positive int (replicas per group) or None, got {group_size!r}.")
             group_size = int(group_size)
             if self.synchronized and group_size == 1:
-                raise ValueError(
-                    "synchronized=True asks for statistics over all replicas but group_size=1 "
-                    "asks for local "
-                    "ones; pass only one of them."
-                )
+                raise ValueError("synchronized=True asks for statistics over all replicas but group_size=1 asks for local ones; pass only one of them.")
         self.group_size = group_size
         # (mesh, group size) chosen by the span rule; kept so a smaller last batch cannot change the
         # groups.
@@ -140,10 +133,7 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
         if not (training and self.trainable):
             return super().call(inputs, training=training, mask=mask)
         if mask is not None and mask.shape.rank != inputs.shape.rank - 1:
-            raise ValueError(
-                "The mask provided should be one dimension less than the inputs. Received: "
-                f"mask.shape={mask.shape}, inputs.shape={inputs.shape}"
-            )
+            raise ValueError(f"The mask provided should be one dimension less than the inputs. Received: mask.shape={mask.shape}, inputs.shape={inputs.shape}")
         # Keras's training step (upcast, statistics from `_moments`, renorm corrections, moving-
         # average updates, normalization), with the moving statistics kept where the group counted
         # nothing, and the normalization of 4-D channels-last inputs done by TensorFlow's fused
@@ -320,14 +310,7 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
             return self._resolved[1]
         per_replica_batch = inputs.shape[0]
         if per_replica_batch is None:
-            raise ValueError(
-                f"Layer {self.name!r}: group_size=None picks the group from the per-replica batch "
-                "size, but "
-                f"the batch dimension is unknown here (inputs.shape={tuple(inputs.shape)}). Pass "
-                "group_size "
-                "explicitly, or give the input a static batch size (e.g. batch with "
-                "drop_remainder=True)."
-            )
+            raise ValueError(f"Layer {self.name!r}: group_size=None picks the group from the per-replica batch size, but the batch dimension is unknown here (inputs.shape={tuple(inputs.shape)}). Pass group_size explicitly, or give the input a static batch size (e.g. batch with drop_remainder=True).")
         group_size = smallest_group_for_span(
             mesh, int(per_replica_batch), DEFAULT_SPAN, tiled=mesh.is_torus
         )
@@ -450,11 +433,7 @@ def convert_batch_normalization(model, group_size=None):
             f"convert_batch_normalization expects a keras.Model, got {type(model).__name__}."
         )
     if not keras_hook.is_functional_or_sequential(model):
-        raise ValueError(
-            "convert_batch_normalization copies functional and sequential models; "
-            f"{type(model).__name__} is "
-            f"a subclassed model. Use DistributedBatchNormalization in its definition instead."
-        )
+        raise ValueError(f"convert_batch_normalization copies functional and sequential models; {type(model).__name__} is a subclassed model. Use DistributedBatchNormalization in its definition instead.")
 
     def clone(layer):
         config = layer.get_config()
@@ -471,16 +450,10 @@ def convert_batch_normalization(model, group_size=None):
 def _copy_weights(source, target):
     source_weights, target_weights = source.weights, target.weights
     if len(source_weights) != len(target_weights):
-        raise RuntimeError(
-            f"The converted model has {len(target_weights)} weights but the original has "
-            f"{len(source_weights)}; the model may share layers in a way cloning cannot reproduce."
-        )
+        raise RuntimeError(f"The converted model has {len(target_weights)} weights but the original has {len(source_weights)}; the model may share layers in a way cloning cannot reproduce.")
     for src, dst in zip(source_weights, target_weights):
         if tuple(src.shape) != tuple(dst.shape):
-            raise RuntimeError(
-                f"Weight {src.path} {tuple(src.shape)} does not match {dst.path} "
-                f"{tuple(dst.shape)}."
-            )
+            raise RuntimeError(f"Weight {src.path} {tuple(src.shape)} does not match {dst.path} {tuple(dst.shape)}.")
         dst.assign(src.value)
 
 

@@ -49,11 +49,7 @@ class ImageNormalization(keras.layers.Layer):
 
     def build(self, input_shape):
         if input_shape[-1] is not None and input_shape[-1] != len(self.mean):
-            raise ValueError(
-                f"ImageNormalization has {len(self.mean)} channel statistics but its input has "
-                f"{input_shape[-1]} channels {tuple(input_shape)}. Pass mean= and stddev= per "
-                "channel."
-            )
+            raise ValueError(f"ImageNormalization has {len(self.mean)} channel statistics but its input has {input_shape[-1]} channels {tuple(input_shape)}. Pass mean= and stddev= per channel.")
         self.built = True
 
     def call(self, inputs):

@@ -42,11 +42,7 @@ class SpaceToDepth(keras.layers.Layer):
     def build(self, input_shape):
         for size in input_shape[1:3]:
             if size is not None and size % self.block_size:
-                raise ValueError(
-                    f"SpaceToDepth({self.block_size}) needs height and width divisible by "
-                    f"{self.block_size}; got input shape {tuple(input_shape)}. Use an even image "
-                    "size."
-                )
+                raise ValueError(f"SpaceToDepth({self.block_size}) needs height and width divisible by {self.block_size}; got input shape {tuple(input_shape)}. Use an even image size.")
         self.built = True
 
     def call(self, inputs):
@@ -95,8 +91,5 @@ def stem_kernel_from_space_to_depth(kernel):
         kernel.reshape(4, 4, BLOCK, BLOCK, c, o).transpose(0, 2, 1, 3, 4, 5).reshape(8, 8, c, o)
     )
     if np.any(padded[0]) or np.any(padded[:, 0]):
-        raise ValueError(
-            "This space-to-depth kernel uses taps outside the 7x7 window (its first pixel row or "
-            "column), so no 7x7 stem computes the same function."
-        )
+        raise ValueError("This space-to-depth kernel uses taps outside the 7x7 window (its first pixel row or column), so no 7x7 stem computes the same function.")
     return padded[1:, 1:].copy()

@@ -125,15 +125,9 @@ def small_resnet(
     widths = tuple(widths)
     blocks_per_stage = (1,) * len(widths) if blocks_per_stage is None else tuple(blocks_per_stage)
     if len(widths) != len(blocks_per_stage) or not widths:
-        raise ValueError(
-            f"`widths` {widths} and `blocks_per_stage` {blocks_per_stage} must be non-empty "
-            "and of the same length: one width and one block count per stage."
-        )
+        raise ValueError(f"`widths` {widths} and `blocks_per_stage` {blocks_per_stage} must be non-empty and of the same length: one width and one block count per stage.")
     if min(widths) < 1 or min(blocks_per_stage) < 1:
-        raise ValueError(
-            f"Every stage needs a width >= 1 and at least one block; received widths={widths},"
-            f" blocks_per_stage={blocks_per_stage}."
-        )
+        raise ValueError(f"Every stage needs a width >= 1 and at least one block; received widths={widths}, blocks_per_stage={blocks_per_stage}.")
     if image_size < 8:
         raise ValueError(f"`image_size` must be at least 8; received {image_size}.")
     # The first stage keeps the stem's resolution, each later one halves it, as in ResNet-50.

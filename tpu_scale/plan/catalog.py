@@ -339,16 +339,10 @@ def _parse_slice(name):
         )
     generation, _, cores = name.partition("-")
     if generation not in TPU_GENERATIONS:
-        raise ValueError(
-            f"Unknown TPU generation {generation!r} in slice {name!r}; known generations: "
-            f"{sorted(TPU_GENERATIONS)}. Valid slices: {slice_names()}."
-        )
+        raise ValueError(f"Unknown TPU generation {generation!r} in slice {name!r}; known generations: {sorted(TPU_GENERATIONS)}. Valid slices: {slice_names()}.")
     shapes = TPU_GENERATIONS[generation]["shapes"]
     if not cores.isdigit() or int(cores) not in shapes:
-        raise ValueError(
-            f"Unknown {generation} slice {name!r} (the number is TensorCores); valid: "
-            f"{slice_names(generation)}."
-        )
+        raise ValueError(f"Unknown {generation} slice {name!r} (the number is TensorCores); valid: {slice_names(generation)}.")
     return generation, int(cores)
 
 

@@ -81,10 +81,7 @@ def _cluster_from_args(args):
         return tpu_slice(args.slice, args.alpha_us, args.wraparound)
     if args.hosts or args.gpus_per_host:
         if not (args.hosts and args.gpus_per_host):
-            raise ValueError(
-                "A GPU cluster needs both --hosts and --gpus_per_host (e.g. --hosts 32 "
-                "--gpus_per_host 8)."
-            )
+            raise ValueError("A GPU cluster needs both --hosts and --gpus_per_host (e.g. --hosts 32 --gpus_per_host 8).")
         return gpu_cluster(args.hosts, args.gpus_per_host, args.gpu, args.alpha_us)
     return tpu_slice("v3-2048", args.alpha_us, args.wraparound)
 

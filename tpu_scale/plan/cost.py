@@ -185,11 +185,7 @@ def price_schedule(schedule, cluster, in_graph=True):
       `transfer_seconds` (the rest).
     """
     if schedule.mesh.num_replicas != cluster.num_replicas:
-        raise ValueError(
-            f"The schedule's mesh has {schedule.mesh.num_replicas} replicas but the cluster "
-            f"{cluster.name!r} "
-            f"has {cluster.num_replicas}; build the schedule on cluster.mesh."
-        )
+        raise ValueError(f"The schedule's mesh has {schedule.mesh.num_replicas} replicas but the cluster {cluster.name!r} has {cluster.num_replicas}; build the schedule on cluster.mesh.")
     node_ids = cluster.node_ids()
     host_ids = cluster.host_ids()
     in_graph = in_graph and cluster.host_memory is not None
