@@ -82,7 +82,7 @@ def _timed(rounds, strategies):
       `{"seconds": {name: per-step seconds per round}, "parameters": n, "state": {name: optimizer
       floats per replica}}`.
     """
-    import numpy as np
+    from tpu_scale import weight_update
 
     data = dataset()
     variants, state, parameters = {}, {}, None
@@ -91,7 +91,7 @@ def _timed(rounds, strategies):
         model = build_model(strategy)
         parameters = model.count_params()
         model.fit(data, steps_per_epoch=2, epochs=1, verbose=0)
-        state[name] = sum(int(np.prod(v.shape)) for v in model.optimizer.variables)
+        state[name] = weight_update.floats_per_replica(model.optimizer)
         iterator = iter(strategy.experimental_distribute_dataset(data))
         _round(model, iterator)
         variants[name] = model, iterator

@@ -247,6 +247,16 @@ def slot_shards(optimizer):
     return dict(zip(state.names, state.slots)) if state is not None else {}
 
 
+def floats_per_replica(optimizer):
+    """How many floats of optimizer state one replica holds: the optimizer's own variables, and
+    for a sharded one its shard of every slot and the shard of the weights its update runs on."""
+    own = sum(int(np.prod(v.shape)) for v in optimizer.variables)
+    state = _state(optimizer)
+    if state is None:
+        return own
+    return own + (len(state.slots) + 1) * state.layout.shard
+
+
 # --------------------------------------------------------------------------- what the seam calls
 # (`keras_hook.Seam`: build, add_variable_from_reference, the update, save and load)
 
