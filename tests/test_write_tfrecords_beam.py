@@ -230,7 +230,7 @@ def test_strict_fails_after_the_pipeline_naming_the_image(tmp_path):
 
 def test_a_failing_pipeline_leaves_nothing_that_looks_finished(image_dir, tmp_path, monkeypatch):
     needs_beam()
-    from tpu_scale.data import beam_writer
+    from tpu_scale.data import beam_writer, conversion
 
     output_dir = tmp_path / "records"
     write_tfrecords(image_dir, str(output_dir), seed=7, beam_options=IN_MEMORY)
@@ -241,7 +241,7 @@ def test_a_failing_pipeline_leaves_nothing_that_looks_finished(image_dir, tmp_pa
         written.append(path)
         if len(written) == 3:
             raise OSError("disk full")
-        return write_module.write_shard(path, images, num_classes)
+        return conversion.write_shard(path, images, num_classes)
 
     # The in-memory runner runs the pipeline's functions in this process.
     monkeypatch.setattr(beam_writer, "write_shard", failing_write_shard)

@@ -28,7 +28,7 @@ _PUBLIC = {
     "make_synthetic_imagenet": "tpu_scale.data.synthetic",
     "write_tfrecords": "tpu_scale.data.write_tfrecords",
     "image_folder_records": "tpu_scale.data.write_tfrecords",
-    "TFRecordSummary": "tpu_scale.data.write_tfrecords",
+    "TFRecordSummary": "tpu_scale.data.conversion",
     "SkippedRecordsLogger": "tpu_scale.data.bad_records",
     "RecordInputs": "tpu_scale.data.records",
     "records_inputs": "tpu_scale.data.records",

@@ -5,18 +5,19 @@
         "runner=DirectRunner,direct_num_workers=2,direct_running_mode=multi_processing"
 
 For a folder too big for one machine, the runner is a cluster's (Dataflow, Flink, Spark) and the
-folders are in a bucket (`gs://...`) that its workers read and write. The conversion stays the
-local writer's (`write_tfrecords`): this process lists the folders and computes the split, the label
-map and the shard plan once (`plan_conversion`); the pipeline does only the per-image work and
-writes the planned shard files into the staging folder; this process then names the shards, writes
-`labels.json` and `skipped.json` and publishes the folder, exactly as after the local threads. So
-the same folder and seed give the same files, byte for byte, whichever writer ran.
+folders are in a bucket (`gs://...`) that its workers read and write. The conversion is the one
+the local writer (`write_tfrecords`) runs, from `tpu_scale.data.conversion`: this process lists the
+folders and computes the split, the label map and the shard plan once (`plan_conversion`); the
+pipeline does only the per-image work and writes the planned shard files into the staging folder;
+this process then names the shards, writes `labels.json` and `skipped.json` and publishes the
+folder (`finish_conversion`), exactly as after the local threads. So the same folder and seed give
+the same files, byte for byte, whichever writer ran.
 
 The pipeline, one linear chain:
 
     shard names -> each shard's image list (a file of the plan) -> spread over the workers
-      -> `convert_image` (the local writer's per-image function) -> grouped by shard
-      -> each shard's records written in the plan's order, and its counts beside it
+      -> `convert_image` (the per-image function both writers share) -> grouped by shard
+      -> each shard's records written in the plan's order (`write_shard`), and its counts beside it
 
 The plan travels as files in the staging folder (one per shard), not in the pipeline's graph, which
 runners bound in size. One worker holds a shard's records while it writes them (about 110 MB for
@@ -38,7 +39,7 @@ import os
 import tensorflow as tf
 
 from tpu_scale._files import is_local, remove_tree
-from tpu_scale.data.write_tfrecords import (
+from tpu_scale.data.conversion import (
     ConversionPlan,
     ShardResult,
     convert_image,
@@ -173,7 +174,7 @@ def write_shards(plan: ConversionPlan, staging_dir: str, options) -> list[ShardR
     """Runs the pipeline that writes the shards of `plan` into `staging_dir`.
 
     Args:
-      plan: the conversion's plan (`write_tfrecords.plan_conversion`).
+      plan: the conversion's plan (`conversion.plan_conversion`).
       staging_dir: the staging folder (`output_dir.make_staging_dir`).
       options: `PipelineOptions`, as `pipeline_options` returns them.
 
