@@ -55,10 +55,7 @@ def _beam():
     try:
         import apache_beam
     except ImportError as error:
-        raise ImportError(
-            f"beam_pipeline_options needs Apache Beam, which is not installed here ({error}): "
-            'pip install -e ".[beam]" in a clone of tpu_scale, or pip install apache-beam.'
-        ) from None
+        raise ImportError(f'beam_pipeline_options needs Apache Beam, which is not installed here ({error}): pip install -e ".[beam]" in a clone of tpu_scale, or pip install apache-beam.') from None
     return apache_beam
 
 
@@ -73,10 +70,7 @@ def _parse(parse):
         # `help` exits without one.
         lines = stderr.getvalue().strip().splitlines() or ["help is not a pipeline option"]
         problem = lines[-1].split("error: ", 1)[-1]
-        raise ValueError(
-            f"Invalid Beam pipeline options: {problem}. "
-            "python -m apache_beam.examples.wordcount --help lists every option."
-        ) from None
+        raise ValueError(f"Invalid Beam pipeline options: {problem}. python -m apache_beam.examples.wordcount --help lists every option.") from None
 
 
 def pipeline_options(options):
@@ -101,10 +95,7 @@ def pipeline_options(options):
     if not isinstance(options, PipelineOptions):
         items = [item.strip() for item in str(options).split(",") if item.strip()]
         if not items:
-            raise ValueError(
-                "beam_pipeline_options is empty: give comma-separated key=value Beam pipeline "
-                'options, e.g. "runner=DirectRunner,direct_num_workers=2".'
-            )
+            raise ValueError('beam_pipeline_options is empty: give comma-separated key=value Beam pipeline options, e.g. "runner=DirectRunner,direct_num_workers=2".')
         flags = [item if item[:2] == "--" else f"--{item}" for item in items]
         options = _parse(lambda: PipelineOptions(flags))
     known = set(PipelineOptions([]).get_all_options())
@@ -112,11 +103,7 @@ def pipeline_options(options):
         set(_parse(lambda: options.get_all_options(retain_unknown_options=True))) - known
     )
     if unknown:
-        raise ValueError(
-            f"Unknown Beam pipeline option(s): {', '.join(unknown)}. Options are Beam's flags "
-            "without their dashes (e.g. direct_num_workers=2); a runner's own options come with "
-            'its extra (pip install "apache-beam[gcp]" for Dataflow\'s).'
-        )
+        raise ValueError(f"Unknown Beam pipeline option(s): {', '.join(unknown)}. Options are Beam's flags without their dashes (e.g. direct_num_workers=2); a runner's own options come with its extra (pip install \"apache-beam[gcp]\" for Dataflow's).")
     runner = _parse(options.get_all_options)["runner"] or "DirectRunner"
     try:
         beam.Pipeline(options=options)  # creates the runner, which is all that is checked here
@@ -208,10 +195,7 @@ def write_shards(plan: ConversionPlan, staging_dir: str, options) -> list[ShardR
     for name in names:
         path = os.path.join(scratch, name + ".json")
         if not tf.io.gfile.exists(path):
-            raise RuntimeError(
-                f"The Beam pipeline finished without writing the shard {name} (no {path}): "
-                f"can its workers reach {staging_dir}?"
-            )
+            raise RuntimeError(f"The Beam pipeline finished without writing the shard {name} (no {path}): can its workers reach {staging_dir}?")
         with tf.io.gfile.GFile(path) as f:
             results.append(ShardResult(**json.load(f)))
     remove_tree(scratch)

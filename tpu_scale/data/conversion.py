@@ -343,11 +343,7 @@ def plan_conversion(
       ValueError: as `write_tfrecords` does, for everything found before an image is decoded.
     """
     if validation_dir is not None and validation_fraction:
-        raise ValueError(
-            "Pass either validation_fraction (split image_dir) or validation_dir (validation "
-            "images "
-            "already in their own folder), not both."
-        )
+        raise ValueError("Pass either validation_fraction (split image_dir) or validation_dir (validation images already in their own folder), not both.")
     if validation_fraction is None:
         validation_fraction = 0.0 if validation_dir is not None else DEFAULT_VALIDATION_FRACTION
     if not 0.0 <= validation_fraction < 1.0:
@@ -365,16 +361,9 @@ def plan_conversion(
     skipped = {reason: list(paths) for reason, paths in listing.skipped.items()}
     empty_classes = list(listing.empty_classes)
     if not class_names:
-        raise ValueError(
-            f"No images ({', '.join(IMAGE_EXTENSIONS)}) in the class folders of {image_dir!r}"
-            + (f"; {_error_listing('skipped', skipped)}" if skipped else ".")
-        )
+        raise ValueError(f"No images ({', '.join(IMAGE_EXTENSIONS)}) in the class folders of {image_dir!r}" + (f"; {_error_listing('skipped', skipped)}" if skipped else "."))
     if len(class_names) < 2:
-        raise ValueError(
-            f"{image_dir!r} has images in one class folder only ({class_names[0]!r}): a classifier "
-            "needs at least two classes, one sub-folder of images each (image_dir/<class>/<image>)."
-            + (f" Skipped: {', '.join(empty_classes)} (no images)." if empty_classes else "")
-        )
+        raise ValueError(f"{image_dir!r} has images in one class folder only ({class_names[0]!r}): a classifier needs at least two classes, one sub-folder of images each (image_dir/<class>/<image>)." + (f" Skipped: {', '.join(empty_classes)} (no images)." if empty_classes else ""))
     train, validation = _stratified_split(
         listing.files_by_class, class_ids, validation_fraction, seed
     )
@@ -382,10 +371,7 @@ def plan_conversion(
         val_listing = list_class_folders(validation_dir, "validation_dir")
         unknown = sorted(set(val_listing.files_by_class) - set(class_ids))
         if unknown:
-            raise ValueError(
-                f"validation_dir {validation_dir!r} has classes with no training images in "
-                f"{image_dir!r}: {_names(unknown)}. Give each validation class its training images."
-            )
+            raise ValueError(f"validation_dir {validation_dir!r} has classes with no training images in {image_dir!r}: {_names(unknown)}. Give each validation class its training images.")
         for class_name, paths in val_listing.files_by_class.items():
             validation.extend((path, class_ids[class_name]) for path in paths)
         for reason, paths in val_listing.skipped.items():
@@ -397,10 +383,7 @@ def plan_conversion(
         problems = dict(skipped)
         if empty_classes:
             problems["class folder without images"] = empty_classes
-        raise ValueError(
-            _error_listing("strict: files and folders that would be skipped", problems)
-            + ". Remove or fix them, or run without strict to skip them."
-        )
+        raise ValueError(_error_listing("strict: files and folders that would be skipped", problems) + ". Remove or fix them, or run without strict to skip them.")
     shards = []
     requested = {"train": num_shards, "validation": num_validation_shards}
     for split, items in (("train", train), ("validation", validation)):
@@ -459,14 +442,9 @@ def finish_conversion(
             tf.io.gfile.remove(path)  # every image of the shard was skipped
     failed = {r: p for r, p in skipped.items() if r in (UNDECODABLE, CORRUPT_JPEG, UNREADABLE)}
     if plan.strict and failed:
-        raise ValueError(
-            _error_listing("strict: images that cannot be stored", failed)
-            + ". Remove or fix them, or run without strict to skip them."
-        )
+        raise ValueError(_error_listing("strict: images that cannot be stored", failed) + ". Remove or fix them, or run without strict to skip them.")
     if not sum(split_counts.values()):
-        raise ValueError(
-            f"No usable image in {plan.image_dir!r}; {_error_listing('skipped', skipped)}."
-        )
+        raise ValueError(f"No usable image in {plan.image_dir!r}; {_error_listing('skipped', skipped)}.")
     split_paths, record_counts = {}, {}
     for split, shards in written_shards.items():
         split_paths[split] = []

@@ -223,10 +223,7 @@ def write_tfrecords(
     """
     if beam_options is not None:
         if num_threads is not None or progress is not None:
-            raise ValueError(
-                "num_threads and progress are the local writer's, not with beam_options: set the "
-                "runner's workers in its options (direct_num_workers=2 for the DirectRunner)."
-            )
+            raise ValueError("num_threads and progress are the local writer's, not with beam_options: set the runner's workers in its options (direct_num_workers=2 for the DirectRunner).")
         from tpu_scale.data import beam_writer
 
         beam_options = beam_writer.pipeline_options(beam_options)
