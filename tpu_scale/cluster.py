@@ -86,29 +86,23 @@ def tf_config_workers(text):
     cluster, task = config.get("cluster") or {}, config.get("task") or {}
     if "ps" in cluster:
         raise ValueError(
-            'TF_CONFIG has "ps" tasks: parameter-server training is not what create_strategy '
-            'builds; give every process a "worker" (or one "chief") task.'
+            'TF_CONFIG has "ps" tasks: parameter-server training is not what create_strategy builds; give every process a "worker" (or one "chief") task.'
         )
     workers = sum(len(cluster.get(job, [])) for job in _MULTI_WORKER_JOBS)
     if task and not cluster:
         raise ValueError(
-            f'TF_CONFIG has a "task" but no "cluster": {text!r}. Name every worker\'s '
-            'address, e.g. {"cluster": {"worker": ["host1:2222", "host2:2222"]}, "task": '
-            '{"type": "worker", "index": 0}}.'
+            f'TF_CONFIG has a "task" but no "cluster": {text!r}. Name every worker\'s address, e.g. {{"cluster": {{"worker": ["host1:2222", "host2:2222"]}}, "task": {{"type": "worker", "index": 0}}}}.'
         )
     if workers > 1:
         kind, index = task.get("type"), task.get("index")
         if kind is None or index is None:
             raise ValueError(
-                f'TF_CONFIG names {workers} workers but not this process\'s "task" (its "type" '
-                f'and "index"): {text!r}. Each worker needs its own, e.g. "task": {{"type": '
-                '"worker", "index": 0}.'
+                f'TF_CONFIG names {workers} workers but not this process\'s "task" (its "type" and "index"): {text!r}. Each worker needs its own, e.g. "task": {{"type": "worker", "index": 0}}.'
             )
         tasks = cluster.get(kind)
         if tasks is None or not isinstance(index, int) or not 0 <= index < len(tasks):
             raise ValueError(
-                f"TF_CONFIG's task {kind}:{index} is not in its cluster "
-                f"{json.dumps(cluster)}: the index must be one of the {kind!r} tasks."
+                f"TF_CONFIG's task {kind}:{index} is not in its cluster {json.dumps(cluster)}: the index must be one of the {kind!r} tasks."
             )
     return workers
 
@@ -139,10 +133,7 @@ def slurm_tasks(environ):
         tasks = environ.get("SLURM_NTASKS")
         if tasks is not None and _int_variable(environ, "SLURM_NTASKS") > 1:
             raise ValueError(
-                f"This runs in a Slurm job of SLURM_NTASKS={tasks} tasks but not in a job step "
-                "(no SLURM_STEP_NUM_TASKS): the script was started without srun and would train "
-                "on this host alone. Start it with `srun python SCRIPT ...` (one task per "
-                "worker), or unset SLURM_NTASKS for a one-host run."
+                f"This runs in a Slurm job of SLURM_NTASKS={tasks} tasks but not in a job step (no SLURM_STEP_NUM_TASKS): the script was started without srun and would train on this host alone. Start it with `srun python SCRIPT ...` (one task per worker), or unset SLURM_NTASKS for a one-host run."
             )
         return 0
     tasks = _int_variable(environ, "SLURM_STEP_NUM_TASKS")
@@ -150,9 +141,7 @@ def slurm_tasks(environ):
         missing = [name for name in _SLURM_STEP if not environ.get(name)]
         if missing:
             raise ValueError(
-                f"A Slurm step of SLURM_STEP_NUM_TASKS={tasks} tasks without "
-                f"{', '.join(missing)}: start the script with srun, which sets them all, or unset "
-                "SLURM_STEP_NUM_TASKS for a one-host run."
+                f"A Slurm step of SLURM_STEP_NUM_TASKS={tasks} tasks without {', '.join(missing)}: start the script with srun, which sets them all, or unset SLURM_STEP_NUM_TASKS for a one-host run."
             )
         _int_variable(environ, "SLURM_PROCID")
     return tasks
@@ -218,12 +207,7 @@ def check_slurm_task(environ, address):
         runs_on = f"{host} as its task {local} there"
     if runs_on:
         raise ValueError(
-            f"Slurm task SLURM_PROCID={environ.get('SLURM_PROCID')} runs on {runs_on}, but the "
-            f"step's node list {environ.get('SLURM_STEP_NODELIST')} with "
-            f"{environ.get('SLURM_STEP_TASKS_PER_NODE')} tasks per node puts it at {address}: "
-            "the cluster needs Slurm's default block distribution (tasks numbered node by "
-            "node). Start srun with --distribution=block (no cyclic or arbitrary distribution, "
-            "no SLURM_HOSTFILE)."
+            f"Slurm task SLURM_PROCID={environ.get('SLURM_PROCID')} runs on {runs_on}, but the step's node list {environ.get('SLURM_STEP_NODELIST')} with {environ.get('SLURM_STEP_TASKS_PER_NODE')} tasks per node puts it at {address}: the cluster needs Slurm's default block distribution (tasks numbered node by node). Start srun with --distribution=block (no cyclic or arbitrary distribution, no SLURM_HOSTFILE)."
         )
 
 
@@ -279,8 +263,7 @@ def _discover(tpu, cluster_resolver, environ):
     named = [n for n in named if n]
     if len(named) > 1:
         raise ValueError(
-            f"Both {' and '.join(named)} name a cluster; this process can join only one. Unset "
-            "the one that does not describe this run (or pass cluster_resolver= to choose)."
+            f"Both {' and '.join(named)} name a cluster; this process can join only one. Unset the one that does not describe this run (or pass cluster_resolver= to choose)."
         )
     if tpu is not None:
         return Cluster("tpu", 1, f"{tpu!r} from {tpu_from}", tpu=tpu)

@@ -206,14 +206,12 @@ class SlurmCluster:
             for name, process in self._daemons.items():
                 if process.poll() is not None:
                     raise RuntimeError(
-                        f"{name} exited with code {process.returncode} before the cluster had its "
-                        f"{what}; its log:\n{self.log_tail(name)}"
+                        f"{name} exited with code {process.returncode} before the cluster had its {what}; its log:\n{self.log_tail(name)}"
                     )
             if time.monotonic() > deadline:
                 logs = "\n".join(self.log_tail(name) for name in daemons.split())
                 raise RuntimeError(
-                    f"Slurm cluster: still no {what} after {self.timeout:.0f} s; the logs of "
-                    f"{daemons}:\n{logs}"
+                    f"Slurm cluster: still no {what} after {self.timeout:.0f} s; the logs of {daemons}:\n{logs}"
                 )
             time.sleep(0.2)
 
@@ -299,8 +297,7 @@ class SlurmCluster:
         )
         if check and result.returncode:
             raise RuntimeError(
-                f"`{' '.join(command)}` failed with exit code {result.returncode}:\n"
-                f"{result.stdout}{result.stderr}"
+                f"`{' '.join(command)}` failed with exit code {result.returncode}:\n{result.stdout}{result.stderr}"
             )
         return result
 
@@ -345,8 +342,7 @@ class SlurmCluster:
             if time.monotonic() > deadline:
                 self.run("scancel", "--full", str(job_id), check=False)
                 raise TimeoutError(
-                    f"Slurm job {job_id} did not finish within {timeout:.0f} s (state "
-                    f"{fields.get('JobState')}, reason {fields.get('Reason')}); it was cancelled."
+                    f"Slurm job {job_id} did not finish within {timeout:.0f} s (state {fields.get('JobState')}, reason {fields.get('Reason')}); it was cancelled."
                 )
             time.sleep(0.2)
 
@@ -387,8 +383,7 @@ def wait_for_lines(path, pattern, count=1, timeout=120.0, job=None, cluster=None
         if ended or time.monotonic() > deadline:
             why = f"job {job} ended" if ended else f"{timeout:.0f} s passed"
             raise TimeoutError(
-                f"{why} before {count} lines of {path} matched {pattern!r}; its end:\n"
-                f"{text[-4000:]}"
+                f"{why} before {count} lines of {path} matched {pattern!r}; its end:\n{text[-4000:]}"
             )
         time.sleep(0.1)
 
