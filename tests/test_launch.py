@@ -12,13 +12,14 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
+
+from tpu_scale.testing.slurm import free_port_base
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 THIS = os.path.abspath(__file__)
@@ -127,32 +128,13 @@ def _launch(*args):
     )
 
 
-def _consecutive_free_ports(count):
-    """A port p with p .. p + count - 1 all free: Slurm's resolver numbers a node's tasks so."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("localhost", 0))
-            base = s.getsockname()[1]
-        held = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket()
-                held.append(s)
-                s.bind(("localhost", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise RuntimeError("no run of free ports")
 
 
 def _slurm_step(folder, tasks=2):
     """Two processes as `srun --ntasks 2` on one node would start them, without TF_CONFIG."""
     from tpu_scale.launch import Workers
 
-    base = _consecutive_free_ports(tasks)
+    base = free_port_base(tasks)
     step = {
         "SLURM_JOB_ID": "4242",
         "SLURM_NTASKS": str(tasks),
