@@ -63,7 +63,7 @@ def measure(rounds):
     for name, steps in (("k=1", None), (f"k={ACCUMULATION}", ACCUMULATION)):
         with strategy.scope():
             keras.utils.set_random_seed(0)
-            model = models.small_resnet(10, image_size=IMAGE_SIZE)
+            model = models.small_resnet(10, input_shape=(IMAGE_SIZE, IMAGE_SIZE, 3))
             model.compile(
                 optimizer=LARS(1.0, weight_decay=1e-4, gradient_accumulation_steps=steps),
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

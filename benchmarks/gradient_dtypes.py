@@ -10,7 +10,7 @@ holds one such strategy).
 Data: scikit-learn's `load_digits()` (1797 greyscale 8x8 digits, 10 classes), a fixed stratified
 split of 1400 training and 397 test images at 8x8, tiled to 3 channels, from in-memory arrays; each
 worker reads every example and keeps its replicas' share of every global batch. Model:
-`tpu_scale.models.small_resnet(10, image_size=8)` on `recipe.recipe_for_batch` (what the run
+`tpu_scale.models.small_resnet(10, input_shape=(8, 8, 3))` on `recipe.recipe_for_batch` (what the run
 knows: batch, epochs, steps per epoch, training examples), `model.fit`, one traced model per batch,
 every seed restarting from that seed's initial weights with zeroed optimizer state.
 
@@ -78,7 +78,7 @@ def build_model(seed):
     from tpu_scale import models
 
     keras.utils.set_random_seed(seed)
-    return models.small_resnet(10, image_size=IMAGE_SIZE)
+    return models.small_resnet(10, input_shape=(IMAGE_SIZE, IMAGE_SIZE, 3))
 
 
 def train_run(model, evaluator, seed, batch, epochs, data, options):

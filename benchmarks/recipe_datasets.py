@@ -150,7 +150,7 @@ def train_variants(name, records, batch, variants, seeds, lr_factors):
                 pattern.format("validation"), is_training=False, **inputs
             )
             if by_hand:
-                model = models.small_resnet(label_map.num_classes, image_size=size)
+                model = models.small_resnet(label_map.num_classes, input_shape=(size, size, 3))
                 model.compile(
                     practised_optimizer(steps, epochs)
                     if variant == "practised"
@@ -169,7 +169,7 @@ def train_variants(name, records, batch, variants, seeds, lr_factors):
             else:
                 peak = swept.peak_learning_rate
                 with strategy.scope():
-                    model = models.small_resnet(label_map.num_classes, image_size=size)
+                    model = models.small_resnet(label_map.num_classes, input_shape=(size, size, 3))
                     model.compile(
                         swept.build_optimizer(steps, epochs),
                         losses.SmoothedSparseCategoricalCrossentropy(

@@ -245,12 +245,11 @@ def train(config, extra_callbacks=()):
         # ---- model: grouped batch norm, compiled with the recipe
         with strategy.scope():
             size = config.image_size
-            shape = dict(input_shape=(size, size, 3)) if config.model == "resnet50" else {}
             model = getattr(models, config.model)(
                 inputs.num_classes,
+                input_shape=(size, size, 3),
                 bn_group_size=config.bn_group_size,
                 normalize_inputs=config.input_dtype == "uint8",  # uint8 pixels in, normalized here
-                **(shape or dict(image_size=size)),
             )
             model.compile(
                 # The schedule counts fit steps (micro-batches), as Keras's accumulation does.

@@ -91,13 +91,13 @@ def test_resnet50_float32_logits_under_mixed_bfloat16(resnet50_bf16):
 
 
 def test_small_resnet_structure():
-    model = small_resnet(10, image_size=64, bn_group_size=2)
+    model = small_resnet(10, input_shape=(64, 64, 3), bn_group_size=2)
     assert _check_zero_gamma_rule(model) == 3
     assert all(bn.group_size == 2 for bn in _batch_norms(model))
     assert model.input_shape == (None, 64, 64, 3) and model.output_shape == (None, 10)
     assert model.count_params() < 200_000
     deeper = small_resnet(
-        10, image_size=32, widths=(8, 16), blocks_per_stage=(2, 3), bottleneck=True
+        10, input_shape=(32, 32, 3), widths=(8, 16), blocks_per_stage=(2, 3), bottleneck=True
     )
     assert _check_zero_gamma_rule(deeper) == 5
     assert deeper.get_layer("stage2_block1_conv2").strides == (2, 2)
@@ -108,7 +108,7 @@ def test_small_resnet_forward_backward_under_mixed_bfloat16():
     previous = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
     try:
-        model = small_resnet(5, image_size=32)
+        model = small_resnet(5, input_shape=(32, 32, 3))
     finally:
         keras.mixed_precision.set_global_policy(previous)
     rng = np.random.default_rng(1)
@@ -146,7 +146,7 @@ def _stripes(n, size, rng):
 def test_small_resnet_learns_with_the_recipe():
     keras.utils.set_random_seed(0)
     images, labels = _stripes(512, 32, np.random.default_rng(0))
-    model = small_resnet(4, image_size=32)
+    model = small_resnet(4, input_shape=(32, 32, 3))
     steps = 6 * 8  # 384 training images, batch 64, 8 epochs
     model.compile(
         optimizer=LARS(
@@ -163,7 +163,7 @@ def test_small_resnet_learns_with_the_recipe():
 def _fit_recipe(strategy, images, labels, bn_group_size):
     with strategy.scope():
         keras.utils.set_random_seed(5)
-        model = small_resnet(4, image_size=16, widths=(8, 16), bn_group_size=bn_group_size)
+        model = small_resnet(4, input_shape=(16, 16, 3), widths=(8, 16), bn_group_size=bn_group_size)
         model.compile(
             optimizer=LARS(
                 WarmupPolynomialDecay(5.0, warmup_steps=1, total_steps=4), weight_decay=1e-3
@@ -186,7 +186,7 @@ def test_small_resnet_on_8_replicas_matches_one_device():
     distributed = _fit_recipe(strategy, images, labels, bn_group_size=8)
     local = _fit_recipe(tf.distribute.get_strategy(), images, labels, bn_group_size=None)
     keras.utils.set_random_seed(5)
-    start = small_resnet(4, image_size=16, widths=(8, 16))
+    start = small_resnet(4, input_shape=(16, 16, 3), widths=(8, 16))
     for a, b, s in zip(distributed.weights, local.weights, start.weights):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=2e-3, atol=2e-5, err_msg=a.path)
     assert (
@@ -211,7 +211,7 @@ def test_small_resnet_on_8_replicas_matches_one_device():
         (dict(num_classes=10, widths=(8, 16), blocks_per_stage=(1,)), "same length"),
         (dict(num_classes=10, blocks_per_stage=(1, 0, 1)), "at least one block"),
         (dict(num_classes=10, bn_group_size=0), "group_size"),
-        (dict(num_classes=10, image_size=4), "image_size"),
+        (dict(num_classes=10, input_shape=(4, 4, 3)), "input_shape"),
     ],
 )
 def test_bad_arguments(kwargs, words):

@@ -35,7 +35,7 @@ def test_quickstart_as_written_trains_resumably_and_evaluates_every_example(
         "image_size=224": "image_size=32",
         "1024": "128",
         "epochs, steps = 90": "epochs, steps = 3",
-        "models.resnet50(inputs.num_classes,": "models.small_resnet(inputs.num_classes, 32,",
+        "models.resnet50(inputs.num_classes,": "models.small_resnet(inputs.num_classes, (32, 32, 3),",
         "model.fit(": "history = model.fit(verbose=0, x=",
     }
     for old, new in names.items():

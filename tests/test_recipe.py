@@ -257,7 +257,7 @@ def test_recipe_trains_real_digits_well_above_chance(tmp_path):
         str(tmp_path / "records" / "validation-*"), is_training=False, **inputs
     )
     keras.utils.set_random_seed(0)
-    model = models.small_resnet(10, image_size=32)
+    model = models.small_resnet(10, input_shape=(32, 32, 3))
     model.compile(
         recipe.build_optimizer(steps_per_epoch, epochs),
         losses.SmoothedSparseCategoricalCrossentropy(recipe.label_smoothing, from_logits=True),

@@ -70,7 +70,7 @@ def test_resnet50_with_a_space_to_depth_stem_equals_the_standard_one():
 
 
 def test_model_that_normalizes_uint8_inputs_saves_and_loads(tmp_path):
-    model = models.small_resnet(4, image_size=16, normalize_inputs=True)
+    model = models.small_resnet(4, input_shape=(16, 16, 3), normalize_inputs=True)
     assert model.inputs[0].dtype == "uint8"
     path = str(tmp_path / "small.keras")
     model.save(path)

@@ -49,7 +49,7 @@ def user_script(records, strategy, model_dir, settings, extra_callbacks=()):
     training.record_settings(model_dir, settings, strategy)
     top_1 = keras.metrics.SparseCategoricalAccuracy(name="top_1")
     with strategy.scope():
-        model = models.small_resnet(inputs.num_classes, image_size=SIZE)
+        model = models.small_resnet(inputs.num_classes, input_shape=(SIZE, SIZE, 3))
         model.compile(
             optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

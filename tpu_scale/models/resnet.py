@@ -84,7 +84,7 @@ def resnet50(
 
 def small_resnet(
     num_classes,
-    image_size=64,
+    input_shape=(64, 64, 3),
     widths=(16, 32, 64),
     blocks_per_stage=None,
     bottleneck=False,
@@ -105,8 +105,8 @@ def small_resnet(
 
     Args:
         num_classes: Integer, the number of classes.
-        image_size: Integer, the height and width of the square input images.
-            Defaults to `64`.
+        input_shape: Shape of one image, channels last, as for `resnet50`. Defaults to
+            `(64, 64, 3)`.
         widths: Tuple of integers, the width of each stage (for bottleneck blocks, the
             inner width; the output is 4 times wider). Defaults to `(16, 32, 64)`.
         blocks_per_stage: Tuple of integers, the number of residual blocks of each
@@ -120,7 +120,7 @@ def small_resnet(
         name: Name of the model.
 
     Returns:
-        A `keras.Model` from `(image_size, image_size, 3)` images to float32 logits.
+        A `keras.Model` from `input_shape` images to float32 logits.
     """
     widths = tuple(widths)
     blocks_per_stage = (1,) * len(widths) if blocks_per_stage is None else tuple(blocks_per_stage)
@@ -128,14 +128,14 @@ def small_resnet(
         raise ValueError(f"`widths` {widths} and `blocks_per_stage` {blocks_per_stage} must be non-empty and of the same length: one width and one block count per stage.")
     if min(widths) < 1 or min(blocks_per_stage) < 1:
         raise ValueError(f"Every stage needs a width >= 1 and at least one block; received widths={widths}, blocks_per_stage={blocks_per_stage}.")
-    if image_size < 8:
-        raise ValueError(f"`image_size` must be at least 8; received {image_size}.")
+    if len(input_shape) != 3 or min(input_shape[:2]) < 8:
+        raise ValueError(f"`input_shape` must be (height, width, channels) with height and width at least 8; received {input_shape}.")
     # The first stage keeps the stem's resolution, each later one halves it, as in ResNet-50.
     stages = tuple(
         (w, n, 1 if i == 0 else 2) for i, (w, n) in enumerate(zip(widths, blocks_per_stage))
     )
     return _resnet(
-        input_shape=(image_size, image_size, 3),
+        input_shape=tuple(input_shape),
         num_classes=num_classes,
         stem=_small_stem,
         stem_width=widths[0],
