@@ -262,13 +262,13 @@ class Seam:
     # ----------------------------------------------------------------- build and state
 
     def build(self, variables):
-        settings = settings_for(tf.distribute.get_strategy())
+        strategy = tf.distribute.get_strategy()
+        settings = settings_for(strategy)
         if self.built or settings is None or not settings.weight_update_sharding:
             return super().build(variables)
-        cls = keras_class(self)
         with _not_adopting():
-            inner = cls.from_config(self.get_config())
-        weight_update.build(self, variables, tf.distribute.get_strategy(), super().build, inner)
+            inner = keras_class(self).from_config(self.get_config())
+        weight_update.build(self, variables, strategy, super().build, inner)
 
     def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
         slot = weight_update.record_slot(self, reference_variable, name)

@@ -234,12 +234,6 @@ def is_sharded(optimizer):
     return _state(optimizer) is not None
 
 
-def momentum_shards(optimizer):
-    """The sharded `momentum` variable of a sharded optimizer (one shard per replica), else
-    None."""
-    return slot_shards(optimizer).get("momentum")
-
-
 def slot_shards(optimizer):
     """A sharded optimizer's state variables (slot name -> one shard per replica); {} when it is
     not sharded."""
