@@ -100,6 +100,7 @@ class TrainConfig:
     strict: bool = flag(False, "Stop at the first bad record (default: skip, name and count).")
     max_bad_fraction: float = flag(0.001, "Stop when more of the records read are bad (and 10+).")
     deterministic: bool = flag(False, "Reproducible input order and crops (slower).")
+    cache_evaluation: str = flag("auto", "auto, yes or no: validation in memory. auto: if small.")
     seed: int = flag(0, "Random seed.")
     progress: Optional[bool] = flag(None, "Keras progress bar. Default: on in a terminal.")
     keep_checkpoints: int = flag(3, "The newest per-epoch checkpoints kept.")
@@ -127,6 +128,7 @@ def check_flags(config, one_host):
         ("optimizer", "lars sgd"),
         ("mixed_precision", "float32 bfloat16 float16"),
         ("input_dtype", "uint8 float"),
+        ("cache_evaluation", "auto yes no"),
     ]:
         value = getattr(config, name)
         if value not in allowed.split() and not (name == "optimizer" and value is None):
@@ -239,8 +241,14 @@ def train(config, extra_callbacks=()):
         given = ("peak_learning_rate", "warmup_epochs", "weight_decay", "label_smoothing")
         recipe = recipe.with_settings(**{k: getattr(config, k) for k in given})
         inputs = inputs.with_input_arguments(**recipe.input_arguments)  # its crops and flips
-        # Raises, with the fix, if the global batch does not divide over the replicas.
-        validation = data.exact_evaluation(inputs.validation, strategy, inputs.validation_examples)
+        # Raises, with the fix, if the global batch does not divide over the replicas. A small
+        # validation set is decoded once and kept in memory (exact_evaluation's rule).
+        validation = data.exact_evaluation(
+            inputs.validation,
+            strategy,
+            inputs.validation_examples,
+            cache={"auto": None, "yes": True, "no": False}[config.cache_evaluation],
+        )
 
         # ---- model: grouped batch norm, compiled with the recipe
         with strategy.scope():
@@ -304,9 +312,16 @@ def train(config, extra_callbacks=()):
             )
         if guard.stopped:
             raise TrainingDiverged(guard.message)
-        inputs.validation.reset_counts()  # the final evaluation's own count of bad records
+        if not validation.cached:
+            inputs.validation.reset_counts()  # the final evaluation's own count of bad records
         results = model.evaluate(
             validation.dataset, steps=validation.steps, return_dict=True, verbose=0
+        )
+        # A cached evaluation read its records once, in fit's first validation.
+        eval_skipped = (
+            inputs.validation.distinct_skipped_records
+            if validation.cached
+            else inputs.validation.skipped_records
         )
 
         # ---- report
@@ -319,7 +334,7 @@ def train(config, extra_callbacks=()):
             "num_classes": inputs.num_classes,
             "epochs": config.epochs,
             "eval_examples": inputs.validation_examples,
-            "eval_skipped": inputs.validation.skipped_records,
+            "eval_skipped": eval_skipped,
         }
         outputs = None
         if config.model_dir:

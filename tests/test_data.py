@@ -283,6 +283,67 @@ def test_record_level_sharding_with_fewer_files_than_pipelines(tmp_path):
     assert sorted(all_ids) == sorted(expected)
 
 
+def test_a_small_evaluation_is_cached_and_a_large_one_is_not(records, cpu_devices):
+    # The rule: one pass's decoded images on an input pipeline, against CACHE_LIMIT_BYTES.
+    from tpu_scale.data import evaluation
+
+    strategy = tpu_scale.strategy.MirroredStrategy(cpu_devices[:2])
+    small = make_input(records[0], is_training=False, global_batch_size=8)
+    # 60 examples: 8 steps of 8 images of 8x8x3 float32 = 49,152 bytes.
+    assert evaluation.pass_bytes(small, 8, 8) == 8 * 8 * 8 * 8 * 3 * 4
+    assert evaluation.exact_evaluation(small, strategy, 60).cached
+    assert not evaluation.exact_evaluation(small, strategy, 60, cache=False).cached
+    # ImageNet's validation set at 224 px in float32: 30 GB, read from the records every pass.
+    large = make_input(records[0], is_training=False, global_batch_size=8, image_size=224)
+    assert evaluation.pass_bytes(large, 6250, 8) > 50 * evaluation.CACHE_LIMIT_BYTES
+    assert not evaluation.exact_evaluation(large, strategy, 50_000).cached
+    assert evaluation.exact_evaluation(large, strategy, 50_000, cache=True).cached
+    # In uint8 a quarter of the bytes: the limit holds 4x the images.
+    raw = make_input(records[0], is_training=False, global_batch_size=8, dtype="uint8")
+    assert evaluation.pass_bytes(raw, 8, 8) * 4 == evaluation.pass_bytes(small, 8, 8)
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_a_cached_evaluation_reads_its_records_once(tmp_path, cpu_devices, cache):
+    # Every pass counts every good example once, from new iterators (as Keras's evaluate makes
+    # them) and from one; the cached one reads the records in its first complete pass only, and
+    # names and counts its bad record once.
+    from tpu_scale.data import evaluation
+
+    make_bad = RECORD_FAULTS["frame height 0"][0]
+    pattern, good = write_records_with(str(tmp_path), {4: make_bad}, num_files=2, per_file=13)
+    strategy = tpu_scale.strategy.MirroredStrategy(cpu_devices[:2])
+    inp = make_input(pattern, is_training=False, global_batch_size=4, max_bad_fraction=1.0)
+    exact = evaluation.exact_evaluation(inp, strategy, 26, cache=cache)
+    assert exact.cached == cache and exact.steps == 7
+
+    def one_pass(iterator):
+        ids = []
+        for _ in range(exact.steps):
+            images, labels = next(iterator)
+            for replica_images, replica_labels in zip(
+                strategy.experimental_local_results(images),
+                strategy.experimental_local_results(labels),
+            ):
+                codes, batch_ids = decode_codes(replica_images)
+                np.testing.assert_array_equal(codes, replica_labels.numpy())
+                ids.extend(batch_ids.tolist())
+        return sorted(ids)
+
+    next(iter(exact.dataset))  # a batch read and the iterator left, as Keras's peek does
+    iterator = iter(exact.dataset)
+    assert one_pass(iterator) == sorted(good)
+    read_after_first_pass = inp.records_read
+    assert one_pass(iterator) == sorted(good)  # the next pass from the same iterator
+    for _ in range(2):
+        assert one_pass(iter(exact.dataset)) == sorted(good)  # and from new ones
+    assert inp.distinct_skipped_records == 1
+    if cache:
+        assert inp.records_read == read_after_first_pass
+    else:
+        assert inp.records_read >= 3 * 26 and inp.skipped_records >= 3
+
+
 @pytest.mark.parametrize("num_replicas", [2, 4])
 def test_distribute_datasets_from_function(records, cpu_devices, num_replicas):
     strategy = tpu_scale.strategy.MirroredStrategy(cpu_devices[:num_replicas])

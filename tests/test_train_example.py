@@ -121,6 +121,7 @@ def test_uint8_input_and_one_step_epochs_learn_and_report_a_rate(tmp_path):
         (dict(model="vgg"), "choose resnet50 or small_resnet"),
         (dict(mesh_shape="2by4"), "ROWSxCOLS"),
         (dict(input_dtype="float16"), "choose uint8 or float"),
+        (dict(cache_evaluation="maybe"), "choose auto or yes or no"),
         (dict(num_cpu_replicas=0, mesh_shape=None), "--num_cpu_replicas=0: it must be at least 1"),
         (dict(gradient_accumulation_steps=0), "--gradient_accumulation_steps=0: it must be at"),
     ],

@@ -76,6 +76,12 @@ class BadRecordLog:
     def total(self) -> int:
         return sum(self.counts)
 
+    @property
+    def distinct(self) -> int:
+        """The different records named since the log was made, each once however often read."""
+        with self._lock:
+            return len(self._logged)
+
     def by_reason(self) -> dict:
         with self._lock:
             return {name: count for name, count in zip(sources.FAULT_NAMES, self.counts) if count}

@@ -285,6 +285,13 @@ class ImageNetInput:
         return self.bad_records.total
 
     @property
+    def distinct_skipped_records(self) -> int:
+        """How many different bad records this input's datasets skipped since it was built, each
+        counted once however often it was read (e.g. by a cached evaluation's first pass and the
+        batch Keras reads ahead of it); `reset_counts` leaves it."""
+        return self.bad_records.distinct
+
+    @property
     def skipped_by_reason(self) -> dict:
         """`skipped_records` by reason, e.g. `{"not a complete image": 2, "undecodable image":
         1}`."""
