@@ -235,7 +235,15 @@ def _build_sum_on_first(parts, devices):
 
 def _build_reduce_scatter(parts, devices):
     g = len(parts)  # rank r adds chunk r of every member, on its own device
-    chunks = _on_each(devices, lambda rank: tf.split(parts[rank], g, axis=0))
+
+    def chunks_of(x):
+        # Split as `[g, rest]`: chunks along axis 0 whose size is a multiple of 64 bytes share the
+        # member's buffer (TensorFlow's `Split` copies every other split, e.g. any of a 1-D one).
+        rest = x.shape[1:]
+        shape = [-1] + rest.as_list() if rest.is_fully_defined() else tf.concat([[-1], tf.shape(x)[1:]], 0)
+        return [tf.reshape(r, shape) for r in tf.split(tf.reshape(x, [g, -1]), g, axis=0)]
+
+    chunks = _on_each(devices, lambda rank: chunks_of(parts[rank]))
     return _on_each(devices, lambda rank: tf.add_n([c[rank] for c in chunks]))
 
 
