@@ -77,3 +77,34 @@ def test_schedule_needs_no_tensorflow():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (4, 2), (1, 8)])
+@pytest.mark.parametrize("algorithm", torus.ALGORITHMS)
+def test_sharded_streams_leave_each_replica_one_chunk(shape, algorithm):
+    mesh = ReplicaMesh.from_shape(*shape)
+    schedule = torus.build_schedule(mesh, 8 * 64, algorithm)
+    cut = torus.sharded_streams(schedule)
+    assert len(cut) == len(schedule.streams)
+    for (scatter, gather), stream in zip(cut, schedule.streams):
+        # No all-reduce is left; the gathers undo the scatters in reverse, over the same groups.
+        assert scatter and all(p.kind == torus.REDUCE_SCATTER for p in scatter)
+        assert all(p.kind == torus.ALL_GATHER for p in gather)
+        assert [p.dimension for p in gather] == [p.dimension for p in reversed(scatter)]
+        assert scatter[0].bytes_in == stream[0].bytes_in == gather[-1].bytes_out
+        assert scatter[-1].bytes_out == gather[0].bytes_in == stream[0].bytes_in // 8
+        # Each of the 8 chunks is held by exactly one replica.
+        positions = [torus.shard_position(scatter, k) for k in range(8)]
+        assert sorted(positions) == list(range(8))
+
+
+def test_shard_position_reads_the_ranks_as_digits():
+    mesh = ReplicaMesh.from_shape(2, 4)  # replica 6 sits at row 1, column 2
+    rows_first, columns_first = torus.sharded_streams(
+        torus.build_schedule(mesh, 1024, "torus_2d_bidirectional")
+    )
+    assert torus.shard_position(rows_first[0], 6) == 2 * 2 + 1  # rank 2 of 4, then rank 1 of 2
+    assert torus.shard_position(columns_first[0], 6) == 1 * 4 + 2
+    # Another rank order (here: each group's members reversed) moves the chunks with it.
+    reverse = lambda members, replica: len(members) - 1 - members.index(replica)  # noqa: E731
+    assert torus.shard_position(rows_first[0], 6, reverse) == 1 * 2 + 0

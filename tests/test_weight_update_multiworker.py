@@ -14,18 +14,26 @@ from tpu_scale.testing import run_workers
 
 pytestmark = pytest.mark.multiprocess
 
-# (optimizer, its options, the layers' dtype policy), as in test_weight_update_sharding; a name
-# ending in "_eager" trains with run_eagerly=True (the collectives' eager forms).
+# (optimizer, its options, the layers' dtype policy, the strategy's settings), as in
+# test_weight_update_sharding; a name ending in "_eager" trains with run_eagerly=True (the
+# collectives' eager forms). The sharded step runs the settings' algorithm's phases, in buffers of
+# `pack_bytes`, with `gradient_dtype` between the workers; the unsharded one sums with the same.
 CASES = {
-    "sgd": (dict(momentum=0.9, nesterov=True, weight_decay=1e-2, clipnorm=1.0), None),
-    "sgd_plain": (dict(), None),  # no state: nothing to gather at a save
-    "sgd_accumulated": (dict(momentum=0.9, gradient_accumulation_steps=2), None),
-    "lars": (dict(momentum=0.9, weight_decay=1e-2), None),
-    "lars_eager": (dict(momentum=0.9, weight_decay=1e-2), None),
-    "lion": (dict(weight_decay=1e-2), None),  # any element-wise Keras optimizer, by its own rule
-    # create_strategy(gradient_dtype="bfloat16"): the phase between the workers in bfloat16
-    "sgd_bfloat16": (dict(momentum=0.9), None),
-    "adamw": (dict(weight_decay=1e-1), "mixed_bfloat16"),  # last: the final save uses it
+    "sgd": (dict(momentum=0.9, nesterov=True, weight_decay=1e-2, clipnorm=1.0), None, {}),
+    "sgd_plain": (dict(), None, {}),  # no state: nothing to gather at a save
+    "sgd_accumulated": (dict(momentum=0.9, gradient_accumulation_steps=2), None, {}),
+    "lars": (dict(momentum=0.9, weight_decay=1e-2), None, dict(algorithm="torus_2d")),
+    "lars_eager": (dict(momentum=0.9, weight_decay=1e-2), None, {}),
+    # any element-wise Keras optimizer, by its own rule; one reduce-scatter over every replica
+    "lion": (dict(weight_decay=1e-2), None, dict(algorithm="ring")),
+    # both streams' phase between the workers in bfloat16, in buffers of 256 bytes
+    "sgd_bfloat16": (
+        dict(momentum=0.9),
+        None,
+        dict(gradient_dtype="bfloat16", algorithm="torus_2d_bidirectional", pack_bytes=256),
+    ),
+    # last: the final save uses it
+    "adamw": (dict(weight_decay=1e-1), "mixed_bfloat16", dict(algorithm="torus_2d", pack_bytes=256)),
 }
 # With bfloat16 between the workers the run is not compared with the unsharded one: this small
 # model amplifies rounding about a hundredfold in 20 steps (float32 sums in another order, 1e-7
@@ -53,10 +61,9 @@ def workers_main():
     scratch = tempfile.mkdtemp(prefix="tpu_scale_test_")  # each worker's own
     out = {"mesh": strategy.mesh.shape, "cases": {}}
     settings = keras_hook.settings_for(strategy)
-    for name, (options, dtype) in CASES.items():
+    for name, (options, dtype, overrides) in CASES.items():
         runs, weights = {}, None
-        narrow = "bfloat16" if name.endswith("_bfloat16") else None
-        keras_hook.install(strategy, dataclasses.replace(settings, gradient_dtype=narrow))
+        keras_hook.install(strategy, dataclasses.replace(settings, **overrides))
         for sharded in (True, False):
             (weight_update.enable if sharded else weight_update.disable)(strategy)
             keras.utils.set_random_seed(1)
@@ -106,10 +113,11 @@ def workers_main():
         final = keras.models.load_model(outputs["final model"])
         out["final_optimizer"] = [keras.ops.convert_to_numpy(v) for v in final.optimizer.variables]
     # Were the collective ops to order the workers otherwise than the shards assume, building the
-    # optimizer says so (here the package's rank is made the reverse of the runtime's).
-    runtime_rank = collectives.worker_rank
-    collectives.worker_rank = lambda s: 1 - runtime_rank(s)
+    # optimizer says so (here the package's ranks are made the reverse of the runtime's).
+    runtime_ranks = collectives.process_ranks
+    collectives.process_ranks = lambda s: [1 - r for r in runtime_ranks(s)]
     try:
+        keras_hook.install(strategy, dataclasses.replace(settings, algorithm="torus_2d"))
         weight_update.enable(strategy)
         misordered = _model(strategy, lambda: OPTIMIZERS["sgd"](dict(momentum=0.9)), None, None)
         with strategy.scope():
@@ -117,7 +125,8 @@ def workers_main():
     except RuntimeError as e:
         out["misordered"] = str(e)
     finally:
-        collectives.worker_rank = runtime_rank
+        collectives.process_ranks = runtime_ranks
+        keras_hook.install(strategy, settings)
     # A save on the chief alone: the other worker never comes, and the chief gets a clear error.
     weight_update.SAVE_WAIT_SECONDS = 5
     if checkpointing.is_chief(strategy):
@@ -149,13 +158,13 @@ def test_sharded_update_across_workers_equals_the_unsharded_one(cluster, name):
         updates = 20 // CASES[name][0].get("gradient_accumulation_steps", 1)
         assert sharded["steps"] == plain["steps"] == updates
         assert sharded["trainable_dtypes"] == ["float32"]  # master weights, mixed precision too
-        narrow = name.endswith("_bfloat16")
+        narrow = CASES[name][2].get("gradient_dtype") == "bfloat16"
         for got, want, start in zip(sharded["final"], plain["final"], plain["initial"]):
             assert np.all(np.isfinite(got)) and not np.allclose(got, start, atol=1e-2)
             if not narrow:
                 np.testing.assert_allclose(got, want, rtol=1e-3, atol=3e-4)
         # Only with gradient_dtype="bfloat16" does a collective op carry bfloat16: the gradient's
-        # reduce-scatter between the workers (an all-to-all); the weights' all-gather stays float32.
+        # reduce-scatters between the workers (all-to-alls); the weights' all-gathers stay float32.
         if sharded["collectives"] is not None:
             carried = {dtype for _, dtype in sharded["collectives"]}
             assert ("CollectiveAllToAllV2", "bfloat16") in sharded["collectives"] or not narrow

@@ -13,7 +13,8 @@ A gradient's path from `model.fit` to the update, under a strategy of `create_st
    branch of Keras's accumulation) -> Keras's clipping, weight decay and `_backend_update_step`.
 5. `Seam._all_reduce_sum_gradients`: the torus sum (`torus.all_reduce_sum`: the schedule of
    `torus_schedule`, its phases run by `collectives`); sharded, instead, `sharded_update.update`:
-   reduce-scatter, the optimizer's own `update_step` on each replica's 1/N, all-gather.
+   the same schedule's reduce-scatter phases, the optimizer's own `update_step` on each replica's
+   1/N, the all-gather phases.
 6. Keras's `_distributed_tf_update_step`: `update_step` per variable (none left when sharded).
 
 Everything an adopted optimizer does differently is in `Seam`; optimizers created under any other

@@ -249,9 +249,11 @@ def create_strategy(
         reduce-scattered, each replica running the optimizer's own `update_step` on 1/N of the
         weights with 1/N of its state, the weights all-gathered (`tpu_scale.weight_update`).
         Checkpoints keep Keras's unsharded layout; with several workers every worker saves (the
-        others to scratch). The sharded update sums the gradients itself, so `algorithm` and
-        `pack_bytes` do not apply to it; `gradient_dtype` does, to its gradient phase between the
-        workers. Other optimizers (named) and TPUs raise a clear error.
+        others to scratch). The sharded step runs the gradient sum's own phases, its all-reduce
+        cut in two around the update (`torus_schedule.sharded_streams`), so `algorithm`,
+        `pack_bytes` and `gradient_dtype` (on the gradient's phases between workers; the weights'
+        all-gather keeps their dtype) apply to it too. Other optimizers (named) and TPUs raise a
+        clear error.
 
     Returns:
       A strategy with `.mesh` (`ReplicaMesh`) and `.gradient_reduction`. Keras optimizers'

@@ -48,6 +48,8 @@ from tpu_scale.torus_schedule import (  # noqa: F401  (re-exported: the public t
     phase_within_hosts,
     resolve_algorithm,
     ring_bytes_sent_between,
+    shard_position,
+    sharded_streams,
     stream_sizes,
     transport_schedule,
 )
@@ -211,15 +213,7 @@ def _sum_packs(packs, mesh, algorithm, transport):
         ]
         buffers.append(tf.split(flat, shares) if len(shares) > 1 else [flat])
         lengths.append((length, padded))
-    streams = build_schedule(mesh, 0, algorithm).streams
-    for step in range(max(len(s) for s in streams)):
-        for i, stream in enumerate(streams):
-            if step < len(stream):
-                # One ordering channel per stream: the two halves can be in flight at the same time.
-                with collectives.ordering_channel(("tpu_scale.torus", i)):
-                    out = _run_phase(stream[step], [b[i] for b in buffers], transport)
-                for b, value in zip(buffers, out):
-                    b[i] = value
+    run_streams(build_schedule(mesh, 0, algorithm).streams, buffers, transport)
     summed = []
     for tensors, parts, (length, padded) in zip(packs, buffers, lengths):
         flat = tf.concat(parts, axis=0) if len(parts) > 1 else parts[0]
@@ -239,7 +233,32 @@ _PRIMITIVES = {
 }
 
 
-def _run_phase(phase, xs, transport=None):
+def run_streams(streams, buffers, transport=None, channel="tpu_scale.torus"):
+    """Runs each stream's phases, in order, over that stream's share of every buffer.
+
+    Args:
+      streams: per stream, a sequence of `Phase` (a `Schedule`'s streams, or the halves of
+        `sharded_streams`).
+      buffers: per buffer, a list with one tensor per stream (the buffer's share for it); each
+        share is replaced by the result of its stream's last phase.
+      transport: as for `run_phase`.
+      channel: names the ordering channels: one per stream, so that the streams can be in flight
+        at the same time.
+
+    Returns:
+      `buffers`.
+    """
+    for step in range(max((len(s) for s in streams), default=0)):
+        for i, stream in enumerate(streams):
+            if step < len(stream):
+                with collectives.ordering_channel((channel, i)):
+                    out = run_phase(stream[step], [b[i] for b in buffers], transport)
+                for b, value in zip(buffers, out):
+                    b[i] = value
+    return buffers
+
+
+def run_phase(phase, xs, transport=None):
     """One phase over the buffers `xs`: plain ops where its groups sit in this CPU process, else a
     collective op per buffer.
 

@@ -188,6 +188,54 @@ def stream_sizes(schedule):
     return tuple(stream[0].bytes_in if stream else 0 for stream in schedule.streams)
 
 
+def sharded_streams(schedule):
+    """`schedule` cut around a sharded weight update (`tpu_scale.weight_update`): per stream, the
+    phases that leave each replica the sum of 1/N of the stream's buffer, and those that bring the
+    updated 1/N back.
+
+    An all-reduce phase becomes a reduce-scatter over the same groups, and the all-gathers come after
+    the update, in the reverse order of the reduce-scatters: `"torus_2d"` is reduce-scatter along
+    rows, then down columns, [update], all-gather down columns, then along rows; `"ring"` and
+    `"flat"` are one reduce-scatter over every replica and one all-gather.
+
+    Returns:
+      A tuple, per stream, of `(scatter, gather)`: two tuples of `Phase`.
+    """
+    out = []
+    for stream in schedule.streams:
+        scatter, num_bytes = [], stream[0].bytes_in if stream else 0
+        for phase in stream:
+            if phase.kind == ALL_GATHER:
+                break
+            scatter.append(Phase(REDUCE_SCATTER, phase.dimension, phase.groups, num_bytes))
+            num_bytes //= phase.group_size
+        gather = tuple(
+            Phase(ALL_GATHER, p.dimension, p.groups, p.bytes_out) for p in reversed(scatter)
+        )
+        out.append((tuple(scatter), gather))
+    return tuple(out)
+
+
+def shard_position(scatter, replica, rank=None):
+    """Which of a stream buffer's N equal chunks `replica` holds after the `scatter` phases.
+
+    A reduce-scatter over a group of `g` leaves its member of rank `r` the `r`-th of `g` chunks of
+    what it held, so the position is the ranks read as digits: `r1 * g2 + r2` for two phases.
+
+    Args:
+      scatter: reduce-scatter phases (`sharded_streams`).
+      replica: a replica id.
+      rank: callable `(members, replica) -> rank` in the collective runtime's order; by default the
+        replica's position in its group's row (the order of in-graph and TPU groups).
+    """
+    position = 0
+    for phase in scatter:
+        members = [int(m) for m in phase.groups[np.any(phase.groups == replica, axis=1)][0]]
+        r = rank(members, replica) if rank is not None else members.index(replica)
+        position = position * phase.group_size + r
+    return position
+
+
 def bytes_sent_between(schedule, host_of):
     """Bytes a schedule sends from one host to another, summed over every replica.
 

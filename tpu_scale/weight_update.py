@@ -7,20 +7,23 @@ no change to the model or the optimizer, for every Keras optimizer whose update 
 layer-wise ones that state their rule in two parts (`tpu_scale.optimizers.LARS`, see
 `is_layerwise`). Any other optimizer is refused by name when it is built.
 
-1. the optimizer's variables, flattened and laid end to end in its order, are cut into N equal
-   shards (the last padded), one per replica: pieces of the variables (a variable inside one shard
-   is one whole piece, and only the at most N - 1 variables on a boundary are cut);
-2. reduce-scatter: each replica sums every replica's gradient over its shard;
+1. the optimizer's variables, flattened, are fused into buffers as the gradient sum fuses them
+   (`pack_bytes`; on one CPU host `IN_GRAPH_PACK_BYTES`), and each buffer is cut where the
+   strategy's gradient-sum schedule cuts it (`Layout`);
+2. reduce-scatter: the schedule's phases with its all-reduce cut in two
+   (`torus_schedule.sharded_streams`) leave each replica the sum of its 1/N of every buffer;
 3. each replica runs the optimizer's own `update_step` on its shard: an inner optimizer of the same
-   class and configuration, built by Keras on one variable of `ceil(parameters / N)` elements per
-   replica, holds the state (so each replica holds 1/N of every slot). An element-wise rule on a
-   flat shard is the rule on each of its pieces. A layer-wise rule takes each variable's weight
-   and gradient norms as the sums of its pieces' parts, summed over the shards;
-4. all-gather: every replica writes its copy of each variable from the updated pieces that cover
-   it.
+   class and configuration, built by Keras on one variable of `Layout.shard` (about
+   `parameters / N`) elements per replica, holds the state (so each replica holds 1/N of every
+   slot). An element-wise rule on a flat shard is the rule on each of its pieces. A layer-wise rule
+   takes each variable's weight and gradient norms as the sums of its pieces' parts, summed over
+   the shards;
+4. all-gather: the schedule's all-gather phases, in reverse, bring every replica the updated
+   buffers, and each replica writes its copy of the variables from them.
 
-`tpu_scale.sharded_update` builds steps 2-4 (on one host as plain ops, across workers as the torus
-sum's phases). The optimizer's own `build` runs as Keras wrote it: its slots are recorded
+`tpu_scale.sharded_update` builds steps 2-4, with the torus sum's executor (`torus.run_streams`:
+plain ops where a phase stays in one CPU process, collective ops elsewhere), so the strategy's
+`algorithm`, `pack_bytes` and `gradient_dtype` apply as they do to the unsharded sum. The optimizer's own `build` runs as Keras wrote it: its slots are recorded
 (`record_slot`) instead of made, which gives Keras's saved layout; its scalar state (the step
 counter, Nadam's `u_product`, ...) is shared with the inner optimizer. Clipping, Keras's decoupled
 weight decay (`weight_decay`, with its exclusions) and the moving average (`use_ema`) run as Keras
@@ -36,8 +39,8 @@ shard. Across workers the gather is a collective: every worker saves at the same
 as `checkpointing.BackupAndRestore`, `training.run_callbacks`' checkpoints and `training.save_run`
 do). A save meets the other workers at a barrier of TensorFlow's coordination service first, so a
 save on some workers only fails with an error naming this after `SAVE_WAIT_SECONDS` instead of
-waiting forever. When an optimizer is built across workers, one all-gather checks that the
-collective ops order the workers as the shards assume.
+waiting forever. When an optimizer is built across workers, one all-gather per phase checks that
+the collective ops order the workers as the layout assumes.
 
 Scope: the strategies of `create_strategy` on CPUs or GPUs, every trainable variable of one
 floating dtype with a gradient at each step. Anything else is a clear error; TPUs are not sharded
@@ -48,6 +51,7 @@ Reference:
   (distributed weight update: each core updates a shard of the weights, then an all-gather).
 """
 
+import bisect
 import itertools
 
 import keras
@@ -55,7 +59,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import context as tf_context
 
-from tpu_scale import collectives, sharded_update
+from tpu_scale import collectives, context, sharded_update, torus_schedule
 
 # Keras's element-wise optimizers, by name (those this Keras has): their `update_step` on a flat
 # shard is their `update_step` on each piece of it.
@@ -121,45 +125,117 @@ def _elementwise_rule(optimizer):
     )
 
 
-class Layout:
-    """Where each variable sits in the fused order, and each replica's share of it.
+# A variable starts, and a chunk is cut, on a multiple of 64 bytes wherever that pads a buffer by at
+# most `ALIGN_PADDING` of its length: TensorFlow's slices and splits along axis 0 that start (and
+# end) there share the buffer instead of copying it.
+ALIGN_BYTES = 64
+ALIGN_PADDING = 0.01
+# On one CPU host every phase is plain ops in the step graph, so fusing only copies: variables up to
+# this size share a buffer (one small copy each, instead of N-fold padding each), larger ones are
+# buffers of their own.
+IN_GRAPH_PACK_BYTES = 256 * 1024
 
-    The variables, flattened and laid end to end in the optimizer's order, form `total` elements;
-    shard `i` covers positions `[i * shard, (i + 1) * shard)` (the last shards are padded), and
-    `Sharded.owned` says which local replica holds it.
+
+class Layout:
+    """Which replica updates which elements: the gradient sum's buffers, cut where its phases cut.
+
+    The variables, flattened, are fused into buffers as the torus sum fuses gradients
+    (`torus_schedule.pack_indices` with `pack_bytes`): each variable at its offset in its buffer,
+    each buffer padded so that every stream's share splits into N equal chunks, the buffers end to
+    end in one flat index space of `total` elements. After a stream's scatter phases
+    (`torus_schedule.sharded_streams`) replica `k` holds one chunk of its share
+    (`torus_schedule.shard_position`); its shard is those chunks, buffer by buffer and stream by
+    stream: `segments[k]`, `shard` elements on every replica.
 
     Args:
-      variables: the optimizer's trainable variables, in its order.
-      num_shards: the number of replicas.
+      shapes: the optimizer's trainable variables' shapes, in its order.
+      itemsize: bytes per element.
+      mesh: the strategy's `ReplicaMesh` (row-major).
+      algorithm: one of `torus_schedule.ALGORITHMS`.
+      pack_bytes: the fused buffers' size (`None` or 0: one buffer).
+      rank: callable `(members, replica) -> rank` in the collective runtime's order, or None for
+        each replica's position in its group.
     """
 
-    def __init__(self, variables, num_shards):
-        self.shapes = [tuple(v.shape) for v in variables]
+    def __init__(self, shapes, itemsize, mesh, algorithm, pack_bytes, rank=None):
+        self.shapes = [tuple(int(d) for d in shape) for shape in shapes]
         self.sizes = [int(np.prod(shape, dtype=np.int64)) for shape in self.shapes]
-        self.offsets = np.concatenate([[0], np.cumsum(self.sizes, dtype=np.int64)]).tolist()
-        self.total = int(self.offsets[-1])
-        self.num_shards = num_shards
-        self.shard = -(-self.total // num_shards)
-        self.padding = self.shard * num_shards - self.total
+        self.num_shards = n = mesh.num_replicas
+        self.algorithm = algorithm
+        self.streams = torus_schedule.sharded_streams(torus_schedule.build_schedule(mesh, 0, algorithm))
+        count = len(self.streams)
+        align = max(1, ALIGN_BYTES // itemsize)
+        self.starts = [0] * len(self.sizes)
+        self.buffers = []  # per buffer: (its variables, start, length, per stream (start, length))
+        self.segments = [[] for _ in range(n)]
+        self.total = 0
+        packs = torus_schedule.pack_indices([size * itemsize for size in self.sizes], pack_bytes)
+        for pack in packs:
+            offsets, length = _packed([self.sizes[v] for v in pack], n * count, align)
+            for var, offset in zip(pack, offsets):
+                self.starts[var] = self.total + offset
+            share = length // count
+            shares = [(self.total + i * share, share) for i in range(count)]
+            self.buffers.append((list(pack), self.total, length, shares))
+            for (scatter, _), (start, size) in zip(self.streams, shares):
+                chunk = size // n
+                for k in range(n):
+                    position = torus_schedule.shard_position(scatter, k, rank)
+                    self.segments[k].append((start + position * chunk, chunk))
+            self.total += length
+        self.shard = sum(size for _, size in self.segments[0])
 
-    def pieces(self, i):
-        """Shard `i` as `(variable, start, end, offset)`: elements `[start, end)` of the flattened
-        variable sit at `offset` in the shard."""
-        first, last = i * self.shard, min((i + 1) * self.shard, self.total)
-        out = []
-        for var, (a, b) in enumerate(zip(self.offsets[:-1], self.offsets[1:])):
-            if b <= first or a >= last or a == b:
-                continue
-            start, end = max(first, a), min(last, b)
-            out.append((var, start - a, end - a, start - first))
+    def pieces(self, k):
+        """Replica `k`'s shard as `(variable, start, end, offset)`: elements `[start, end)` of the
+        flattened variable sit at `offset` in the shard (the rest of the shard is padding)."""
+        out, offset = [], 0
+        for start, size in self.segments[k]:
+            end = start + size
+            first = max(bisect.bisect_right(self.starts, start) - 1, 0)
+            for var in range(first, bisect.bisect_left(self.starts, end)):
+                a = max(start, self.starts[var])
+                b = min(end, self.starts[var] + self.sizes[var])
+                if a < b:
+                    out.append((var, a - self.starts[var], b - self.starts[var], offset + a - start))
+            offset += size
         return out
 
     def split(self, flat):
-        """The per-variable pieces of a flat numpy buffer (at least `total` long)."""
+        """The per-variable parts of a flat numpy array over the whole index space."""
         return [
-            np.reshape(flat[a:b], shape)
-            for a, b, shape in zip(self.offsets[:-1], self.offsets[1:], self.shapes)
+            np.reshape(flat[a : a + size], shape)
+            for a, size, shape in zip(self.starts, self.sizes, self.shapes)
         ]
+
+    def shard_of(self, flat, k):
+        """Replica `k`'s shard of a flat numpy array over the whole index space."""
+        return np.concatenate([flat[a : a + size] for a, size in self.segments[k]])
+
+    def flat(self, shards):
+        """The flat index space from every replica's shard (`shards[k]`, numpy)."""
+        out = np.zeros([self.total], shards[0].dtype)
+        for k, shard in enumerate(shards):
+            offset = 0
+            for a, size in self.segments[k]:
+                out[a : a + size] = shard[offset : offset + size]
+                offset += size
+        return out
+
+
+def _packed(sizes, quantum, align):
+    """Offsets of variables of `sizes` in one buffer, and its length padded to a multiple of
+    `quantum`: aligned to `align` elements when that costs at most `ALIGN_PADDING` more."""
+
+    def lay(step):
+        offsets, end = [], 0
+        for size in sizes:
+            offsets.append(-(-end // step) * step)
+            end = offsets[-1] + size
+        unit = quantum * step
+        return offsets, -(-end // unit) * unit
+
+    tight, aligned = lay(1), lay(align)
+    return aligned if aligned[1] <= tight[1] * (1 + ALIGN_PADDING) else tight
 
 
 class Slot:
@@ -189,14 +265,14 @@ class Sharded:
       recorded: the `Slot`s the optimizer's own `build` recorded, in its order.
       layerwise: True for a layer-wise rule (`is_layerwise`), with `flags` per variable.
 
+      rank: `(members, replica) -> rank`: the collective runtime's order in a group (the layout's).
+
     Attributes:
       workers: the workers the shards span (1 on one host).
-      rank: this worker's rank in the collective ops down the mesh's columns
-        (`collectives.worker_rank`); 0 on one host.
-      owned: per local replica `l`, the index of the shard it owns: `l * workers + rank`.
+      replicas: per local replica `l`, its replica id (`layout.segments` index).
     """
 
-    def __init__(self, strategy, layout, inner, weights, slots, recorded, layerwise):
+    def __init__(self, strategy, layout, inner, weights, slots, recorded, layerwise, rank):
         self.strategy = strategy
         self.layout = layout
         self.inner = inner
@@ -205,10 +281,11 @@ class Sharded:
         self.recorded = list(recorded)
         self.layerwise = layerwise
         self.dtype = weights.dtype
+        self.rank = rank
         local = len(strategy.extended.worker_devices)
         self.workers = layout.num_shards // local
-        self.rank = collectives.worker_rank(strategy) if self.workers > 1 else 0
-        self.owned = [i * self.workers + self.rank for i in range(local)]
+        first = collectives.process_index(strategy) * local if self.workers > 1 else 0
+        self.replicas = [first + i for i in range(local)]
         # Per variable, its recorded slots in order; slot `j` of every variable is inner slot `j`.
         per_variable = {}
         for slot in self.recorded:
@@ -232,6 +309,13 @@ def _state(optimizer):
 def is_sharded(optimizer):
     """True when `optimizer` was built with its update sharded."""
     return _state(optimizer) is not None
+
+
+def layout(optimizer):
+    """A sharded optimizer's `Layout` (which replica updates which elements); None when it is not
+    sharded."""
+    state = _state(optimizer)
+    return state.layout if state is not None else None
 
 
 def slot_shards(optimizer):
@@ -290,8 +374,12 @@ def build(optimizer, variables, strategy, keras_build, inner):
     finally:
         recorded = optimizer._tpu_scale_recording["slots"]
         optimizer._tpu_scale_recording = None
-    layout = Layout(variables, strategy.num_replicas_in_sync)
     dtype = variables[0].dtype
+    algorithm, pack_bytes, rank = _plan(strategy, variables)
+    layout = Layout(
+        [v.shape for v in variables], tf.as_dtype(dtype).size, context.mesh_of(strategy),
+        algorithm, pack_bytes, rank,
+    )
     with tf.init_scope():
         weights = keras.Variable(
             np.zeros([layout.shard], dtype), dtype=dtype, trainable=False, name="sharded_weights"
@@ -310,10 +398,36 @@ def build(optimizer, variables, strategy, keras_build, inner):
         if isinstance(value, keras.Variable) and isinstance(shared, keras.Variable):
             if value is not shared and tuple(value.shape) == () == tuple(shared.shape):
                 setattr(inner, name, shared)  # the step counter, Nadam's u_product, ...
-    state = Sharded(strategy, layout, inner, weights, slots, recorded, is_layerwise(optimizer))
+    state = Sharded(strategy, layout, inner, weights, slots, recorded, is_layerwise(optimizer), rank)
     if state.across_workers:
-        _check_column_ranks(state)
+        _check_ranks(state)
     optimizer._tpu_scale_sharded = state
+
+
+def _plan(strategy, variables):
+    """The algorithm, buffer size and rank order of the sharded step's phases: the strategy's own
+    gradient sum's (`Settings.algorithm`, with "auto" the planner's choice for these variables,
+    and `pack_bytes`). "native", the strategy's own all-reduce, has no reduce-scatter: its sharded
+    form is "flat"'s, one phase over every replica each way. On one CPU host every phase is plain
+    ops, and buffers are `IN_GRAPH_PACK_BYTES`."""
+    settings = strategy.settings
+    mesh = context.mesh_of(strategy)
+    devices = strategy.extended.worker_devices
+    local = len(devices)
+    algorithm = settings.algorithm if settings.torus_sum else "flat"
+    if algorithm == "auto":
+        planner = getattr(strategy, "gradient_planner", None)
+        sizes = [(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size, tf.as_dtype(v.dtype).name) for v in variables]
+        algorithm = planner(mesh, sizes) if planner is not None else "auto"
+    algorithm = torus_schedule.resolve_algorithm("flat" if algorithm == "native" else algorithm, mesh)
+    one_cpu_host = local == mesh.num_replicas and all("CPU" in d.upper() for d in devices)
+    pack_bytes = IN_GRAPH_PACK_BYTES if one_cpu_host else settings.pack_bytes
+    ranks = collectives.process_ranks(strategy)
+
+    def rank(members, replica):  # processes in the runtime's order, then each one's devices
+        return sorted(members, key=lambda m: (ranks[m // local], m % local)).index(replica)
+
+    return algorithm, pack_bytes, rank
 
 
 def update(optimizer, ctx, grads_and_vars, indices, learning_rate, gradient_dtype=None):
@@ -348,7 +462,7 @@ def full_state(optimizer):
     state = _state(optimizer)
     if state is None:
         return None
-    gathered = [state.layout.split(flat) for flat in _gathered_slots(state)]
+    gathered = [state.layout.split(state.layout.flat(shards)) for shards in _gathered_slots(state)]
     names = {name: j for j, name in enumerate(state.names)}
     own = iter(optimizer.variables)
     values = []
@@ -369,25 +483,30 @@ def _keras_layout(optimizer, state):
 
 
 def _gathered_slots(state):
-    """Every inner slot's value in full (all replicas' shards in shard order), in the inner
-    optimizer's order. Across workers this is a collective: every worker must call it at the same
-    point."""
-    strategy = state.strategy
+    """Per inner slot, every replica's shard (numpy, by replica id). Across workers this is a
+    collective: every worker must call it at the same point."""
+    strategy, layout = state.strategy, state.layout
     slots = state.slots
     if not state.across_workers or not slots:  # one host: all shards are here
-        gathered = [v.value for v in slots]
-    else:
-        _wait_for_the_other_workers()
-        columns = strategy.mesh.column_groups()
+        return [[p.numpy() for p in strategy.experimental_local_results(v.value)] for v in slots]
+    _wait_for_the_other_workers()
+    columns = strategy.mesh.column_groups()
 
-        def gather():  # replica `l`'s column gives shards `l * workers` to `(l + 1) * workers`
-            return [collectives.all_gather(tf.convert_to_tensor(v.value), columns) for v in slots]
+    def gather():  # local replica `l` gets the shards of mesh column `l`, in the runtime's order
+        return [collectives.all_gather(tf.convert_to_tensor(v.value), columns) for v in slots]
 
-        gathered = tf.function(lambda: strategy.run(gather))()
-    return [
-        np.concatenate([p.numpy() for p in strategy.experimental_local_results(g)])
-        for g in gathered
-    ]
+    gathered = tf.function(lambda: strategy.run(gather))()
+    local = len(state.replicas)
+    out = []
+    for value in gathered:
+        parts = [p.numpy() for p in strategy.experimental_local_results(value)]
+        shards = []
+        for k in range(layout.num_shards):
+            members = [int(m) for m in columns[k % local]]
+            r = state.rank(members, k)
+            shards.append(parts[k % local][r * layout.shard : (r + 1) * layout.shard])
+        out.append(shards)
+    return out
 
 
 # Seconds a worker saving a sharded optimizer's state waits for the other workers to save too.
@@ -415,22 +534,29 @@ def _wait_for_the_other_workers():
     raise RuntimeError(f"Saving this optimizer gathers each worker's shard of its state (weight_update_sharding=True across workers), so every worker must save at the same point; {problem}. Save on every worker, the chief to its path and the others to a scratch path, as MultiWorkerMirroredStrategy asks of model.save, and restart the run (its later saves would fail too); or create the strategy with weight_update_sharding=False.") from None
 
 
-def _check_column_ranks(state):
-    """Checks, once per sharded optimizer across workers, that the collective ops down the mesh's
-    columns order the workers as `collectives.worker_rank` says; a different order would update
-    each shard with another shard's gradient. Every worker builds the optimizer, so every worker
-    joins this all-gather."""
+def _check_ranks(state):
+    """Checks, once per sharded optimizer across workers, that the collective ops between the
+    workers rank each group's members as the layout assumes (`Sharded.rank`); another order would
+    update each shard with another shard's gradient. Every worker builds the optimizer, so every
+    worker joins these all-gathers."""
     if not tf.executing_eagerly():
         return  # built inside a traced step: nothing can run here
-    strategy, columns = state.strategy, state.strategy.mesh.column_groups()
+    strategy, layout = state.strategy, state.layout
+    phases = [p for scatter, _ in layout.streams for p in scatter]
 
     def ranks():
-        return collectives.all_gather(tf.constant([state.rank], tf.int32), columns)
+        me = tf.distribute.get_replica_context().replica_id_in_sync_group
+        me = int(tf.get_static_value(me))
+        out = []
+        for phase in phases:
+            members = [int(m) for m in phase.groups[np.any(phase.groups == me, axis=1)][0]]
+            out.append(collectives.all_gather(tf.constant([state.rank(members, me)], tf.int32), phase.groups))
+        return out
 
-    gathered = strategy.experimental_local_results(tf.function(lambda: strategy.run(ranks))())
-    order = [int(r) for r in gathered[0].numpy()]
-    if order != list(range(len(order))):
-        raise RuntimeError(f"The collective ops across the workers order them {order}, not by collectives.worker_rank (0, 1, ...): weight_update_sharding=True cannot place the shards. Please report this with your cluster's task names; meanwhile create the strategy with weight_update_sharding=False.")
+    for gathered in tf.function(lambda: strategy.run(ranks))():
+        order = [int(r) for r in strategy.experimental_local_results(gathered)[0].numpy()]
+        if order != list(range(len(order))):
+            raise RuntimeError(f"The collective ops across the workers order them {order}, not by collectives.worker_rank (0, 1, ...): weight_update_sharding=True cannot place the shards. Please report this with your cluster's task names; meanwhile create the strategy with weight_update_sharding=False.")
 
 
 def saving_gathers(optimizer):
@@ -469,8 +595,10 @@ def load_full_state(optimizer, store):
         else:
             next(own).assign(store[str(index)])
     for slot, parts in zip(state.slots, pieces):
-        flat = np.concatenate(parts + [np.zeros(layout.padding, parts[0].dtype)])
+        flat = np.zeros([layout.total], parts[0].dtype)
+        for start, part in zip(layout.starts, parts):
+            flat[start : start + part.size] = part
         values = state.strategy.experimental_local_results(slot.value)
-        for value, shard in zip(values, state.owned):
-            value.assign(flat[shard * layout.shard : (shard + 1) * layout.shard])
+        for value, replica in zip(values, state.replicas):
+            value.assign(layout.shard_of(flat, replica))
     return True
