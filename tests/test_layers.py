@@ -259,10 +259,11 @@ def test_one_group_sum_per_training_call(strategy):
         return strategy.run(replica_fn, args=(x,))
 
     graph = forward.get_concrete_function(tf.TensorSpec([4, 3], tf.float32)).graph
-    # On one host the statistics are summed in the step's graph: one AddN per group and training
-    # call (2 + 4 + 2 groups); the inference call communicates nothing, and no collective op is
-    # launched.
-    assert _count_ops(graph, "AddN") == 2 + 4 + 2
+    # On one host the members' statistics are gathered in the step's graph: one ConcatV2 per
+    # replica and training call (8 replicas, 3 calls), nothing summed; the inference call
+    # communicates nothing, and no collective op is launched.
+    assert _count_ops(graph, "ConcatV2") == 8 * 3
+    assert _count_ops(graph, "AddN") == 0
     assert not [op for op in graph.get_operations() if op.type.startswith("Collective")]
 
 
@@ -451,11 +452,13 @@ def _tpu_training_graph(mesh, per_replica_shape, group_size, calls=2, gradients=
             layer(y, training=False)
         if gradients:
             tape.gradient(y, x)
-    sums = [op for op in graph.get_operations() if op.type == "CrossReplicaSum"]
+    # The forward pass gathers the members' statistics (an all-to-all of copies on TPU), the
+    # backward pass sums the upstream gradients.
+    found = [op for op in graph.get_operations() if op.type in ("AllToAll", "CrossReplicaSum")]
     assignments = [
-        sorted(tuple(g) for g in tf.get_static_value(op.inputs[1]).tolist()) for op in sums
+        sorted(tuple(g) for g in tf.get_static_value(op.inputs[1]).tolist()) for op in found
     ]
-    return sums, assignments
+    return found, assignments
 
 
 @pytest.mark.parametrize(
@@ -467,19 +470,22 @@ def _tpu_training_graph(mesh, per_replica_shape, group_size, calls=2, gradients=
         ((4, 4), 32, (4, 4)),
     ],
 )
-def test_tpu_graph_has_one_cross_replica_sum_per_call(chips, group_size, tile):
+def test_tpu_graph_has_one_gather_per_call(chips, group_size, tile):
     mesh = ReplicaMesh.from_topology(_topology(*chips))
-    sums, assignments = _tpu_training_graph(mesh, [4, 3, 3, 5], group_size, calls=2)
-    assert len(sums) == 2
-    for op, assignment in zip(sums, assignments):
+    ops, assignments = _tpu_training_graph(mesh, [4, 3, 3, 5], group_size, calls=2)
+    assert [op.type for op in ops] == ["AllToAll", "AllToAll"]
+    for op, assignment in zip(ops, assignments):
         assert assignment == _chip_tiles(*chips, *tile)
-        assert op.inputs[0].dtype == tf.float32 and op.inputs[0].shape.as_list() == [3, 5]
+        # Each member's count, mean and variance of 5 channels, one copy per member.
+        shape = op.inputs[0].shape.as_list()
+        assert op.inputs[0].dtype == tf.float32 and shape == [group_size, 3, 5]
 
 
-def test_tpu_graph_gradient_is_one_more_group_sum():
+def test_tpu_graph_gradient_is_one_group_sum():
     mesh = ReplicaMesh.from_topology(_topology(4, 4))
-    sums, assignments = _tpu_training_graph(mesh, [4, 3], 8, calls=1, gradients=True)
-    assert len(sums) == 2 and assignments[0] == assignments[1] == _chip_tiles(4, 4, 2, 2)
+    ops, assignments = _tpu_training_graph(mesh, [4, 3], 8, calls=1, gradients=True)
+    assert sorted(op.type for op in ops) == ["AllToAll", "CrossReplicaSum"]
+    assert assignments[0] == assignments[1] == _chip_tiles(4, 4, 2, 2)
 
 
 @pytest.mark.parametrize(
@@ -487,11 +493,11 @@ def test_tpu_graph_gradient_is_one_more_group_sum():
 )
 def test_default_group_reaches_a_span_of_64(per_replica_batch, group_size, tile):
     mesh = ReplicaMesh.from_topology(_topology(4, 4))
-    sums, assignments = _tpu_training_graph(mesh, [per_replica_batch, 3], None, calls=1)
+    gathers, assignments = _tpu_training_graph(mesh, [per_replica_batch, 3], None, calls=1)
     if group_size == 1:
-        assert not sums  # a replica's own batch already spans 64 examples
+        assert not gathers  # a replica's own batch already spans 64 examples
     else:
-        assert len(sums) == 1 and assignments[0] == _chip_tiles(4, 4, *tile)
+        assert len(gathers) == 1 and assignments[0] == _chip_tiles(4, 4, *tile)
 
 
 def test_default_group_needs_a_static_batch():

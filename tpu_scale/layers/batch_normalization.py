@@ -44,14 +44,14 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
     batch, takes the 0 / 0 moments and turns its moving statistics and `gamma` gradient NaN (a fully
     masked one moves the moving mean and variance towards 0).
 
-    Each training call makes exactly one cross-replica reduction, through
-    `tpu_scale.collectives.group_sum`: the local per-channel `sum(x - shift)`, `sum((x - shift)^2)`
-    and unmasked-element count, packed into a single float32 tensor (float64 for float64 inputs;
-    bfloat16 and float16 inputs are upcast first). The group variance is `E[(x - shift)^2] - E[x -
-    shift]^2`, clamped at zero: the group's true variance, never an average of per-replica
-    variances. The per-channel `shift` is the layer's moving mean (without gradient): the identity
-    holds for any shift shared by the group, and one close to the mean avoids the cancellation that
-    makes `E[x^2] - E[x]^2` lose precision when the mean is large against the spread.
+    Each training call makes exactly one cross-replica call, `tpu_scale.collectives.all_gather`:
+    every member's per-channel unmasked-element count, mean and variance (two passes over its own
+    elements, as Keras's local moments), packed into a single float32 tensor (float64 for float64
+    inputs; bfloat16 and float16 inputs are upcast first). From them each member combines the group's
+    moments exactly as one pass over the concatenated batch would: `N = sum(n_r)`, `mean = sum(n_r
+    m_r) / N` and `variance = sum(n_r (v_r + (m_r - mean)^2)) / N`, a sum of non-negative terms: the
+    group's true variance, never an average of per-replica variances, and without the cancellation
+    of `E[x^2] - E[x]^2` when the mean is large against the spread.
 
     Groups come from the strategy's mesh: `mesh.group_assignment(group_size, tiled=mesh.is_torus)`,
     i.e. contiguous replica ids on CPU/GPU hosts and compact tiles of neighbouring chips on a TPU
@@ -64,7 +64,7 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
     time).
 
     Moving statistics are updated from the group statistics, so all members of a group hold the same
-    values (which the shift relies on). As with Keras's own layer under a mirrored strategy, each
+    values. As with Keras's own layer under a mirrored strategy, each
     replica keeps its own copy; different groups may differ, and saving or reading the weights
     outside `strategy.run` gives replica 0's group. `average_moving_statistics(model)`, or the
     `tpu_scale.callbacks.AverageMovingStatistics` callback in `fit`, gives every replica their
@@ -228,16 +228,16 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
         return mask is not None or not all(d is not None and d > 0 for d in dims)
 
     def _group_moments(self, inputs, mask, groups):
-        """Mean and variance `[channels]` over this replica's group, with one `group_sum` each way.
+        """Mean and variance `[channels]` over this replica's group: one all-gather forward, one
+        group sum backward.
 
         Each replica computes its own count, mean and variance (two passes, like Keras's local
-        moments) and sends `count * (mean - shift)` and `count * (variance + (mean - shift)^2)`:
-        exactly its `sum(x - shift)` and `sum((x - shift)^2)`, with no full-size `x - shift` tensor
-        to build. A replica with no counted element sends zeros, so the group's statistics are those
-        of its other members' elements, whatever the batch sizes. The gradient is written out
-        (`_moments_from_group_sums`) rather than derived op by op: two full-size ops and one group
-        sum per layer, where automatic differentiation of the same forward pass built about twenty
-        more per replica, and on one host every replica runs them between the same two barriers.
+        moments) and gathers every member's; a replica with no counted element has count 0, so the
+        group's statistics are those of its other members' elements, whatever the batch sizes. The
+        gradient is written out (`_moments_from_members`) rather than derived op by op: two
+        full-size ops and one group sum per layer, where automatic differentiation of the same
+        forward pass built about twenty more per replica, and on one host every replica runs them
+        between the same two barriers.
 
         Returns:
           `(mean, variance, filled)` as `_moments`, `filled` False where the whole group counted
@@ -250,18 +250,16 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
             weights = tf.cast(
                 tf.broadcast_to(tf.expand_dims(tf.cast(mask, tf.bool), -1), tf.shape(x)), dtype
             )
-        shift = tf.stop_gradient(tf.cast(self.moving_mean, dtype))
         count, local_mean, local_variance = self._local_moments(tf.stop_gradient(x), weights)
-        offset = local_mean - shift
-        local = tf.stack([count * offset, count * (local_variance + tf.square(offset)), count])
-        totals = collectives.group_sum(local, groups, latency_bound=True)
-        mean, variance = _moments_from_group_sums(
-            x, totals, shift, weights, groups, self._broadcast_shape(x)
+        local = tf.stack([count, local_mean, local_variance])[tf.newaxis]
+        members = collectives.all_gather(local, groups, in_graph=True)  # [group size, 3, channels]
+        mean, variance, total = _moments_from_members(
+            x, members, weights, groups, self._broadcast_shape(x)
         )
         filled = None
         if self._may_be_empty(inputs, mask):
             # As for local statistics (and Keras's fully masked ones): 0 and 0 where none counted.
-            filled = totals[2] > 0
+            filled = total > 0
             mean, variance = tf.where(filled, mean, 0.0), tf.where(filled, variance, 0.0)
         return tf.cast(mean, inputs.dtype), tf.cast(variance, inputs.dtype), filled
 
@@ -324,30 +322,29 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
             raise ValueError(f"Layer {self.name!r} (DistributedBatchNormalization): {e}") from None
 
 
-def _moments_from_group_sums(x, totals, shift, weights, groups, broadcast_shape):
-    """The group's mean and variance from its summed `[sum(x - shift), sum((x - shift)^2), count]`.
+def _moments_from_members(x, members, weights, groups, broadcast_shape):
+    """The group's mean, variance and count from its members' `[count, mean, variance]`.
 
-    With `N` the group's count, `mean = shift + sum(x - shift) / N` and `variance = sum((x -
-    shift)^2) / N - (mean - shift)^2`, so for every element `x_j` of the group `d mean / d x_j = 1 /
-    N` and `d variance / d x_j = 2 (x_j - mean) / N`. Every member's mean and variance depend on
-    every member's `x`, so the gradient first sums the members' upstream gradients over the group
-    (the one reduction of the backward pass), then `dx = x * (2 G_var / N) + (G_mean - 2 G_var mean)
-    / N`, zero where masked. `totals` reaches `x` only through this gradient: the sum that made it
-    is never differentiated.
+    With `N` the group's count, `mean = sum(n_r m_r) / N` and `variance = sum(n_r (v_r + (m_r -
+    mean)^2)) / N` (the variance of the members' elements taken together), so for every element
+    `x_j` of the group `d mean / d x_j = 1 / N` and `d variance / d x_j = 2 (x_j - mean) / N`. Every
+    member's mean and variance depend on every member's `x`, so the gradient first sums the members'
+    upstream gradients over the group (the one reduction of the backward pass), then `dx = x * (2
+    G_var / N) + (G_mean - 2 G_var mean) / N`, zero where masked. `members` reaches `x` only through
+    this gradient: the gather that made it is never differentiated.
     """
 
     @tf.custom_gradient
-    def moments(x, totals, shift):
-        total_sum, total_squares, total_count = tf.unstack(totals)
-        shifted_mean = tf.math.divide_no_nan(total_sum, total_count)
-        # Rounding can take E[x^2] - E[x]^2 a little below zero for a constant channel.
-        variance = tf.maximum(
-            tf.math.divide_no_nan(total_squares, total_count) - tf.square(shifted_mean), 0.0
-        )
-        mean = shifted_mean + shift
+    def moments(x, members):
+        counts, means, variances = tf.unstack(members, axis=1)
+        total_count = tf.reduce_sum(counts, axis=0)
+        inverse_count = tf.math.divide_no_nan(tf.ones_like(total_count), total_count)
+        mean = tf.reduce_sum(counts * means, axis=0) * inverse_count
+        spread = variances + tf.square(means - mean)
+        variance = tf.reduce_sum(counts * spread, axis=0) * inverse_count
 
-        def grad(d_mean, d_variance):
-            inverse_count = tf.math.divide_no_nan(tf.ones_like(total_count), total_count)
+        def grad(d_mean, d_variance, d_count):
+            del d_count  # the count does not depend on x
             d_mean = tf.zeros_like(mean) if d_mean is None else d_mean
             d_variance = tf.zeros_like(variance) if d_variance is None else d_variance
             group_mean, group_variance = tf.unstack(
@@ -358,11 +355,11 @@ def _moments_from_group_sums(x, totals, shift, weights, groups, broadcast_shape)
             dx = x * tf.reshape(scale, broadcast_shape) + tf.reshape(offset, broadcast_shape)
             if weights is not None:
                 dx *= weights
-            return dx, None, None
+            return dx, None
 
-        return (mean, variance), grad
+        return (mean, variance, total_count), grad
 
-    return moments(x, totals, shift)
+    return moments(x, members)
 
 
 def _fused_normalization(x, mean, variance, gamma, beta, epsilon):
