@@ -260,9 +260,9 @@ def test_one_group_sum_per_training_call(strategy):
 
     graph = forward.get_concrete_function(tf.TensorSpec([4, 3], tf.float32)).graph
     # On one host the members' statistics are gathered in the step's graph: one ConcatV2 per
-    # replica and training call (8 replicas, 3 calls), nothing summed; the inference call
-    # communicates nothing, and no collective op is launched.
-    assert _count_ops(graph, "ConcatV2") == 8 * 3
+    # group and training call (2 + 4 + 2 groups), nothing summed; the inference call communicates
+    # nothing, and no collective op is launched.
+    assert _count_ops(graph, "ConcatV2") == 2 + 4 + 2
     assert _count_ops(graph, "AddN") == 0
     assert not [op for op in graph.get_operations() if op.type.startswith("Collective")]
 

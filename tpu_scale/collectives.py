@@ -19,7 +19,8 @@ One backend per platform, chosen here so that layers and the gradient aggregator
   of hand-offs for a few kilobytes.
 * In-graph groups (`in_graph=True` on `group_sum`, `reduce_scatter`, `all_gather`): where every
   member of a group is a CPU device of this process, inside `tf.function`, the primitive is built
-  from plain ops in the step's graph (`AddN`, `Split`, `ConcatV2` placed on the members' devices);
+  from plain ops in the step's graph (`AddN`, `Split`, `ConcatV2` placed on the members' devices;
+  a sum or a gather whose result every member gets is built once, on the group's first device);
   the replicas share the host's memory, so a tensor handed from one CPU device to another is not
   copied. A group that crosses processes still runs as a collective op, so one schedule mixes both
   (`in_graph_groups` says which applies).
@@ -262,7 +263,11 @@ def _build_reduce_scatter(parts, devices):
 
 
 def _build_all_gather(parts, devices):
-    return _on_each(devices, lambda rank: tf.concat(parts, axis=0))
+    # Built once, as the sum above: every member gets the same buffer (a variable assigned from it
+    # shares it too, until an in-place update copies it).
+    with ops.device(devices[0]):
+        gathered = tf.concat(parts, axis=0)
+    return _on_each(devices, lambda rank: tf.identity(gathered))
 
 
 # The replica's gradient tape does not see the merge call's ops, hence custom gradients: each kind's
@@ -474,8 +479,8 @@ def all_gather(x, group_assignment, in_graph=False):
     Args:
       x: a tensor, the same shape on every replica, or a list of them.
       group_assignment: int `[num_groups, group_size]` replica ids partitioning all replicas.
-      in_graph: True to build it from plain ops (one `ConcatV2` of the members' values on each
-        member's device) wherever `in_graph_groups(group_assignment)` holds. Elsewhere it changes
+      in_graph: True to build it from plain ops (one `ConcatV2` of the members' values, on the
+        first member's device, handed to every member) wherever `in_graph_groups(group_assignment)` holds. Elsewhere it changes
         nothing.
 
     Returns:
