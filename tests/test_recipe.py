@@ -1,7 +1,6 @@
 """Tests for `tpu_scale.recipe`: a run's settings from what it knows, and its optimizer."""
 
 import dataclasses
-import math
 
 import keras
 import numpy as np
@@ -9,7 +8,7 @@ import pytest
 
 from tpu_scale import recipe as recipe_lib
 from tpu_scale.optimizers import LARS
-from tpu_scale.recipe import Recipe, recipe_for_batch, sgd_warmup_epochs
+from tpu_scale.recipe import Recipe, recipe_for_batch
 from tpu_scale.schedules import reference_lars_hparams
 
 
@@ -96,10 +95,8 @@ def test_recipe_warmup_lasts_enough_steps():
     assert short.warmup_epochs == pytest.approx(50 / 3)
     # ... but never more than 40% of the run.
     assert recipe_for_batch(512, 20, steps_per_epoch=3).warmup_epochs == pytest.approx(8.0)
-    # Enough steps an epoch: the rule's epochs (a short run's one, 63 steps).
-    assert recipe_for_batch(64, 15, steps_per_epoch=63).warmup_epochs == 1.0
-    # 25 steps an epoch: the floor keeps two epochs.
-    assert recipe_for_batch(64, 15, steps_per_epoch=25).warmup_epochs == 2.0
+    # Enough steps an epoch: the rule's epochs.
+    assert recipe_for_batch(64, 15, steps_per_epoch=63).warmup_epochs == 2.0
     imagenet = recipe_for_batch(32768, 72, steps_per_epoch=1281167 // 32768)
     assert imagenet.warmup_epochs == 12.0
 
@@ -269,20 +266,3 @@ def test_recipe_trains_real_digits_well_above_chance(tmp_path):
     model.fit(train.dataset(), epochs=epochs, steps_per_epoch=steps_per_epoch, verbose=0)
     top_1 = model.evaluate(validation.dataset(), return_dict=True, verbose=0)["accuracy"]
     assert top_1 > 0.8, top_1  # chance is 0.1
-
-
-def test_short_runs_warm_up_for_one_epoch():
-    # Up to 1,000 steps one epoch, from 20,000 (or an unknown length) two, geometric between.
-    assert sgd_warmup_epochs(375) == 1.0 and sgd_warmup_epochs(1_000) == 1.0
-    assert sgd_warmup_epochs(20_000) == 2.0 and sgd_warmup_epochs(10**6) == 2.0
-    assert sgd_warmup_epochs(None) == 2.0
-    assert sgd_warmup_epochs(math.sqrt(1_000 * 20_000)) == pytest.approx(math.sqrt(2.0))
-    steps = [1_000, 2_000, 5_000, 10_000, 20_000]
-    assert np.all(np.diff([sgd_warmup_epochs(n) for n in steps]) > 0)
-    # In a recipe: 3,600 images at batch 64 for 15 epochs (840 steps) warm up for one epoch; 4,500
-    # images (1,050 steps) just over one; a 90-epoch ImageNet run keeps two.
-    assert recipe_for_batch(64, 15, train_examples=3600).warmup_epochs == 1.0
-    assert recipe_for_batch(64, 15, train_examples=4500).warmup_epochs == pytest.approx(
-        2.0 ** (math.log(1.05) / math.log(20.0))
-    )
-    assert recipe_for_batch(256, 90, train_examples=1281167).warmup_epochs == 2.0
