@@ -53,13 +53,14 @@ def update(ctx, state, grads, values, learning_rate, layer=None, gradient_dtype=
         [
             tf.reshape(tf.cast(c, state.dtype), [size // n])
             for chunks, buffer in zip(shares, layout.buffers)
-            for c, (_, size) in zip(chunks, buffer[3])
+            for c, (_, size) in zip(chunks, buffer.shares)
         ]
     )
     # 3. The optimizer's own update on this replica's shard of the weights.
     flat = [tf.reshape(tf.convert_to_tensor(v), [-1]) for v in values]
     weights = [_part(flat[var], a, b, layout.sizes[var]) for var, a, b, _ in pieces]
-    weight = _spread(pieces, weights, layout.shard, state.dtype)
+    offsets = [offset for _, _, _, offset in pieces]
+    weight = _placed(list(zip(offsets, weights)), layout.shard, state.dtype)
     rate = decay = None
     if layer is not None:
         norms = _squared_norms(len(layout.sizes), pieces, weights, _pieces_of(grad, pieces))
@@ -72,21 +73,20 @@ def update(ctx, state, grads, values, learning_rate, layer=None, gradient_dtype=
         rate, decay = _layer_vectors(layer, layout, pieces, norms, learning_rate, state.dtype)
     updated = ctx.merge_call(_apply_to_shards, args=(state, weight, grad, learning_rate, rate, decay))
     # 4. Every replica's updated chunks back, then this replica's copy of each variable from them.
-    chunks, offset = [], 0
+    chunks, offset = [], 0  # the shard holds its chunks buffer by buffer, stream by stream
     for buffer in layout.buffers:
-        shares_of_buffer = []
-        for _, size in buffer[3]:
-            shares_of_buffer.append(updated[offset : offset + size // n])
+        chunks.append([])
+        for _, size in buffer.shares:
+            chunks[-1].append(updated[offset : offset + size // n])
             offset += size // n
-        chunks.append(shares_of_buffer)
     torus.run_streams(gather, chunks, None, channel="tpu_scale.sharded_update")
     new_values = [None] * len(values)
-    for (variables, start, _, shares_of_buffer_sizes), shares_of_buffer in zip(layout.buffers, chunks):
-        full = _joined([tf.reshape(c, [size]) for c, (_, size) in zip(shares_of_buffer, shares_of_buffer_sizes)])
-        for var in variables:
-            at = layout.starts[var] - start
+    for buffer, gathered in zip(layout.buffers, chunks):
+        full = _joined([tf.reshape(c, [size]) for c, (_, size) in zip(gathered, buffer.shares)])
+        for var in buffer.variables:
+            at = layout.starts[var] - buffer.start
             new_values[var] = tf.reshape(
-                _part(full, at, at + layout.sizes[var], int(full.shape[0])), layout.shapes[var]
+                _part(full, at, at + layout.sizes[var], buffer.length), layout.shapes[var]
             )
     ctx.merge_call(_write, args=(values, new_values))
 
@@ -94,17 +94,13 @@ def update(ctx, state, grads, values, learning_rate, layer=None, gradient_dtype=
 def _shares(layout, buffer, grads):
     """This replica's gradients fused into one of the layout's buffers, cut into its streams'
     shares."""
-    variables, start, length, shares = buffer
-    parts, end = [], start
-    for var in variables:
-        if layout.starts[var] > end:
-            parts.append(tf.zeros([layout.starts[var] - end], grads[var].dtype))
-        parts.append(grads[var])
-        end = layout.starts[var] + layout.sizes[var]
-    if start + length > end:
-        parts.append(tf.zeros([start + length - end], grads[variables[0]].dtype))
-    flat = _joined(parts)
-    return [_part(flat, a - start, a - start + size, length) for a, size in shares]
+    dtype = grads[buffer.variables[0]].dtype
+    placed = [(layout.starts[var] - buffer.start, grads[var]) for var in buffer.variables]
+    flat = _placed(placed, buffer.length, dtype)
+    return [
+        _part(flat, a - buffer.start, a - buffer.start + size, buffer.length)
+        for a, size in buffer.shares
+    ]
 
 
 def _joined(parts):
@@ -116,14 +112,15 @@ def _part(flat, a, b, size):
     return flat if (a, b) == (0, size) else flat[a:b]
 
 
-def _spread(pieces, parts, length, dtype):
-    """`parts` placed at their pieces' offsets in a vector of `length`, zeros between."""
+def _placed(items, length, dtype):
+    """A vector of `length`: each `(offset, part)` of `items` (in order) at its offset, zeros
+    between."""
     out, end = [], 0
-    for (_, a, b, offset), part in zip(pieces, parts):
+    for offset, part in items:
         if offset > end:
             out.append(tf.zeros([offset - end], dtype))
         out.append(part)
-        end = offset + b - a
+        end = offset + int(part.shape[0])
     if length > end:
         out.append(tf.zeros([length - end], dtype))
     return _joined(out)
@@ -194,7 +191,8 @@ def _layer_vectors(layer, layout, pieces, norms, learning_rate, dtype):
         factor, decay = layer.layer_factors(var, tf.sqrt(norms[0, var]), tf.sqrt(norms[1, var]))
         rates.append(tf.fill([b - a], rate * tf.cast(factor, dtype)))
         decays.append(tf.fill([b - a], tf.cast(decay, dtype)))
+    offsets = [offset for _, _, _, offset in pieces]
     return (
-        _spread(pieces, rates, layout.shard, dtype),
-        _spread(pieces, decays, layout.shard, dtype),
+        _placed(list(zip(offsets, rates)), layout.shard, dtype),
+        _placed(list(zip(offsets, decays)), layout.shard, dtype),
     )

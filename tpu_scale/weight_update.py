@@ -52,6 +52,7 @@ Reference:
 """
 
 import bisect
+import collections
 import itertools
 
 import keras
@@ -136,6 +137,11 @@ ALIGN_PADDING = 0.01
 IN_GRAPH_PACK_BYTES = 256 * 1024
 
 
+class Buffer(collections.namedtuple("Buffer", "variables start length shares")):
+    """One fused buffer of a `Layout`: its variables (indices), its start and padded length in the
+    flat index space, and per stream the `(start, length)` of that stream's share."""
+
+
 class Layout:
     """Which replica updates which elements: the gradient sum's buffers, cut where its phases cut.
 
@@ -166,7 +172,7 @@ class Layout:
         count = len(self.streams)
         align = max(1, ALIGN_BYTES // itemsize)
         self.starts = [0] * len(self.sizes)
-        self.buffers = []  # per buffer: (its variables, start, length, per stream (start, length))
+        self.buffers = []
         self.segments = [[] for _ in range(n)]
         self.total = 0
         packs = torus_schedule.pack_indices([size * itemsize for size in self.sizes], pack_bytes)
@@ -176,7 +182,7 @@ class Layout:
                 self.starts[var] = self.total + offset
             share = length // count
             shares = [(self.total + i * share, share) for i in range(count)]
-            self.buffers.append((list(pack), self.total, length, shares))
+            self.buffers.append(Buffer(list(pack), self.total, length, shares))
             for (scatter, _), (start, size) in zip(self.streams, shares):
                 chunk = size // n
                 for k in range(n):
