@@ -249,17 +249,21 @@ def _build_sum_on_first(parts, devices):
 
 
 def _build_reduce_scatter(parts, devices):
-    g = len(parts)  # rank r adds chunk r of every member, on its own device
-
-    def chunks_of(x):
-        # Split as `[g, rest]`: chunks along axis 0 whose size is a multiple of 64 bytes share the
-        # member's buffer (TensorFlow's `Split` copies every other split, e.g. any of a 1-D one).
-        rest = x.shape[1:]
-        shape = [-1] + rest.as_list() if rest.is_fully_defined() else tf.concat([[-1], tf.shape(x)[1:]], 0)
-        return [tf.reshape(r, shape) for r in tf.split(tf.reshape(x, [g, -1]), g, axis=0)]
-
-    chunks = _on_each(devices, lambda rank: chunks_of(parts[rank]))
-    return _on_each(devices, lambda rank: tf.add_n([c[rank] for c in chunks]))
+    # Summed once on the first device, as `_build_sum_on_first`, then cut there: each member gets
+    # its chunk through one transfer, where adding each member's chunks on its own device takes one
+    # per pair (the devices of one CPU process share its threads, so where the sum runs costs
+    # nothing). Split as `[g, rest]`: chunks along axis 0 whose size is a multiple of 64 bytes share
+    # the sum's buffer (TensorFlow's `Split` copies every other split, e.g. any of a 1-D one).
+    g = len(parts)
+    with ops.device(devices[0]):
+        total = tf.add_n(parts)
+        rest = total.shape[1:]
+        if rest.is_fully_defined():
+            shape = [-1] + rest.as_list()
+        else:
+            shape = tf.concat([[-1], tf.shape(total)[1:]], 0)
+        chunks = [tf.reshape(c, shape) for c in tf.split(tf.reshape(total, [g, -1]), g, axis=0)]
+    return _on_each(devices, lambda rank: tf.identity(chunks[rank]))
 
 
 def _build_all_gather(parts, devices):
@@ -459,8 +463,8 @@ def reduce_scatter(x, group_assignment, in_graph=False):
       x: a tensor whose axis 0 is a multiple of the group size, or a list of them.
       group_assignment: int `[num_groups, group_size]` replica ids partitioning all replicas.
       in_graph: True to build it from plain ops wherever `in_graph_groups(group_assignment)` holds:
-        the member of rank `r` adds the `r`-th chunk of every member's `x` on its own device (ranks
-        follow the group's order). Elsewhere it changes nothing.
+        the group's sum on its first member's device, and the member of rank `r` gets its `r`-th
+        chunk (ranks follow the group's order). Elsewhere it changes nothing.
 
     Returns:
       `[x.shape[0] // group_size, ...]`: this rank's chunk of the group sum.
