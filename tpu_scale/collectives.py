@@ -242,21 +242,25 @@ def _on(device, fn, rank):
         return fn(rank)
 
 
-def _build_sum_on_first(parts, devices):
+def _sum_on_first(parts, devices):
     with ops.device(devices[0]):
-        total = tf.add_n(parts)
+        return tf.add_n(parts)
+
+
+def _build_sum_on_first(parts, devices):
+    total = _sum_on_first(parts, devices)
     return _on_each(devices, lambda rank: tf.identity(total))
 
 
 def _build_reduce_scatter(parts, devices):
-    # Summed once on the first device, as `_build_sum_on_first`, then cut there: each member gets
+    # Summed once on the first device (`_sum_on_first`), then cut there: each member gets
     # its chunk through one transfer, where adding each member's chunks on its own device takes one
     # per pair (the devices of one CPU process share its threads, so where the sum runs costs
     # nothing). Split as `[g, rest]`: chunks along axis 0 whose size is a multiple of 64 bytes share
     # the sum's buffer (TensorFlow's `Split` copies every other split, e.g. any of a 1-D one).
     g = len(parts)
+    total = _sum_on_first(parts, devices)
     with ops.device(devices[0]):
-        total = tf.add_n(parts)
         rest = total.shape[1:]
         if rest.is_fully_defined():
             shape = [-1] + rest.as_list()

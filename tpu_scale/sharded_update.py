@@ -175,12 +175,12 @@ def _squared_norms(count, pieces, weights, grads):
     if not pieces:
         return tf.zeros([2, count], dtype)
     # `reduce_sum(square(x))` would also write and read a copy of each piece.
-    rows = [tf.stack([_dot(w), _dot(g)]) for w, g in zip(weights, grads)]
+    rows = [tf.stack([_squared_norm(w), _squared_norm(g)]) for w, g in zip(weights, grads)]
     indices = [[var] for var, _, _, _ in pieces]
     return tf.transpose(tf.scatter_nd(indices, tf.stack(rows), [count, 2]))
 
 
-def _dot(x):
+def _squared_norm(x):
     """`sum(x * x)`, in one kernel that reads `x` once (TensorFlow's `L2Loss`, half of it)."""
     return 2 * tf.nn.l2_loss(x)
 
