@@ -228,6 +228,53 @@ def test_evaluate_a_validation_set_smaller_than_the_batch(strategy):
     assert result["accuracy"] == pytest.approx(expected)
 
 
+def _counting_model_and_data(strategy, examples, global_batch):
+    """A compiled model under `strategy`, a distributed dataset of `examples` and the variable that
+    counts the examples its pipelines have produced."""
+    import keras
+
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input([4]), keras.layers.Dense(3), keras.layers.BatchNormalization()]
+        )
+        model.compile(
+            optimizer="sgd",
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+    produced = tf.Variable(0, dtype=tf.int64)
+
+    def example(i):
+        with tf.control_dependencies([produced.assign_add(1)]):
+            return tf.cast(tf.fill([4], i), tf.float32), i % 3
+
+    data = tf.data.Dataset.range(examples).map(example).batch(global_batch)
+    return model, strategy.experimental_distribute_dataset(data), produced
+
+
+@pytest.mark.parametrize("mode", ["fit", "evaluate"])
+def test_the_model_is_built_without_reading_a_batch(strategy, mode):
+    """Keras's build before `fit`/`evaluate` takes the shapes from the iterator's element spec: each
+    example is produced once, where reading a first batch started the pipeline twice."""
+    model, data, produced = _counting_model_and_data(strategy, 96, 32)
+    if mode == "fit":
+        history = model.fit(data, epochs=1, verbose=0)
+        assert np.isfinite(history.history["loss"][0])
+    else:
+        model.evaluate(data, verbose=0)
+    assert int(produced.numpy()) == 96
+
+
+def test_a_ragged_input_still_builds_from_a_first_batch(strategy):
+    """An input that is not one dense tensor per replica falls back to the first batch."""
+    from tpu_scale import keras_hook
+
+    ragged = tf.RaggedTensorSpec([None, None], tf.float32, 1)
+    assert keras_hook._replica_specs(strategy, (ragged, tf.TensorSpec([None], tf.int64))) is None
+    dense = keras_hook._replica_specs(strategy, (tf.TensorSpec([8, 5, 3], tf.uint8),))
+    assert dense == (tf.TensorSpec([None, 5, 3], tf.uint8),)
+
+
 def _slurm_step(monkeypatch, tmp_path, nodes, tasks_per_node, procid):
     """A Slurm step's variables, on a PATH without nvidia-smi and with no CUDA_VISIBLE_DEVICES."""
     tasks = sum(tasks_per_node)

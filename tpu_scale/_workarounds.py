@@ -19,7 +19,8 @@ Two more live in `keras_hook.py`, the only module that touches Keras's private A
 Keras's source at start-up and turns itself off once Keras no longer has what it works around:
 
   build_from_one_replica    Keras 3 `evaluate` fails when replicas' first batches differ in size
-                            (keras-team/keras#19246; on while `build_from_one_replica_needed()`)
+                            (keras-team/keras#19246; on while `build_from_one_replica_needed()`);
+                            builds from the iterator's element spec, so no pipeline starts twice
   accumulation_needs_phases Keras 3 `gradient_accumulation_steps` fails under a strategy
                             (keras-team/keras#20582: `merge_call` inside the update's `cond`)
 """
