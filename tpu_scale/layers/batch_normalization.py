@@ -10,6 +10,7 @@ Reference:
   Ying et al., "Image Classification at Supercomputer Scale", 2018 (arXiv:1811.06992), section 3.
 """
 
+import inspect
 import weakref
 
 import keras
@@ -22,6 +23,14 @@ from tpu_scale.mesh import smallest_group_for_span
 # The BN span (examples normalized together) `group_size=None` aims for: the smallest group reaching
 # it.
 DEFAULT_SPAN = 64
+
+
+_RENORM_ARGUMENTS = ("renorm", "renorm_clipping", "renorm_momentum")
+
+
+def keras_has_renorm():
+    """Whether this Keras's `BatchNormalization` has batch renormalization (Keras 3.12 has not)."""
+    return "renorm" in inspect.signature(keras.layers.BatchNormalization.__init__).parameters
 
 
 @keras.saving.register_keras_serializable(package="tpu_scale")
@@ -96,6 +105,13 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
     """
 
     def __init__(self, group_size=None, **kwargs):
+        if not keras_has_renorm():
+            asked = [name for name in _RENORM_ARGUMENTS if name in kwargs]
+            if kwargs.get("renorm"):
+                raise ValueError(f"Batch renormalization ({', '.join(asked)}) needs a Keras whose BatchNormalization has it (added by keras-team/keras#22047); Keras {keras.__version__} has none. Upgrade Keras (pip install -U keras) or leave renorm off.")
+            # Renormalization off, e.g. in the config of a model saved with a newer Keras.
+            for name in asked:
+                kwargs.pop(name)
         super().__init__(**kwargs)
         if group_size is not None:
             if (
