@@ -1,5 +1,6 @@
 """Tests for `tpu_scale._workarounds`: each does what it claims and is applied for the user."""
 
+import functools
 import json
 import os
 
@@ -63,11 +64,21 @@ def test_reduce_nested_maps_structures_and_reduces_scalars_over_replicas(strateg
         calls.append(axis)
         return strategy.reduce(op, value, axis=axis)
 
-    mean, vector = _workarounds.reduce_nested(
-        reduce_one, tf.distribute.ReduceOp.MEAN, values, 0, strategy.experimental_local_results
+    reduce = functools.partial(
+        _workarounds.reduce_nested,
+        reduce_one,
+        tf.distribute.ReduceOp.MEAN,
+        local_results=strategy.experimental_local_results,
+        distribute_values=strategy.experimental_distribute_values_from_function,
     )
+    mean, vector = reduce(values, 0)
     assert float(mean) == pytest.approx(3.5) and float(vector) == pytest.approx(1.0)
     assert calls == [None, 0]  # the scalar is reduced over replicas, the vector along its axis
+    # Per-replica Python numbers (Keras 3.12's logs) are reduced as tensors.
+    numbers = strategy.experimental_distribute_values_from_function(
+        lambda ctx: float(ctx.replica_id_in_sync_group)
+    )
+    assert float(reduce(numbers, 0)) == pytest.approx(3.5)
 
 
 def test_quiet_cuda_probe_drops_only_the_cuinit_line(capfd, monkeypatch):

@@ -227,7 +227,7 @@ def local_device_type(strategy):
 # workers
 
 
-def reduce_nested(reduce_one, reduce_op, value, axis, local_results):
+def reduce_nested(reduce_one, reduce_op, value, axis, local_results, distribute_values):
     """`Strategy.reduce` over nested values, reducing per-replica scalars across replicas.
 
     Why: Keras 3 `model.fit` breaks under `MultiWorkerMirroredStrategy` with more than one worker:
@@ -245,18 +245,23 @@ def reduce_nested(reduce_one, reduce_op, value, axis, local_results):
       value: a (nested) per-replica value.
       axis: as for `Strategy.reduce`.
       local_results: the strategy's `experimental_local_results`.
+      distribute_values: the strategy's `experimental_distribute_values_from_function`.
 
     Returns:
       The reduced (nested) value.
     """
 
+    import tensorflow as tf
+
     def one(v):
+        if not hasattr(local_results(v)[0], "shape"):
+            # Keras 3.12 also hands over per-replica Python numbers: made tensors, one per replica.
+            numbers = iter(local_results(v))
+            v = distribute_values(lambda _: tf.constant(next(numbers)))
         if axis is not None and local_results(v)[0].shape.rank == 0:
             # A scalar per replica has no axis 0: its mean over examples is its mean over replicas.
             return reduce_one(reduce_op, v, None)
         return reduce_one(reduce_op, v, axis)
-
-    import tensorflow as tf
 
     return tf.nest.map_structure(one, value, expand_composites=False)
 

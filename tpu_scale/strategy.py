@@ -150,7 +150,12 @@ class MultiWorkerMirroredStrategy(_MeshMixin, tf.distribute.MultiWorkerMirroredS
 
     def reduce(self, reduce_op, value, axis=None):
         return _workarounds.reduce_nested(
-            super().reduce, reduce_op, value, axis, self.experimental_local_results
+            super().reduce,
+            reduce_op,
+            value,
+            axis,
+            self.experimental_local_results,
+            self.experimental_distribute_values_from_function,
         )
 
 
