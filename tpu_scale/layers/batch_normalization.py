@@ -90,6 +90,9 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
       **kwargs: every argument of `keras.layers.BatchNormalization` (`axis`, `momentum`, `epsilon`,
         `center`, `scale`, initializers, regularizers, constraints, `renorm`, `renorm_clipping`,
         `renorm_momentum`, `synchronized`) and the base layer arguments (`name`, `dtype`, ...).
+        The `renorm` arguments need a Keras whose layer has them (Keras 3.12's has not: there
+        `renorm=True` is a `ValueError` naming the fix, and renorm arguments with renorm off are
+        dropped).
 
     Call arguments:
       inputs: input tensor of any rank.
