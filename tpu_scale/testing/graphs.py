@@ -44,12 +44,22 @@ def group_size(op):
 
 
 def train_graphs(model):
-    """The graphs Keras traced for `model.fit`: every tf.function its train function closes over."""
-    graphs = []
-    for cell in model.train_function.__closure__ or ():
-        obj = cell.cell_contents
-        if isinstance(obj, tf.types.experimental.PolymorphicFunction):
-            graphs.extend(c.graph for c in obj._list_all_concrete_functions())
+    """The graphs Keras traced for `model.fit`: every tf.function its train function closes over,
+    directly or through the Python functions it closes over (keras-nightly wraps the step)."""
+    graphs, seen, pending = [], set(), [model.train_function]
+    while pending:
+        function = pending.pop()
+        if id(function) in seen:
+            continue
+        seen.add(id(function))
+        if isinstance(function, tf.types.experimental.PolymorphicFunction):
+            graphs.extend(c.graph for c in function._list_all_concrete_functions())
+            function = getattr(function, "python_function", None)
+        for cell in getattr(function, "__closure__", None) or ():
+            try:
+                pending.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                pass
     if not graphs:
         raise ValueError("model.train_function traced no tf.function; call fit first")
     return graphs
