@@ -520,3 +520,66 @@ def test_image_folder_records_converts_once_and_names_the_skipped_files(tmp_path
         assert data.image_folder_records(str(image_dir), records) == records
     assert os.stat(label_map).st_mtime_ns == written  # a resumed run reads the first records
     assert "written earlier" in caplog.text and "cut_in_half.jpg" not in caplog.text
+
+
+def test_the_decoding_pipeline_stores_what_the_per_image_path_stores(tmp_path):
+    """The local writer reads and decodes in a `tf.data` pipeline; the reference is `convert_image`
+    reading and decoding each file itself (the path Beam's workers run). Every format the writer
+    takes, and every kind of broken file, give the same records and the same skip reasons."""
+    from sklearn.datasets import load_sample_image
+
+    from tpu_scale.data.conversion import convert_image
+
+    photo = Image.fromarray(load_sample_image("china.jpg")[150:214, 300:380])  # 64 x 80
+    rotated = Image.Exif()
+    rotated[0x0112] = 6
+    jpeg = _encoded(photo, "JPEG")
+    starts_of = {marker: jpeg.index(marker) for marker in (b"\xff\xc0", b"\xff\xc4")}
+    files = {
+        "rgb.jpg": jpeg,
+        "grey.jpg": _encoded(photo.convert("L"), "JPEG"),
+        "cmyk.jpg": _encoded(photo.convert("CMYK"), "JPEG"),
+        "progressive.jpg": _saved(photo, "JPEG", progressive=True),
+        "rotated.jpg": _saved(photo, "JPEG", exif=rotated.tobytes()),
+        "photo.png": _encoded(photo, "PNG"),
+        "grey.png": _encoded(photo.convert("L"), "PNG"),
+        "photo.gif": _encoded(photo, "GIF"),
+        "photo.bmp": _encoded(photo, "BMP"),
+        "photo.webp": _saved(photo, "WEBP", lossless=True),
+        "cut_off.jpg": jpeg[: len(jpeg) // 2],
+        "cut_off.png": _encoded(photo, "PNG")[:300],
+        "empty.jpg": b"",
+        "text.jpg": b"not an image at all",
+        "height_0.jpg": _patched(jpeg, starts_of[b"\xff\xc0"] + 5, b"\x00\x00"),
+        "bad_huffman.jpg": _patched(jpeg, starts_of[b"\xff\xc4"] + 4, b"\xff"),
+    }
+    image_dir = tmp_path / "images"
+    for i, (name, data) in enumerate(sorted(files.items())):
+        (image_dir / f"class_{i % 2}").mkdir(parents=True, exist_ok=True)
+        (image_dir / f"class_{i % 2}" / name).write_bytes(data)
+
+    summary = write_tfrecords(str(image_dir), str(tmp_path / "out"), validation_fraction=0)
+    stored = {bytes(r.numpy()) for r in tf.data.TFRecordDataset(summary.split_paths["train"])}
+
+    expected, skipped = set(), {}
+    for class_id, class_name in enumerate(summary.class_names):
+        for name in sorted(os.listdir(image_dir / class_name)):
+            path = str(image_dir / class_name / name)
+            one = convert_image(path, class_id, summary.class_names, summary.label_offset)
+            if one.record is None:
+                skipped.setdefault(one.skip_reason, set()).add(name)
+            else:
+                expected.add(one.record)
+    assert stored == expected and len(stored) == 10
+    assert {reason: {os.path.basename(p) for p in paths} for reason, paths in summary.skipped.items()} == skipped
+    assert skipped["truncated or corrupt JPEG"] >= {"cut_off.jpg", "bad_huffman.jpg"}
+
+
+def _saved(image, image_format, **options):
+    buffer = io.BytesIO()
+    image.save(buffer, image_format, **options)
+    return buffer.getvalue()
+
+
+def _patched(data, at, replacement):
+    return data[:at] + replacement + data[at + len(replacement) :]

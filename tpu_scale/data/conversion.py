@@ -26,6 +26,7 @@ from tpu_scale.data.reencode import (
     CORRUPT_JPEG,
     UNDECODABLE,
     UNREADABLE,
+    Decoded,
     Skip,
     checked_jpeg,
 )
@@ -184,9 +185,14 @@ class ConvertedImage:
 
 
 def convert_image(
-    image_path: str, class_id: int, class_names: Sequence[str], label_offset: int
+    image_path: str,
+    class_id: int,
+    class_names: Sequence[str],
+    label_offset: int,
+    *,
+    read: tuple[bytes, Decoded] | None = None,
 ) -> ConvertedImage:
-    """The per-image work, the same for the local writer's threads and the Beam pipeline's workers.
+    """The per-image work, the same for the local writer and the Beam pipeline's workers.
 
     Reads the file (through `tf.io.gfile`, so `gs://` paths work), decodes it in full, turns it
     upright, re-encodes it as JPEG when the pipeline could not decode it as it is, and makes its
@@ -198,17 +204,23 @@ def convert_image(
       class_id: its class id (0-based).
       class_names: the class names in id order (the record stores the name).
       label_offset: the stored label of class 0.
+      read: the file's bytes and their `Decoded`, when a `tf.data` pipeline has read and decoded
+        the file already (`reencode.decode_in_graph`); None to read and decode it here.
 
     Returns:
       A `ConvertedImage`.
     """
     try:
-        try:
-            with tf.io.gfile.GFile(image_path, "rb") as f:
-                raw = f.read()
-        except (OSError, tf.errors.OpError):
-            raise Skip(UNREADABLE) from None
-        jpeg, height, width, was_reencoded = checked_jpeg(raw)
+        if read is None:
+            try:
+                with tf.io.gfile.GFile(image_path, "rb") as f:
+                    raw = f.read()
+            except (OSError, tf.errors.OpError):
+                raise Skip(UNREADABLE) from None
+            decoded = None
+        else:
+            raw, decoded = read
+        jpeg, height, width, was_reencoded = checked_jpeg(raw, decoded)
     except Skip as skip:
         return ConvertedImage(image_path, class_id, None, skip_reason=skip.reason)
     example = make_example(

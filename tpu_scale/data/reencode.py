@@ -7,6 +7,7 @@ they are rotated or mirrored (turned upright, as a viewer shows them) are re-enc
 """
 
 import io
+from typing import NamedTuple
 
 import numpy as np
 import tensorflow as tf
@@ -20,6 +21,21 @@ UNREADABLE = "unreadable file"
 
 _REENCODE_QUALITY = 95
 _EXIF_ORIENTATION = 0x0112
+
+
+class Decoded(NamedTuple):
+    """What `decode_in_graph` made of a file's bytes: TensorFlow decoded them in full.
+
+    Attributes:
+      height: the image height.
+      width: the image width.
+      jpeg: the RGB JPEG re-encoding of an image in another format (PNG, GIF, BMP, WebP); empty
+        for a JPEG, which `checked_jpeg` keeps as it is or re-encodes itself.
+    """
+
+    height: int
+    width: int
+    jpeg: bytes
 
 
 class Skip(Exception):
@@ -53,8 +69,15 @@ def as_rgb_jpeg(image_bytes, path=""):
         raise ValueError(f"{path!r} is not usable: {skip.reason}.") from None
 
 
-def checked_jpeg(image_bytes):
-    """`as_rgb_jpeg`, raising `Skip` with the reason for a file that is not usable."""
+def checked_jpeg(image_bytes, decoded=None):
+    """`as_rgb_jpeg`, raising `Skip` with the reason for a file that is not usable.
+
+    Args:
+      image_bytes: the file's bytes.
+      decoded: the `Decoded` that `decode_in_graph` returned for these bytes, when TensorFlow has
+        already decoded them (the local writer decodes in a `tf.data` pipeline, off Python's lock);
+        None to decode them here. Either way the same ops decide, so the result is the same.
+    """
     if image_bytes[:3] == image_ops.JPEG_START:
         # The reader's structural check must accept what is stored: a JPEG without its end-of-image
         # marker is truncated even when libjpeg decodes the part that is there.
@@ -64,7 +87,7 @@ def checked_jpeg(image_bytes):
             # Pillow reads the header only (size, components, EXIF); TensorFlow's decoder, the one
             # the input pipeline runs, decodes the whole file.
             height, width, channels, orientation = _jpeg_header(image_bytes)
-            pixels = tf.io.decode_jpeg(image_bytes, channels=3)
+            pixels = None if decoded is not None else tf.io.decode_jpeg(image_bytes, channels=3)
         except (tf.errors.InvalidArgumentError, OSError, SyntaxError, ValueError):
             raise Skip(CORRUPT_JPEG) from None
         # Cameras store the sensor's pixels and a tag saying how to turn them; the decoder
@@ -77,7 +100,10 @@ def checked_jpeg(image_bytes):
         elif channels in (1, 3):
             return image_bytes, height, width, False
         else:
-            image = pixels  # CMYK: libjpeg's RGB conversion, re-encoded
+            # CMYK: libjpeg's RGB conversion, re-encoded
+            image = tf.io.decode_jpeg(image_bytes, channels=3) if pixels is None else pixels
+    elif decoded is not None:
+        return decoded.jpeg, decoded.height, decoded.width, True
     else:
         try:
             image = tf.io.decode_image(image_bytes, channels=3, expand_animations=False)
@@ -85,6 +111,26 @@ def checked_jpeg(image_bytes):
             raise Skip(UNDECODABLE) from None
     jpeg = tf.io.encode_jpeg(image, quality=_REENCODE_QUALITY).numpy()
     return jpeg, int(image.shape[0]), int(image.shape[1]), True
+
+
+def decode_in_graph(image_bytes):
+    """The decode of `checked_jpeg` as graph ops, for a `tf.data` map: `Decoded` as tensors.
+
+    A JPEG is decoded by `tf.io.decode_jpeg`, any other format by `tf.io.decode_image` and
+    re-encoded at `checked_jpeg`'s quality, so the bytes are those the eager path makes. Bytes
+    TensorFlow cannot decode raise an error, as the eager decode does (a `tf.data` pipeline drops
+    them with `ignore_errors`; `checked_jpeg` without `decoded` then says why).
+    """
+
+    def jpeg():
+        return tf.shape(tf.io.decode_jpeg(image_bytes, channels=3))[:2], tf.constant(b"")
+
+    def other():
+        pixels = tf.io.decode_image(image_bytes, channels=3, expand_animations=False)
+        return tf.shape(pixels)[:2], tf.io.encode_jpeg(pixels, quality=_REENCODE_QUALITY)
+
+    shape, reencoded = tf.cond(image_ops.is_jpeg(image_bytes), jpeg, other)
+    return Decoded(shape[0], shape[1], reencoded)
 
 
 def _jpeg_header(jpeg_bytes):

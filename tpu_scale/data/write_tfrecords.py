@@ -29,7 +29,8 @@ The split, the label map and the shard plan are computed here from the file list
 case; only the per-image work (`convert_image`) and the shard writing move to the runner's
 workers, so the same folder and seed give the same files (`tpu_scale.data.beam_writer`). What the
 two writers share, from the plan to the published folder, is `tpu_scale.data.conversion`; this
-module adds the local threads, the progress line and the command line.
+module adds the local writer (a `tf.data` pipeline decoding the images in parallel), the
+progress line and the command line.
 
 What is checked, so that training never meets a bad image:
   - Every image is decoded in full before it is stored. JPEGs are stored byte for byte; other
@@ -57,10 +58,9 @@ unfinished.)
 """
 
 import argparse
-import concurrent.futures
+import itertools
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -87,33 +87,74 @@ from tpu_scale.data.output_dir import (  # noqa: E402
     remove_stale_staging_dirs,
 )
 from tpu_scale.data.reencode import (  # noqa: E402
+    Decoded,
     as_rgb_jpeg,  # noqa: F401 - part of this module's interface
+    decode_in_graph,
 )
 from tpu_scale.data.schema import LABEL_MAP_FILE  # noqa: E402
 
+# Images handed from the decoding pipeline to Python at a time: enough to spread the hand-over's
+# cost, few enough that a batch of camera photos (a few MB each) stays small.
+_DECODED_BATCH = 16
 
-def _write_shard(path, images, class_names, label_offset, progress):
-    """The local writer's shard: `convert_image` of each `(path, class id)`, then `write_shard`."""
 
-    def converted():
-        for image_path, class_id in images:
+def _read_and_decode(index, path):
+    raw = tf.io.read_file(path)
+    return (index, raw, *decode_in_graph(raw))
+
+
+def _converted_images(plan, num_threads):
+    """`convert_image` of every image of `plan`, shard after shard, in the plan's order.
+
+    The reading and decoding, most of the per-image work, run in a `tf.data` pipeline of
+    `num_threads` parallel calls, outside Python's global lock; Python adds the header checks and
+    the records. A file the pipeline could not read or decode is left out of it
+    (`ignore_errors`) and goes through `convert_image`'s own reading, which says why it is skipped.
+    """
+    images = [image for shard in plan.shards for image in shard.images]
+    paths = tf.constant([path for path, _ in images], dtype=tf.string)
+    decoded = (
+        tf.data.Dataset.from_tensor_slices((tf.range(len(images), dtype=tf.int64), paths))
+        .map(_read_and_decode, num_parallel_calls=num_threads or tf.data.AUTOTUNE)
+        .ignore_errors()
+        .batch(_DECODED_BATCH)
+        .prefetch(1)
+    )
+    position = 0
+    for indices, raws, heights, widths, jpegs in decoded.as_numpy_iterator():
+        for index, raw, height, width, jpeg in zip(indices, raws, heights, widths, jpegs):
+            for path, class_id in images[position:index]:  # dropped by the pipeline
+                yield convert_image(path, class_id, plan.class_names, plan.label_offset)
+            path, class_id = images[index]
+            read = (raw, Decoded(int(height), int(width), jpeg))
+            yield convert_image(path, class_id, plan.class_names, plan.label_offset, read=read)
+            position = index + 1
+    for path, class_id in images[position:]:
+        yield convert_image(path, class_id, plan.class_names, plan.label_offset)
+
+
+def _write_shard(path, converted, num_classes, progress):
+    """The local writer's shard: `write_shard` of its converted images, counted as taken up."""
+
+    def counted():
+        for image in converted:
             if progress is not None:
                 progress(1)
-            yield convert_image(image_path, class_id, class_names, label_offset)
+            yield image
 
-    return write_shard(path, converted(), len(class_names))
+    return write_shard(path, counted(), num_classes)
 
 
 def _counter(progress, total):
-    """`add(n)`, safe to call from any thread, that hands the running count to `progress`."""
+    """`add(n)`, which hands the running count of images taken up to `progress`."""
     if progress is None:
         return None
-    lock, done = threading.Lock(), [0]
+    done = 0
 
     def add(n):
-        with lock:
-            done[0] += n
-            progress(done[0], total)
+        nonlocal done
+        done += n
+        progress(done, total)
 
     return add
 
@@ -141,26 +182,19 @@ class _ProgressLine:
 
 
 def _write_shards_locally(plan, staging_dir, num_threads, progress):
-    """The local writer: the shards of `plan` written into `staging_dir` by a pool of threads."""
+    """The local writer: the shards of `plan` written into `staging_dir`, one after another, from
+    one decoding pipeline over all their images."""
     taken = _counter(progress, plan.num_images)
-    with concurrent.futures.ThreadPoolExecutor(num_threads or os.cpu_count() or 1) as pool:
-        futures = [
-            pool.submit(
-                _write_shard,
-                os.path.join(staging_dir, shard.staging_name),
-                shard.images,
-                plan.class_names,
-                plan.label_offset,
-                taken,
-            )
-            for shard in plan.shards
-        ]
-        try:
-            return [future.result() for future in futures]
-        except BaseException:
-            for future in futures:
-                future.cancel()  # an abort does not wait for the shards not yet started
-            raise
+    converted = _converted_images(plan, num_threads)
+    return [
+        _write_shard(
+            os.path.join(staging_dir, shard.staging_name),
+            itertools.islice(converted, len(shard.images)),
+            len(plan.class_names),
+            taken,
+        )
+        for shard in plan.shards
+    ]
 
 
 def write_tfrecords(
@@ -184,7 +218,7 @@ def write_tfrecords(
     The validation images are drawn per class (stratified) with `seed`; within each split the image
     order is shuffled before sharding, so every shard mixes all classes. See the module docstring
     for what is checked and how the output appears atomically. The same folder, seed and shard
-    counts give the same files, whether the local threads or a Beam pipeline write them.
+    counts give the same files, whether the local writer or a Beam pipeline writes them.
 
     Args:
       image_dir: a folder with one sub-folder of images per class.
@@ -203,14 +237,15 @@ def write_tfrecords(
       strict: fail, naming the files, instead of skipping files that are not images, undecodable
         images and empty class folders.
       overwrite: replace a conversion already in `output_dir`.
-      num_threads: shards written at once (default: the CPU count). Not with `beam_options`.
+      num_threads: images read and decoded at once (default: tf.data's autotuning, up to the
+        CPU count). Not with `beam_options`.
       progress: called as `progress(images_done, images_total)` as each image is taken up (from
-        the writing threads, one call at a time); the command line shows it as a progress line.
+        the local writer); the command line shows it as a progress line.
         Not with `beam_options` (the runner shows its own progress).
       beam_options: run the per-image work and the shard writing as an Apache Beam pipeline
         (`tpu_scale.data.beam_writer`) with these pipeline options: a
         `apache_beam.options.pipeline_options.PipelineOptions`, or a string of comma-separated
-        `key=value` options ("runner=DirectRunner,direct_num_workers=2"). None: the local threads.
+        `key=value` options ("runner=DirectRunner,direct_num_workers=2"). None: the local writer.
 
     Returns:
       A `TFRecordSummary`; `summary.describe()` is the report `main` prints.
@@ -326,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> TFRecordSummary:
         "--overwrite", action="store_true", help="replace a conversion in output_dir"
     )
     parser.add_argument(
-        "--num_threads", type=int, help="shards written at once (default: the CPU count)"
+        "--num_threads", type=int, help="images decoded at once (default: as many as pay)"
     )
     parser.add_argument(
         "--beam_pipeline_options",
