@@ -144,3 +144,18 @@ def test_the_chief_is_the_chief_task_else_worker_0(jobs, task, chief):
         tf.train.ClusterSpec(jobs), task_type=task[0], task_id=task[1]
     )
     assert checkpointing.is_chief(types.SimpleNamespace(cluster_resolver=resolver)) is chief
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 4])
+def test_the_epoch_logger_counts_every_timed_image(steps_per_execution):
+    """The rate's images are the steps after the first execution, whatever `steps_per_execution`
+    (Keras then reports once per execution): 12 steps of 8 images in executions of 4 time 8
+    steps, not 2."""
+    x = np.random.default_rng(0).normal(size=(96, 4)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile("sgd", "sparse_categorical_crossentropy", steps_per_execution=steps_per_execution)
+    logger = training.EpochLogger(8, 1, 2)
+    model.fit(x, y, batch_size=8, epochs=2, callbacks=[logger], verbose=0)
+    assert logger.images == 2 * (12 - steps_per_execution) * 8
+    assert logger.images_per_second > 0

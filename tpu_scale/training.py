@@ -275,7 +275,9 @@ class EpochLogger(keras.callbacks.Callback):
     The line: `epoch E/N: R images/s (r per replica), loss L, top-1 T, val top-1 V` (`top_1` and
     `val_top_1` from the logs: compile a metric named `top_1`). Each epoch is timed from the end of
     its first step to the end of its last, so tracing and the input pipeline's warm-up do not
-    count; a one-step epoch after the first is timed from its start.
+    count; a one-step epoch after the first is timed from its start. With `steps_per_execution`
+    above 1 Keras reports once per execution, naming its last step: the first execution is the
+    one left untimed, and the steps are counted from the names.
 
     Args:
       global_batch_size: examples per step.
@@ -301,16 +303,17 @@ class EpochLogger(keras.callbacks.Callback):
             self._first_epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
-        self._step_ends.append(time.perf_counter())
+        self._step_ends.append((batch, time.perf_counter()))
 
     def on_epoch_end(self, epoch, logs=None):
         logs = logs or {}
         ends, batch = self._step_ends, self.global_batch_size
         images, seconds = 0, 0.0
         if len(ends) >= 2:
-            images, seconds = (len(ends) - 1) * batch, ends[-1] - ends[0]
+            (first_step, first_end), (last_step, last_end) = ends[0], ends[-1]
+            images, seconds = (last_step - first_step) * batch, last_end - first_end
         elif ends and epoch > self._first_epoch:
-            images, seconds = batch, ends[0] - self._began
+            images, seconds = (ends[0][0] + 1) * batch, ends[0][1] - self._began
         rate = None
         if seconds > 0:
             self.images += images
