@@ -1,12 +1,12 @@
 """The own-images writer on Apache Beam against the local writer: images/s on the same folder.
 
 Claim measured: what `--beam_pipeline_options` costs or gains on one machine, where the local
-writer's threads are the baseline. The folder is real: a dataset shipped in a pip package written
+writer is the baseline. The folder is real: a dataset shipped in a pip package written
 as class folders of JPEG and PNG files with two broken files among them (`datasets.write_folder`;
 elpv by default: 2,624 solar-cell scans of 300x300). In one process (TensorFlow loaded once), in
 interleaved rounds, each round converts the folder with:
 
-  local       `write_tfrecords(...)`: the local writer's threads (one a core);
+  local       `write_tfrecords(...)`: the local writer (a `tf.data` pipeline decoding in parallel);
   beam_2proc  `beam_options="runner=DirectRunner,direct_num_workers=2,direct_running_mode=
               multi_processing"`: Beam's DirectRunner with 2 worker processes (each loads
               TensorFlow and the package when the pipeline starts, as a cluster's workers do);

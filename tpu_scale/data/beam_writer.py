@@ -10,7 +10,7 @@ the local writer (`write_tfrecords`) runs, from `tpu_scale.data.conversion`: thi
 folders and computes the split, the label map and the shard plan once (`plan_conversion`); the
 pipeline does only the per-image work and writes the planned shard files into the staging folder;
 this process then names the shards, writes `labels.json` and `skipped.json` and publishes the
-folder (`finish_conversion`), exactly as after the local threads. So the same folder and seed give
+folder (`finish_conversion`), exactly as after the local writer. So the same folder and seed give
 the same files, byte for byte, whichever writer ran.
 
 The pipeline, one linear chain:
