@@ -125,6 +125,26 @@ def test_finite_blow_up_is_caught_after_the_window():
     assert "3x the first steps' 2.3" in guard.message
 
 
+def test_a_finite_blow_up_in_epochs_shorter_than_the_window_is_caught_at_their_end():
+    # Epochs of 3 steps and a window of 5: the window never fills after the reference steps.
+    guard = LossGuard(factor=3.0, reference_steps=4, window=5, max_backoffs=0)
+    guard.set_params({"epochs": 4})
+    losses = [[2.0, 2.0, 2.0], [2.0, 40.0, 90.0], [2.0, 1e6, 1e9], [1e12, 1e15, 1e18]]
+    _feed(guard, losses)
+    # Epoch 2 ends 2 steps past the reference steps: its mean, 44, is checked at its end.
+    assert guard.stopped and (guard.stopped_epoch, guard.stopped_step) == (1, 2)
+    assert "loss 44 averaged over the epoch's last 3 steps is more than 3x the first steps' 2" in (
+        guard.message
+    )
+    assert guard._good_epoch == 0  # the blown-up epoch was not kept as good
+
+    # At the last epoch's end a divergence stops: no step is left to take at a lower rate.
+    last = LossGuard(factor=3.0, reference_steps=4, window=5, max_backoffs=3)
+    last.set_params({"epochs": 2})
+    _feed(last, [[2.3, 2.2, 2.1, 2.0], [50.0, 60.0, 70.0]])
+    assert last.stopped and not last.backoffs and last.stopped_epoch == 1
+
+
 def test_one_noisy_step_does_not_stop():
     guard = LossGuard(factor=3.0, reference_steps=4, window=5)
     losses = [[2.3] * 6 + [12.0] + [1.5] * 10, [1.0] * 10]

@@ -48,6 +48,10 @@ class LossGuard(keras.callbacks.Callback):
     the same step. A back-off lives in this `fit`: a run resumed from a backup starts again at the
     rate it was given (`backoffs` says which factor to give it).
 
+    An epoch too short to fill the window after the reference steps (or after a back-off) is
+    checked at its end on the mean of its steps; at the end of the last epoch, with no step left to
+    take at a lower rate, a divergence stops the run (the last good weights restored).
+
     Per-step losses are recovered from the running epoch mean Keras passes to
     `on_train_batch_end` (every step of an epoch has the same number of examples there). With
     `steps_per_execution > 1` a "step" is one execution.
@@ -155,6 +159,7 @@ class LossGuard(keras.callbacks.Callback):
         self._epoch = epoch
         self._previous_mean = 0.0
         self._epoch_ok = True
+        self._epoch_losses = []  # this epoch's step losses since its last back-off
 
     def on_train_batch_end(self, batch, logs=None):
         if self.stopped or not logs or "loss" not in logs:
@@ -166,6 +171,8 @@ class LossGuard(keras.callbacks.Callback):
         if not math.isfinite(running_mean):
             self._diverged(batch, running_mean, "is not finite")
             return
+        self._epoch_losses.append(loss)
+        self._last_step = batch
         if self.reference_loss is None:
             self._first_losses.append(loss)
             if len(self._first_losses) == self.reference_steps:
@@ -185,6 +192,23 @@ class LossGuard(keras.callbacks.Callback):
             )
 
     def on_epoch_end(self, epoch, logs=None):
+        # The window's check needs `window` steps past the reference steps: an epoch shorter than
+        # that, or one that ends soon after a back-off, is checked here on its steps' mean, against
+        # the reference (or, before it is set, the same rule on the first steps seen so far).
+        first, reference = self._first_losses, self.reference_loss
+        if reference is None and first:
+            reference = float(min(first[0], np.median(first)))
+        mean = float(np.mean(self._epoch_losses)) if self._epoch_losses else None
+        if not self.stopped and mean is not None and mean > self.factor * reference:
+            why = (
+                f"averaged over the epoch's last {len(self._epoch_losses)} steps is more than "
+                f"{self.factor:g}x the first steps' {reference:.4g}"
+            )
+            if epoch + 1 >= (self.params or {}).get("epochs", math.inf):
+                self._stop(self._last_step, mean, why)  # no step is left to take at a lower rate
+            else:
+                self._diverged(self._last_step, mean, why)
+            return
         if not self.stopped and self._epoch_ok:
             self._good = self._snapshot()
             self._good_epoch = epoch
@@ -276,7 +300,7 @@ class LossGuard(keras.callbacks.Callback):
             self.model.make_train_function(force=True)
         else:
             optimizer.learning_rate = before * self.backoff_factor
-        self._recent = []
+        self._recent, self._epoch_losses = [], []
         self.backoffs.append(
             {
                 "epoch": self._epoch + 1,
