@@ -163,6 +163,61 @@ def test_train_epochs_are_exact_with_cache(records, num_pipelines):
     assert sorted(all_ids) == sorted(expected)
 
 
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_a_cache_of_decoded_images_trains_on_the_images_the_decode_gives(records, deterministic):
+    """Without a random crop or flip the decode draws nothing, so the cache keeps decoded images:
+    every epoch is a permutation of the images the uncached pipeline decodes, and only the first
+    reads the records."""
+    pattern, expected = records
+    whole = dict(crop_area_range=None, random_flip=False, global_batch_size=6, seed=3)
+    inp = make_input(pattern, is_training=True, cache=True, deterministic=deterministic, **whole)
+    assert inp.caches_decoded_images
+    assert not make_input(pattern, is_training=True, cache=True, global_batch_size=6).caches_decoded_images
+    epoch = len(expected)
+    batches = list(inp.dataset().take(3 * epoch // 6))
+    assert inp.records_read == epoch  # the later epochs came from the cache
+    images = np.concatenate([b[0].numpy() for b in batches])
+    labels = np.concatenate([b[1].numpy() for b in batches])
+
+    # The reference: each record's image through the training decode itself, its label 0-based.
+    want = {}
+    for record in tf.data.TFRecordDataset(sorted(tf.io.gfile.glob(pattern))):
+        example = tf.train.Example.FromString(record.numpy()).features.feature
+        image = image_ops.decode_and_random_crop(
+            example["image/encoded"].bytes_list.value[0], IMAGE_SIZE, [0, 0], area_range=None,
+            flip=False,
+        )
+        want[image_ops.normalize_image(image).numpy().tobytes()] = (
+            example["image/class/label"].int64_list.value[0] - 1
+        )
+    assert len(want) == epoch
+    for e in range(3):
+        got = images[e * epoch : (e + 1) * epoch]
+        assert sorted(image.tobytes() for image in got) == sorted(want)
+        assert [want[image.tobytes()] for image in got] == list(labels[e * epoch : (e + 1) * epoch])
+    orders = [list(decode_codes(tf.constant(images[e * epoch : (e + 1) * epoch]))[1]) for e in range(3)]
+    assert orders[0] != orders[1] != orders[2]  # shuffled anew each epoch
+
+
+def test_a_cache_of_decoded_images_still_names_bad_records(tmp_path, caplog):
+    pattern, good = write_records_with(
+        str(tmp_path), {4: lambda i: b"not a record", 9: lambda i: coded_example(i, label=99)}
+    )
+    inp = make_input(
+        pattern,
+        is_training=True,
+        cache=True,
+        crop_area_range=None,
+        random_flip=False,
+        global_batch_size=2,
+        num_classes=NUM_CLASSES,
+    )
+    ids, _, _ = collect(inp.dataset(), num_batches=2 * len(good) // 2)  # two epochs
+    assert sorted(ids) == sorted(2 * list(good))
+    assert inp.skipped_records == 2 and inp.records_read == 12
+    assert caplog.text.count("Skipped record") == 2
+
+
 def test_train_without_cache_repeats_and_mixes_files(records):
     pattern, expected = records
     inp = make_input(pattern, is_training=True, global_batch_size=10, shuffle_buffer_size=16)

@@ -11,6 +11,10 @@ tf.data service.
     -> per batch: name the records the decoder rejected, stop if there are too many bad ones
     -> prefetch
 
+With `cache=True` and a decode that draws no random numbers (no random crop, no flip), one pass
+of records goes through the same checks and decode, and its decoded examples are cached, then
+shuffled and repeated: later epochs do no parsing or decoding.
+
 A bad record does not stop the run: it is skipped, named once in the log (warnings of the
 "tpu_scale" logger: its file, its index in the file, the reason) and counted
 (`ImageNetInput.skipped_records`, `skipped_by_reason`, against `records_read`); the run stops with
@@ -102,8 +106,12 @@ class ImageNetInput:
         Labels are always int32.
       image_key: the feature holding the encoded JPEG.
       label_key: the feature holding the integer label.
-      cache: keep the raw (encoded) records in host memory after the first epoch (training only
-        needs about 150 GB for full ImageNet; use it for datasets that fit).
+      cache: keep the first epoch in host memory (training only). With a decode that draws no
+        random numbers (`crop_area_range=None`, `random_flip=False`: the whole image, as a small
+        dataset's recipe trains), the decoded images are kept, so later epochs skip the parse, the
+        checks and the decode, which cost a small model more CPU than its step; otherwise the raw
+        (encoded) records, about 150 GB for full ImageNet. Use it for datasets that fit
+        (`RecordInputs.with_training_cache` decides by size).
       shuffle_buffer_size: raw records in the shuffle buffer (training). The file shuffle and the
         interleave over `cycle_length` files already mix the data, so the reference recipe's 1024
         (about 110 MB of ImageNet JPEGs) suffices.
@@ -338,6 +346,7 @@ class ImageNetInput:
         deterministic = self.deterministic or not self.is_training
         # Different pipelines must draw different crops and shuffles even from one user seed.
         seed = None if self.seed is None else self.seed * 1_000_003 + shard.index
+        cache_decoded = self.caches_decoded_images
 
         records, record_level = self.source.records(
             shard,
@@ -350,19 +359,12 @@ class ImageNetInput:
         )
         if record_level:
             records = records.shard(shard.count, shard.index)
-        if self.cache:
+        # With decoded images cached, one pass of records goes to the decode, and the examples
+        # are cached, shuffled and repeated after it (below).
+        if self.cache and not cache_decoded:
             records = records.cache()
-        if self.is_training and self.cache and deterministic:
-            records = shuffle_each_epoch(records, self.shuffle_buffer_size, seed)
-        elif self.is_training:
-            # Deterministic: the same stream from every new iterator (without a cache the buffer
-            # runs over the repeated records, so the order still changes from one pass over the data
-            # to the next).
-            records = records.shuffle(
-                self.shuffle_buffer_size, seed=seed, reshuffle_each_iteration=not deterministic
-            )
-            if self.cache:
-                records = records.repeat()
+        if self.is_training and not cache_decoded:
+            records = self._shuffled(records, deterministic, seed)
 
         if self.data_service_address:
             examples = self._decode_failing_fast(records, seed).batch(
@@ -379,13 +381,18 @@ class ImageNetInput:
                 decode_example=self._decode_example,
                 records_read=self._records_read,
                 iterators_started=self._iterators_started,
-                is_training=self.is_training,
+                # One finite pass to cache: every record, the last batch kept, the decoder's last
+                # rejects reported at its end (as an evaluation pass).
+                is_training=self.is_training and not cache_decoded,
                 seed=seed,
                 batch_size=batch_size,
                 threads=self._threads,
                 image_size=self.image_size,
                 dtype=self.dtype,
             )
+        if cache_decoded:
+            examples = self._shuffled(examples.unbatch().cache(), deterministic, seed)
+            examples = examples.batch(batch_size, drop_remainder=True)
         if self.pad_last_batch:
             examples = examples.map(
                 graph_function(lambda images, labels: _pad_batch(images, labels, batch_size))
@@ -401,6 +408,30 @@ class ImageNetInput:
                 )
             )
         return examples.prefetch(AUTOTUNE)
+
+    def _shuffled(self, data, deterministic, seed):
+        """Training's shuffle of records (or of cached decoded examples), repeated."""
+        if self.cache and deterministic:
+            return shuffle_each_epoch(data, self.shuffle_buffer_size, seed)
+        # Deterministic: the same stream from every new iterator (without a cache the buffer runs
+        # over the repeated records, so the order still changes from one pass over the data to the
+        # next).
+        data = data.shuffle(
+            self.shuffle_buffer_size, seed=seed, reshuffle_each_iteration=not deterministic
+        )
+        return data.repeat() if self.cache else data
+
+    @property
+    def caches_decoded_images(self) -> bool:
+        """Whether `cache` keeps decoded images: training with a decode that draws no random
+        numbers (no random crop, no flip), not through the tf.data service."""
+        return bool(
+            self.is_training
+            and self.cache
+            and self.crop_area_range is None
+            and not self.random_flip
+            and not self.data_service_address
+        )
 
     def _crop_seeds(self, size, draw):
         """The crop seeds of a batch of `size` records: from one random value `draw` (training),

@@ -9,12 +9,14 @@ refuses, naming the fix, what cannot train: a folder of images not yet converted
 records without a validation split.
 """
 
+import copy
 import dataclasses
 import os
 
 import tensorflow as tf
 from absl import logging
 
+from tpu_scale.data.evaluation import CACHE_LIMIT_BYTES
 from tpu_scale.data.image_folder import IMAGE_EXTENSIONS
 from tpu_scale.data.input_pipeline import ImageNetInput
 from tpu_scale.data.schema import read_label_map
@@ -59,6 +61,31 @@ class RecordInputs:
             train_examples=self.train_examples, validation_examples=self.validation_examples
         )
         return _records_inputs(arguments, log=False)
+
+    def with_training_cache(self, cache=None):
+        """The same data with the training input's `cache` set (`ImageNetInput`'s `cache`).
+
+        The rule (`cache=None`): keep the first epoch's decoded images in host memory when the
+        training decode draws no random numbers (no random crop, no flip: a small dataset's
+        recipe) and an epoch of them takes at most `CACHE_LIMIT_BYTES` (512 MiB, the evaluation
+        cache's limit: e.g. 170,000 images at 32 px in uint8, 10,000 at 64 px in float32). Later
+        epochs then skip the parse, the record checks and the decode; for a small model on a CPU
+        host these cost more than its step. A decode with random crops or flips is not cached by
+        the rule (`cache=True` then keeps the encoded records).
+
+        Args:
+          cache: True, False, or None for the rule.
+
+        Returns:
+          A new `RecordInputs`; the validation input is unchanged.
+        """
+        train = copy.copy(self.train)
+        if cache is None:
+            train.cache = True  # asks the input whether its cache would hold decoded images
+            epoch_bytes = self.train_examples * train.image_size**2 * 3 * train.dtype.size
+            cache = train.caches_decoded_images and epoch_bytes <= CACHE_LIMIT_BYTES
+        train.cache = bool(cache)
+        return dataclasses.replace(self, train=train)
 
     def steps_per_epoch(self, global_batch_size=None):
         """Optimizer steps in one epoch: whole global batches of the training examples, at least 1.
