@@ -522,13 +522,14 @@ def test_image_folder_records_converts_once_and_names_the_skipped_files(tmp_path
     assert "written earlier" in caplog.text and "cut_in_half.jpg" not in caplog.text
 
 
-def test_the_decoding_pipeline_stores_what_the_per_image_path_stores(tmp_path):
+def test_the_decoding_pipeline_stores_what_the_per_image_path_stores(tmp_path, monkeypatch):
     """The local writer reads and decodes in a `tf.data` pipeline; the reference is `convert_image`
     reading and decoding each file itself (the path Beam's workers run). Every format the writer
-    takes, and every kind of broken file, give the same records and the same skip reasons."""
+    takes, and every kind of broken file, give the same records, in the same shards and order, and
+    the same skip reasons; only the broken files take `convert_image`'s own reading."""
     from sklearn.datasets import load_sample_image
 
-    from tpu_scale.data.conversion import convert_image
+    from tpu_scale.data.conversion import convert_image, plan_conversion
 
     photo = Image.fromarray(load_sample_image("china.jpg")[150:214, 300:380])  # 64 x 80
     rotated = Image.Exif()
@@ -558,21 +559,33 @@ def test_the_decoding_pipeline_stores_what_the_per_image_path_stores(tmp_path):
         (image_dir / f"class_{i % 2}").mkdir(parents=True, exist_ok=True)
         (image_dir / f"class_{i % 2}" / name).write_bytes(data)
 
-    summary = write_tfrecords(str(image_dir), str(tmp_path / "out"), validation_fraction=0)
-    stored = {bytes(r.numpy()) for r in tf.data.TFRecordDataset(summary.split_paths["train"])}
+    own_reads = []
 
-    expected, skipped = set(), {}
-    for class_id, class_name in enumerate(summary.class_names):
-        for name in sorted(os.listdir(image_dir / class_name)):
-            path = str(image_dir / class_name / name)
-            one = convert_image(path, class_id, summary.class_names, summary.label_offset)
+    def counted(path, *args, read=None):
+        if read is None:
+            own_reads.append(os.path.basename(path))
+        return convert_image(path, *args, read=read)
+
+    monkeypatch.setattr(write_module, "convert_image", counted)
+    summary = write_tfrecords(
+        str(image_dir), str(tmp_path / "out"), num_shards=3, validation_fraction=0
+    )
+    shards = sorted(summary.split_paths["train"])  # named in the plan's order
+    stored = [bytes(r.numpy()) for r in tf.data.TFRecordDataset(shards)]
+
+    plan = plan_conversion(str(image_dir), 3, validation_fraction=0)
+    expected, skipped = [], {}
+    for shard in plan.shards:
+        for path, class_id in shard.images:
+            one = convert_image(path, class_id, plan.class_names, plan.label_offset)
             if one.record is None:
-                skipped.setdefault(one.skip_reason, set()).add(name)
+                skipped.setdefault(one.skip_reason, set()).add(os.path.basename(path))
             else:
-                expected.add(one.record)
+                expected.append(one.record)
     assert stored == expected and len(stored) == 10
     assert {reason: {os.path.basename(p) for p in paths} for reason, paths in summary.skipped.items()} == skipped
-    assert skipped["truncated or corrupt JPEG"] >= {"cut_off.jpg", "bad_huffman.jpg"}
+    assert sorted(own_reads) == sorted(name for names in skipped.values() for name in names)
+    assert len(own_reads) == 6 and {"cut_off.jpg", "bad_huffman.jpg"} <= set(own_reads)
 
 
 def _saved(image, image_format, **options):

@@ -1,8 +1,9 @@
 """What the two writers of a folder of class folders share: the conversion itself.
 
-`write_tfrecords` (the local threads) and `beam_writer` (an Apache Beam pipeline) differ only in
-who does the per-image work and writes the shard files. Everything else is here, so that the same
-folder and seed give the same files, byte for byte, whichever writer ran:
+`write_tfrecords` (a local `tf.data` decoding pipeline) and `beam_writer` (an Apache Beam
+pipeline) differ only in who does the per-image work and writes the shard files. Everything else
+is here, so that the same folder and seed give the same files, byte for byte, whichever writer
+ran:
 
   plan_conversion     the split, the label map and the shards, computed once from the listing
   convert_image       the per-image work: read, decode in full, turn upright, re-encode, record
@@ -300,7 +301,7 @@ class PlannedShard:
 @dataclasses.dataclass
 class ConversionPlan:
     """What a conversion writes, computed once from the file listing by `plan_conversion`: the
-    writer that runs it (the local threads or a Beam pipeline) only converts and stores.
+    writer that runs it (the local writer or a Beam pipeline) only converts and stores.
 
     Attributes:
       image_dir: the folder of class folders.

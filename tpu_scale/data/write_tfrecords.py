@@ -115,7 +115,12 @@ def _converted_images(plan, num_threads):
     paths = tf.constant([path for path, _ in images], dtype=tf.string)
     decoded = (
         tf.data.Dataset.from_tensor_slices((tf.range(len(images), dtype=tf.int64), paths))
-        .map(_read_and_decode, num_parallel_calls=num_threads or tf.data.AUTOTUNE)
+        # In order (whatever the pipeline's options say): a missing index is a dropped file.
+        .map(
+            _read_and_decode,
+            num_parallel_calls=num_threads or tf.data.AUTOTUNE,
+            deterministic=True,
+        )
         .ignore_errors()
         .batch(_DECODED_BATCH)
         .prefetch(1)
@@ -256,6 +261,8 @@ def write_tfrecords(
         skipped, or `beam_options` are not valid Beam pipeline options.
       ImportError: `beam_options` is given and Apache Beam is not installed.
     """
+    if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1):
+        raise ValueError(f"num_threads must be an integer >= 1 (images decoded at once), or None for as many as pay; received {num_threads!r}.")
     if beam_options is not None:
         if num_threads is not None or progress is not None:
             raise ValueError("num_threads and progress are the local writer's, not with beam_options: set the runner's workers in its options (direct_num_workers=2 for the DirectRunner).")
