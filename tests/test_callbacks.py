@@ -126,7 +126,8 @@ def test_finite_blow_up_is_caught_after_the_window():
 
 
 def test_a_finite_blow_up_in_epochs_shorter_than_the_window_is_caught_at_their_end():
-    # Epochs of 3 steps and a window of 5: the window never fills after the reference steps.
+    # Epochs of 3 steps, 4 reference steps and a window of 5: epoch 2 blows up before any window
+    # past the reference fills.
     guard = LossGuard(factor=3.0, reference_steps=4, window=5, max_backoffs=0)
     guard.set_params({"epochs": 4})
     losses = [[2.0, 2.0, 2.0], [2.0, 40.0, 90.0], [2.0, 1e6, 1e9], [1e12, 1e15, 1e18]]
@@ -136,7 +137,6 @@ def test_a_finite_blow_up_in_epochs_shorter_than_the_window_is_caught_at_their_e
     assert "loss 44 averaged over the epoch's last 3 steps is more than 3x the first steps' 2" in (
         guard.message
     )
-    assert guard._good_epoch == 0  # the blown-up epoch was not kept as good
 
     # At the last epoch's end a divergence stops: no step is left to take at a lower rate.
     last = LossGuard(factor=3.0, reference_steps=4, window=5, max_backoffs=3)

@@ -48,8 +48,10 @@ class LossGuard(keras.callbacks.Callback):
     the same step. A back-off lives in this `fit`: a run resumed from a backup starts again at the
     rate it was given (`backoffs` says which factor to give it).
 
-    An epoch too short to fill the window after the reference steps (or after a back-off) is
-    checked at its end on the mean of its steps; at the end of the last epoch, with no step left to
+    Each epoch's end also checks the mean loss of its steps (those since its last back-off)
+    against the same threshold, before the epoch is kept as the last good one: a run that blows up
+    while the reference steps are still being taken, or in the few steps after a back-off, is
+    caught there although no window filled. At the end of the last epoch, with no step left to
     take at a lower rate, a divergence stops the run (the last good weights restored).
 
     Per-step losses are recovered from the running epoch mean Keras passes to
@@ -192,9 +194,9 @@ class LossGuard(keras.callbacks.Callback):
             )
 
     def on_epoch_end(self, epoch, logs=None):
-        # The window's check needs `window` steps past the reference steps: an epoch shorter than
-        # that, or one that ends soon after a back-off, is checked here on its steps' mean, against
-        # the reference (or, before it is set, the same rule on the first steps seen so far).
+        # The window's check needs `window` steps past the reference steps (or a back-off): the
+        # epoch's steps are checked here on their mean, against the reference (or, before it is
+        # set, the same rule on the first steps seen so far).
         first, reference = self._first_losses, self.reference_loss
         if reference is None and first:
             reference = float(min(first[0], np.median(first)))
