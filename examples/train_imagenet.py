@@ -302,7 +302,7 @@ def train(config, extra_callbacks=()):
             f"images (effective batch {config.global_batch_size * accumulate}) on {replicas} "
             f"replicas (mesh {'x'.join(map(str, mesh.shape))}); model_dir "
             f"{config.model_dir or 'none'}"
-            + ("; the decoded training images kept after epoch 1" if inputs.train.cache else "")
+            + {"decoded": "; the decoded training images kept after epoch 1", True: "; the training records kept after epoch 1"}.get(inputs.train.cache, "")
         )
         show_bar = sys.stdout.isatty() if config.progress is None else config.progress
         with checkpointing.peer_failures_explained(strategy):

@@ -163,40 +163,65 @@ def test_train_epochs_are_exact_with_cache(records, num_pipelines):
     assert sorted(all_ids) == sorted(expected)
 
 
-@pytest.mark.parametrize("deterministic", [True, False])
-def test_a_cache_of_decoded_images_trains_on_the_images_the_decode_gives(records, deterministic):
-    """Without a random crop or flip the decode draws nothing, so the cache keeps decoded images:
-    every epoch is a permutation of the images the uncached pipeline decodes, and only the first
-    reads the records."""
-    pattern, expected = records
-    whole = dict(crop_area_range=None, random_flip=False, global_batch_size=6, seed=3)
-    inp = make_input(pattern, is_training=True, cache=True, deterministic=deterministic, **whole)
-    assert inp.caches_decoded_images
-    assert not make_input(pattern, is_training=True, cache=True, global_batch_size=6).caches_decoded_images
-    epoch = len(expected)
-    batches = list(inp.dataset().take(3 * epoch // 6))
-    assert inp.records_read == epoch  # the later epochs came from the cache
-    images = np.concatenate([b[0].numpy() for b in batches])
-    labels = np.concatenate([b[1].numpy() for b in batches])
-
-    # The reference: each record's image through the training decode itself, its label 0-based.
+def _decoded_reference(pattern):
+    """{image bytes: 0-based label} of each record through the training decode itself."""
     want = {}
     for record in tf.data.TFRecordDataset(sorted(tf.io.gfile.glob(pattern))):
         example = tf.train.Example.FromString(record.numpy()).features.feature
         image = image_ops.decode_and_random_crop(
-            example["image/encoded"].bytes_list.value[0], IMAGE_SIZE, [0, 0], area_range=None,
+            example["image/encoded"].bytes_list.value[0],
+            IMAGE_SIZE,
+            [0, 0],
+            area_range=None,
             flip=False,
         )
         want[image_ops.normalize_image(image).numpy().tobytes()] = (
             example["image/class/label"].int64_list.value[0] - 1
         )
-    assert len(want) == epoch
-    for e in range(3):
-        got = images[e * epoch : (e + 1) * epoch]
-        assert sorted(image.tobytes() for image in got) == sorted(want)
-        assert [want[image.tobytes()] for image in got] == list(labels[e * epoch : (e + 1) * epoch])
-    orders = [list(decode_codes(tf.constant(images[e * epoch : (e + 1) * epoch]))[1]) for e in range(3)]
-    assert orders[0] != orders[1] != orders[2]  # shuffled anew each epoch
+    return want
+
+
+@pytest.mark.parametrize("deterministic, num_pipelines", [(True, 1), (False, 1), (True, 2)])
+def test_a_cache_of_decoded_images_trains_on_the_images_the_decode_gives(
+    records, deterministic, num_pipelines
+):
+    """Without a random crop or flip the decode draws nothing, so `cache="decoded"` keeps decoded
+    images: every epoch of each pipeline is a new permutation of the images the training decode
+    gives its records, the pipelines' epochs together hold every record once, and only the first
+    epoch reads the records."""
+    pattern, expected = records
+    whole = dict(crop_area_range=None, random_flip=False, global_batch_size=6, seed=3)
+    inp = make_input(
+        pattern, is_training=True, cache="decoded", deterministic=deterministic, **whole
+    )
+    assert inp.caches_decoded_images
+    assert not make_input(pattern, is_training=True, cache=True, **whole).caches_decoded_images
+    want = _decoded_reference(pattern)
+    assert len(want) == len(expected)
+    seen = []
+    for index in range(num_pipelines):
+        epoch, batch = len(expected) // num_pipelines, 6 // num_pipelines
+        batches = list(inp.dataset(context(index, num_pipelines)).take(3 * epoch // batch))
+        images = np.concatenate([b[0].numpy() for b in batches])
+        labels = np.concatenate([b[1].numpy() for b in batches])
+        epochs = [slice(e * epoch, (e + 1) * epoch) for e in range(3)]
+        keys = [[image.tobytes() for image in images[e]] for e in epochs]
+        assert sorted(keys[0]) == sorted(keys[1]) == sorted(keys[2])  # the same images...
+        assert keys[0] != keys[1] != keys[2]  # ...shuffled anew each epoch
+        for e, epoch_keys in zip(epochs, keys):
+            assert [want[key] for key in epoch_keys] == list(labels[e])
+        seen.extend(keys[0])
+    assert sorted(seen) == sorted(want)
+    assert inp.records_read == len(expected)  # the later epochs came from the caches
+
+
+def test_a_cache_of_decoded_images_refuses_random_crops_and_unknown_values(records):
+    pattern, _ = records
+    # One decode per image would freeze the random crops and flips.
+    with pytest.raises(ValueError, match="crop_area_range=None and random_flip=False, or cache=True"):
+        make_input(pattern, is_training=True, cache="decoded", global_batch_size=6)
+    with pytest.raises(ValueError, match="choose False, True .* or 'decoded'"):
+        make_input(pattern, is_training=True, cache="yes", global_batch_size=6)
 
 
 def test_a_cache_of_decoded_images_still_names_bad_records(tmp_path, caplog):
@@ -206,7 +231,7 @@ def test_a_cache_of_decoded_images_still_names_bad_records(tmp_path, caplog):
     inp = make_input(
         pattern,
         is_training=True,
-        cache=True,
+        cache="decoded",
         crop_area_range=None,
         random_flip=False,
         global_batch_size=2,

@@ -11,7 +11,7 @@ tf.data service.
     -> per batch: name the records the decoder rejected, stop if there are too many bad ones
     -> prefetch
 
-With `cache=True` and a decode that draws no random numbers (no random crop, no flip), one pass
+With `cache="decoded"` (a decode that draws no random numbers: no random crop, no flip), one pass
 of records goes through the same checks and decode, and its decoded examples are cached, then
 shuffled and repeated: later epochs do no parsing or decoding.
 
@@ -106,13 +106,15 @@ class ImageNetInput:
         Labels are always int32.
       image_key: the feature holding the encoded JPEG.
       label_key: the feature holding the integer label.
-      cache: keep the first epoch in host memory (training only). With a decode that draws no
-        random numbers (`crop_area_range=None`, `random_flip=False`: the whole image, as a small
-        dataset's recipe trains), the decoded images are kept, so later epochs skip the parse, the
-        checks and the decode, which cost a small model more CPU than its step; otherwise the raw
-        (encoded) records, about 150 GB for full ImageNet. Use it for datasets that fit
-        (`RecordInputs.with_training_cache` decides by size).
-      shuffle_buffer_size: raw records in the shuffle buffer (training). The file shuffle and the
+      cache: keep the first epoch in host memory (training only): True keeps the raw (encoded)
+        records, about 150 GB for full ImageNet; `"decoded"` keeps the decoded images, so later
+        epochs skip the parse, the checks and the decode, which cost a small model on a CPU host
+        more than its step. `"decoded"` needs a decode that draws no random numbers
+        (`crop_area_range=None`, `random_flip=False`: the whole image, as the recipe trains a small
+        dataset). Use either for datasets that fit (`RecordInputs.with_training_cache` decides by
+        size).
+      shuffle_buffer_size: raw records (decoded examples with `cache="decoded"`) in the shuffle
+        buffer (training). The file shuffle and the
         interleave over `cycle_length` files already mix the data, so the reference recipe's 1024
         (about 110 MB of ImageNet JPEGs) suffices.
       cycle_length: files read at once by the interleave.
@@ -168,7 +170,7 @@ class ImageNetInput:
         dtype: Any = tf.float32,
         image_key: str = IMAGE_KEY,
         label_key: str = LABEL_KEY,
-        cache: bool = False,
+        cache: bool | str = False,
         shuffle_buffer_size: int = 1024,
         cycle_length: int = 64,
         read_buffer_bytes: int = 8 * 1024 * 1024,
@@ -221,6 +223,10 @@ class ImageNetInput:
             raise ValueError(f"center_crop_fraction={center_crop_fraction} must be in (0, 1]: 0.875 is the reference, 1.0 keeps the whole (square) image.")
         self.crop_area_range = None if crop_area_range is None else tuple(crop_area_range)
         self.random_flip = random_flip
+        if cache not in (False, True, "decoded"):
+            raise ValueError(f"cache={cache!r}: choose False, True (the encoded records) or 'decoded' (the decoded images).")
+        if cache == "decoded" and (self.crop_area_range is not None or random_flip):
+            raise ValueError("cache='decoded' keeps one decode of each image, so every epoch would see the same random crops and flips: pass crop_area_range=None and random_flip=False, or cache=True to keep the encoded records.")
         self.center_crop_fraction = center_crop_fraction
         self.label_map = read_label_map(expand_patterns(file_pattern)) if _source is None else None
         self.source = _source or TFRecordSource(
@@ -423,15 +429,9 @@ class ImageNetInput:
 
     @property
     def caches_decoded_images(self) -> bool:
-        """Whether `cache` keeps decoded images: training with a decode that draws no random
-        numbers (no random crop, no flip), not through the tf.data service."""
-        return bool(
-            self.is_training
-            and self.cache
-            and self.crop_area_range is None
-            and not self.random_flip
-            and not self.data_service_address
-        )
+        """Whether the training pipeline keeps decoded images (`cache="decoded"`; not through the
+        tf.data service, whose workers decode)."""
+        return self.is_training and self.cache == "decoded" and not self.data_service_address
 
     def _crop_seeds(self, size, draw):
         """The crop seeds of a batch of `size` records: from one random value `draw` (training),

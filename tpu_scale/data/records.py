@@ -63,15 +63,18 @@ class RecordInputs:
         return _records_inputs(arguments, log=False)
 
     def with_training_cache(self, cache=None):
-        """The same data with the training input's `cache` set (`ImageNetInput`'s `cache`).
+        """The same data with the training input's first epoch kept in host memory, or not.
 
-        The rule (`cache=None`): keep the first epoch's decoded images in host memory when the
-        training decode draws no random numbers (no random crop, no flip: a small dataset's
-        recipe) and an epoch of them takes at most `CACHE_LIMIT_BYTES` (512 MiB, the evaluation
-        cache's limit: e.g. 170,000 images at 32 px in uint8, 10,000 at 64 px in float32). Later
-        epochs then skip the parse, the record checks and the decode; for a small model on a CPU
-        host these cost more than its step. A decode with random crops or flips is not cached by
-        the rule (`cache=True` then keeps the encoded records).
+        True keeps the decoded images (`ImageNetInput`'s `cache="decoded"`) when the training
+        decode draws no random numbers (no random crop, no flip: a small dataset's recipe), else
+        the encoded records (`cache=True`). The rule (`cache=None`): the decoded images, when the
+        decode allows it and an epoch of them takes at most `CACHE_LIMIT_BYTES` (512 MiB, the
+        evaluation cache's limit: e.g. 170,000 images at 32 px in uint8, 10,000 at 64 px in
+        float32); nothing otherwise, and nothing when `train_examples` was given (a part of the
+        records, while the cache holds them all). Later epochs then skip the parse, the record
+        checks and the decode, which cost a small model on a CPU host more than its step.
+
+        Call it last: `with_input_arguments` rebuilds both inputs without it.
 
         Args:
           cache: True, False, or None for the rule.
@@ -80,11 +83,12 @@ class RecordInputs:
           A new `RecordInputs`; the validation input is unchanged.
         """
         train = copy.copy(self.train)
+        unaugmented = train.crop_area_range is None and not train.random_flip
         if cache is None:
-            train.cache = True  # asks the input whether its cache would hold decoded images
             epoch_bytes = self.train_examples * train.image_size**2 * 3 * train.dtype.size
-            cache = train.caches_decoded_images and epoch_bytes <= CACHE_LIMIT_BYTES
-        train.cache = bool(cache)
+            given_count = self.arguments.get("train_examples") is not None
+            cache = unaugmented and epoch_bytes <= CACHE_LIMIT_BYTES and not given_count
+        train.cache = ("decoded" if unaugmented else True) if cache else False
         return dataclasses.replace(self, train=train)
 
     def steps_per_epoch(self, global_batch_size=None):
