@@ -58,6 +58,7 @@ unfinished.)
 """
 
 import argparse
+import concurrent.futures
 import itertools
 import os
 import sys
@@ -107,9 +108,11 @@ def _converted_images(plan, num_threads):
     """`convert_image` of every image of `plan`, shard after shard, in the plan's order.
 
     The reading and decoding, most of the per-image work, run in a `tf.data` pipeline of
-    `num_threads` parallel calls, outside Python's global lock; Python adds the header checks and
-    the records. A file the pipeline could not read or decode is left out of it
-    (`ignore_errors`) and goes through `convert_image`'s own reading, which says why it is skipped.
+    `num_threads` parallel calls, outside Python's global lock. What is left, the header checks and
+    the records, and for a photo its EXIF turn (Pillow's decode and a re-encode, which release the
+    lock too), runs on `num_threads` threads, a batch of decoded images at a time, in order. A
+    file the pipeline could not read or decode is left out of it (`ignore_errors`) and goes
+    through `convert_image`'s own reading, which says why it is skipped.
     """
     images = [image for shard in plan.shards for image in shard.images]
     paths = tf.constant([path for path, _ in images], dtype=tf.string)
@@ -125,17 +128,21 @@ def _converted_images(plan, num_threads):
         .batch(_DECODED_BATCH)
         .prefetch(1)
     )
+
+    def convert(item):
+        (path, class_id), read = item
+        return convert_image(path, class_id, plan.class_names, plan.label_offset, read=read)
+
     position = 0
-    for indices, raws, heights, widths, jpegs in decoded.as_numpy_iterator():
-        for index, raw, height, width, jpeg in zip(indices, raws, heights, widths, jpegs):
-            for path, class_id in images[position:index]:  # dropped by the pipeline
-                yield convert_image(path, class_id, plan.class_names, plan.label_offset)
-            path, class_id = images[index]
-            read = (raw, Decoded(int(height), int(width), jpeg))
-            yield convert_image(path, class_id, plan.class_names, plan.label_offset, read=read)
-            position = index + 1
-    for path, class_id in images[position:]:
-        yield convert_image(path, class_id, plan.class_names, plan.label_offset)
+    with concurrent.futures.ThreadPoolExecutor(num_threads or os.cpu_count() or 1) as pool:
+        for indices, raws, heights, widths, jpegs in decoded.as_numpy_iterator():
+            work = []
+            for index, raw, height, width, jpeg in zip(indices, raws, heights, widths, jpegs):
+                work += [(image, None) for image in images[position:index]]  # dropped
+                work.append((images[index], (raw, Decoded(int(height), int(width), jpeg))))
+                position = index + 1
+            yield from pool.map(convert, work)
+        yield from pool.map(convert, [(image, None) for image in images[position:]])
 
 
 def _write_shard(path, converted, num_classes, progress):
