@@ -101,7 +101,6 @@ class TrainConfig:
     max_bad_fraction: float = flag(0.001, "Stop when more of the records read are bad (and 10+).")
     deterministic: bool = flag(False, "Reproducible input order and crops (slower).")
     cache_evaluation: str = flag("auto", "auto, yes or no: validation in memory. auto: if small.")
-    cache_training: str = flag("auto", "auto, yes or no: epoch 1 kept. auto: if small, unaugmented.")
     seed: int = flag(0, "Random seed.")
     progress: Optional[bool] = flag(None, "Keras progress bar. Default: on in a terminal.")
     keep_checkpoints: int = flag(3, "The newest per-epoch checkpoints kept.")
@@ -130,7 +129,6 @@ def check_flags(config, one_host):
         ("mixed_precision", "float32 bfloat16 float16"),
         ("input_dtype", "uint8 float"),
         ("cache_evaluation", "auto yes no"),
-        ("cache_training", "auto yes no"),
     ]:
         value = getattr(config, name)
         if value not in allowed.split() and not (name == "optimizer" and value is None):
@@ -243,16 +241,13 @@ def train(config, extra_callbacks=()):
         given = ("peak_learning_rate", "warmup_epochs", "weight_decay", "label_smoothing")
         recipe = recipe.with_settings(**{k: getattr(config, k) for k in given})
         inputs = inputs.with_input_arguments(**recipe.input_arguments)  # its crops and flips
-        # Small and unaugmented: later epochs read the decoded images of the first from memory.
-        auto_yes_no = {"auto": None, "yes": True, "no": False}
-        inputs = inputs.with_training_cache(auto_yes_no[config.cache_training])
         # Raises, with the fix, if the global batch does not divide over the replicas. A small
         # validation set is decoded once and kept in memory (exact_evaluation's rule).
         validation = data.exact_evaluation(
             inputs.validation,
             strategy,
             inputs.validation_examples,
-            cache=auto_yes_no[config.cache_evaluation],
+            cache={"auto": None, "yes": True, "no": False}[config.cache_evaluation],
         )
 
         # ---- model: grouped batch norm, compiled with the recipe
@@ -302,7 +297,6 @@ def train(config, extra_callbacks=()):
             f"images (effective batch {config.global_batch_size * accumulate}) on {replicas} "
             f"replicas (mesh {'x'.join(map(str, mesh.shape))}); model_dir "
             f"{config.model_dir or 'none'}"
-            + {"decoded": "; the decoded training images kept after epoch 1", True: "; the training records kept after epoch 1"}.get(inputs.train.cache, "")
         )
         show_bar = sys.stdout.isatty() if config.progress is None else config.progress
         with checkpointing.peer_failures_explained(strategy):

@@ -47,27 +47,6 @@ def test_input_arguments_reach_both_inputs(synthetic):
             assert pipeline.crop_area_range is None and not pipeline.random_flip
 
 
-def test_the_training_cache_rule_keeps_small_unaugmented_epochs_decoded(synthetic):
-    folder, _ = synthetic
-    whole = dict(crop_area_range=None, random_flip=False, center_crop_fraction=1.0)
-    small = data.records_inputs(folder, image_size=16, global_batch_size=32, **whole)
-    cached = small.with_training_cache()
-    assert cached.train.cache == "decoded" and cached.train.caches_decoded_images
-    assert not cached.validation.cache and not small.train.cache  # nothing else changed
-    assert not small.with_training_cache(False).train.cache
-    # Augmented: the rule keeps nothing; True keeps the encoded records.
-    cropped = data.records_inputs(folder, image_size=16, global_batch_size=32)
-    assert not cropped.with_training_cache().train.cache
-    assert cropped.with_training_cache(True).train.cache is True
-    # An epoch over the limit, and a count given (the cache would hold every record): nothing.
-    for train_examples in (2**20, 50):  # 2**20 at 16 px in float32 is 3 GiB
-        given = data.records_inputs(
-            folder, image_size=16, global_batch_size=32, train_examples=train_examples, **whole
-        )
-        assert not given.with_training_cache().train.cache
-        assert given.with_training_cache(True).train.cache == "decoded"
-
-
 def test_shards_without_a_label_map_need_the_classes_and_are_counted(synthetic, tmp_path):
     folder, _ = synthetic
     bare = tmp_path / "bare"

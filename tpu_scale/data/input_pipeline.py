@@ -11,10 +11,6 @@ tf.data service.
     -> per batch: name the records the decoder rejected, stop if there are too many bad ones
     -> prefetch
 
-With `cache="decoded"` (a decode that draws no random numbers: no random crop, no flip), one pass
-of records goes through the same checks and decode, and its decoded examples are cached, then
-shuffled and repeated: later epochs do no parsing or decoding.
-
 A bad record does not stop the run: it is skipped, named once in the log (warnings of the
 "tpu_scale" logger: its file, its index in the file, the reason) and counted
 (`ImageNetInput.skipped_records`, `skipped_by_reason`, against `records_read`); the run stops with
@@ -106,15 +102,9 @@ class ImageNetInput:
         Labels are always int32.
       image_key: the feature holding the encoded JPEG.
       label_key: the feature holding the integer label.
-      cache: keep the first epoch in host memory (training only): True keeps the raw (encoded)
-        records, about 150 GB for full ImageNet; `"decoded"` keeps the decoded images, so later
-        epochs skip the parse, the checks and the decode, which cost a small model on a CPU host
-        more than its step. `"decoded"` needs a decode that draws no random numbers
-        (`crop_area_range=None`, `random_flip=False`: the whole image, as the recipe trains a small
-        dataset). Use either for datasets that fit (`RecordInputs.with_training_cache` decides by
-        size).
-      shuffle_buffer_size: raw records (decoded examples with `cache="decoded"`) in the shuffle
-        buffer (training). The file shuffle and the
+      cache: keep the raw (encoded) records in host memory after the first epoch (training only
+        needs about 150 GB for full ImageNet; use it for datasets that fit).
+      shuffle_buffer_size: raw records in the shuffle buffer (training). The file shuffle and the
         interleave over `cycle_length` files already mix the data, so the reference recipe's 1024
         (about 110 MB of ImageNet JPEGs) suffices.
       cycle_length: files read at once by the interleave.
@@ -170,7 +160,7 @@ class ImageNetInput:
         dtype: Any = tf.float32,
         image_key: str = IMAGE_KEY,
         label_key: str = LABEL_KEY,
-        cache: bool | str = False,
+        cache: bool = False,
         shuffle_buffer_size: int = 1024,
         cycle_length: int = 64,
         read_buffer_bytes: int = 8 * 1024 * 1024,
@@ -223,10 +213,6 @@ class ImageNetInput:
             raise ValueError(f"center_crop_fraction={center_crop_fraction} must be in (0, 1]: 0.875 is the reference, 1.0 keeps the whole (square) image.")
         self.crop_area_range = None if crop_area_range is None else tuple(crop_area_range)
         self.random_flip = random_flip
-        if cache not in (False, True, "decoded"):
-            raise ValueError(f"cache={cache!r}: choose False, True (the encoded records) or 'decoded' (the decoded images).")
-        if cache == "decoded" and (self.crop_area_range is not None or random_flip):
-            raise ValueError("cache='decoded' keeps one decode of each image, so every epoch would see the same random crops and flips: pass crop_area_range=None and random_flip=False, or cache=True to keep the encoded records.")
         self.center_crop_fraction = center_crop_fraction
         self.label_map = read_label_map(expand_patterns(file_pattern)) if _source is None else None
         self.source = _source or TFRecordSource(
@@ -352,7 +338,6 @@ class ImageNetInput:
         deterministic = self.deterministic or not self.is_training
         # Different pipelines must draw different crops and shuffles even from one user seed.
         seed = None if self.seed is None else self.seed * 1_000_003 + shard.index
-        cache_decoded = self.caches_decoded_images
 
         records, record_level = self.source.records(
             shard,
@@ -365,12 +350,19 @@ class ImageNetInput:
         )
         if record_level:
             records = records.shard(shard.count, shard.index)
-        # With decoded images cached, one pass of records goes to the decode, and the examples
-        # are cached, shuffled and repeated after it (below).
-        if self.cache and not cache_decoded:
+        if self.cache:
             records = records.cache()
-        if self.is_training and not cache_decoded:
-            records = self._shuffled(records, deterministic, seed)
+        if self.is_training and self.cache and deterministic:
+            records = shuffle_each_epoch(records, self.shuffle_buffer_size, seed)
+        elif self.is_training:
+            # Deterministic: the same stream from every new iterator (without a cache the buffer
+            # runs over the repeated records, so the order still changes from one pass over the data
+            # to the next).
+            records = records.shuffle(
+                self.shuffle_buffer_size, seed=seed, reshuffle_each_iteration=not deterministic
+            )
+            if self.cache:
+                records = records.repeat()
 
         if self.data_service_address:
             examples = self._decode_failing_fast(records, seed).batch(
@@ -387,18 +379,13 @@ class ImageNetInput:
                 decode_example=self._decode_example,
                 records_read=self._records_read,
                 iterators_started=self._iterators_started,
-                # One finite pass to cache: every record, the last batch kept, the decoder's last
-                # rejects reported at its end (as an evaluation pass).
-                is_training=self.is_training and not cache_decoded,
+                is_training=self.is_training,
                 seed=seed,
                 batch_size=batch_size,
                 threads=self._threads,
                 image_size=self.image_size,
                 dtype=self.dtype,
             )
-        if cache_decoded:
-            examples = self._shuffled(examples.unbatch().cache(), deterministic, seed)
-            examples = examples.batch(batch_size, drop_remainder=True)
         if self.pad_last_batch:
             examples = examples.map(
                 graph_function(lambda images, labels: _pad_batch(images, labels, batch_size))
@@ -414,24 +401,6 @@ class ImageNetInput:
                 )
             )
         return examples.prefetch(AUTOTUNE)
-
-    def _shuffled(self, data, deterministic, seed):
-        """Training's shuffle of records (or of cached decoded examples), repeated."""
-        if self.cache and deterministic:
-            return shuffle_each_epoch(data, self.shuffle_buffer_size, seed)
-        # Deterministic: the same stream from every new iterator (without a cache the buffer runs
-        # over the repeated records, so the order still changes from one pass over the data to the
-        # next).
-        data = data.shuffle(
-            self.shuffle_buffer_size, seed=seed, reshuffle_each_iteration=not deterministic
-        )
-        return data.repeat() if self.cache else data
-
-    @property
-    def caches_decoded_images(self) -> bool:
-        """Whether the training pipeline keeps decoded images (`cache="decoded"`; not through the
-        tf.data service, whose workers decode)."""
-        return self.is_training and self.cache == "decoded" and not self.data_service_address
 
     def _crop_seeds(self, size, draw):
         """The crop seeds of a batch of `size` records: from one random value `draw` (training),

@@ -9,14 +9,12 @@ refuses, naming the fix, what cannot train: a folder of images not yet converted
 records without a validation split.
 """
 
-import copy
 import dataclasses
 import os
 
 import tensorflow as tf
 from absl import logging
 
-from tpu_scale.data.evaluation import CACHE_LIMIT_BYTES
 from tpu_scale.data.image_folder import IMAGE_EXTENSIONS
 from tpu_scale.data.input_pipeline import ImageNetInput
 from tpu_scale.data.schema import read_label_map
@@ -61,35 +59,6 @@ class RecordInputs:
             train_examples=self.train_examples, validation_examples=self.validation_examples
         )
         return _records_inputs(arguments, log=False)
-
-    def with_training_cache(self, cache=None):
-        """The same data with the training input's first epoch kept in host memory, or not.
-
-        True keeps the decoded images (`ImageNetInput`'s `cache="decoded"`) when the training
-        decode draws no random numbers (no random crop, no flip: a small dataset's recipe), else
-        the encoded records (`cache=True`). The rule (`cache=None`): the decoded images, when the
-        decode allows it and an epoch of them takes at most `CACHE_LIMIT_BYTES` (512 MiB, the
-        evaluation cache's limit: e.g. 170,000 images at 32 px in uint8, 10,000 at 64 px in
-        float32); nothing otherwise, and nothing when `train_examples` was given (a part of the
-        records, while the cache holds them all). Later epochs then skip the parse, the record
-        checks and the decode, which cost a small model on a CPU host more than its step.
-
-        Call it last: `with_input_arguments` rebuilds both inputs without it.
-
-        Args:
-          cache: True, False, or None for the rule.
-
-        Returns:
-          A new `RecordInputs`; the validation input is unchanged.
-        """
-        train = copy.copy(self.train)
-        unaugmented = train.crop_area_range is None and not train.random_flip
-        if cache is None:
-            epoch_bytes = self.train_examples * train.image_size**2 * 3 * train.dtype.size
-            given_count = self.arguments.get("train_examples") is not None
-            cache = unaugmented and epoch_bytes <= CACHE_LIMIT_BYTES and not given_count
-        train.cache = ("decoded" if unaugmented else True) if cache else False
-        return dataclasses.replace(self, train=train)
 
     def steps_per_epoch(self, global_batch_size=None):
         """Optimizer steps in one epoch: whole global batches of the training examples, at least 1.
