@@ -118,6 +118,16 @@ def record_run(out, run, same, summarize, path):
         json.dump(out, f, indent=1)
 
 
+def folder_files(folder):
+    """{file name: bytes} of the files in `folder` (not its sub-folders), e.g. a writer's output,
+    to check that two writers wrote the same files."""
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name), "rb") as f:
+            out[name] = f.read()
+    return out
+
+
 def timed_rounds(methods, rounds, warmup=1):
     """Seconds per call of each method, in `rounds` interleaved rounds after `warmup` untimed calls
     each.

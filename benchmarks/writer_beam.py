@@ -33,7 +33,7 @@ import statistics
 import tempfile
 import time
 
-from common import machine_info, save_result, spread, summarize  # noqa: E402
+from common import folder_files, machine_info, save_result, spread, summarize  # noqa: E402
 
 METHODS = {
     "local": None,
@@ -53,14 +53,6 @@ def _small_folder(folder, small):
             shutil.copy(os.path.join(folder, class_name, name), os.path.join(small, class_name))
             taken += 1
     return taken
-
-
-def _files(folder):
-    out = {}
-    for name in sorted(os.listdir(folder)):
-        with open(os.path.join(folder, name), "rb") as f:
-            out[name] = f.read()
-    return out
 
 
 def main():
@@ -97,7 +89,7 @@ def main():
                 for size, image_dir in (("", folder), ("_small", small)):
                     seconds, out = convert(image_dir, options)
                     times[name + size].append(seconds)
-                    files = _files(out)
+                    files = folder_files(out)
                     identical &= reference.setdefault(size, files) == files
                     shutil.rmtree(out)
                     print(f"{name}{size}: {seconds:.1f} s", flush=True)

@@ -30,17 +30,9 @@ import shutil
 import tempfile
 import time
 
-from common import machine_info, save_result, spread, summarize  # noqa: E402
+from common import folder_files, machine_info, save_result, spread, summarize  # noqa: E402
 
 METHODS = ("pipeline", "per_image", "per_image_2_threads")
-
-
-def _files(folder):
-    out = {}
-    for name in sorted(os.listdir(folder)):
-        with open(os.path.join(folder, name), "rb") as f:
-            out[name] = f.read()
-    return out
 
 
 def _per_image(image_dir, output_dir, threads=1):
@@ -113,7 +105,7 @@ def measure(dataset, rounds, work):
             start = time.perf_counter()
             convert[name](folder, out)
             seconds = time.perf_counter() - start
-            files = _files(out)
+            files = folder_files(out)
             reference = reference or files
             identical &= files == reference
             shutil.rmtree(out)
