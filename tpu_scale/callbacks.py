@@ -178,10 +178,7 @@ class LossGuard(keras.callbacks.Callback):
         if self.reference_loss is None:
             self._first_losses.append(loss)
             if len(self._first_losses) == self.reference_steps:
-                # The first step's loss is the initial network's; the median of the first steps
-                # smooths a noisy one, but a run that blows up within them must not raise it.
-                first = self._first_losses
-                self.reference_loss = float(min(first[0], np.median(first)))
+                self.reference_loss = _reference_of(self._first_losses)
             return
         self._recent = (self._recent + [loss])[-self.window :]
         recent = float(np.mean(self._recent))
@@ -197,9 +194,9 @@ class LossGuard(keras.callbacks.Callback):
         # The window's check needs `window` steps past the reference steps (or a back-off): the
         # epoch's steps are checked here on their mean, against the reference (or, before it is
         # set, the same rule on the first steps seen so far).
-        first, reference = self._first_losses, self.reference_loss
-        if reference is None and first:
-            reference = float(min(first[0], np.median(first)))
+        reference = self.reference_loss
+        if reference is None and self._first_losses:
+            reference = _reference_of(self._first_losses)
         mean = float(np.mean(self._epoch_losses)) if self._epoch_losses else None
         if not self.stopped and mean is not None and mean > self.factor * reference:
             why = (
@@ -344,6 +341,13 @@ class LossGuard(keras.callbacks.Callback):
             f"run: {self._advice()}."
         )
         _logger.warning("%s", self.message)
+
+
+def _reference_of(first_losses):
+    """The reference loss of `LossGuard`'s first steps. The first step's loss is the initial
+    network's; the median of the first steps smooths a noisy one, but a run that blows up within
+    them must not raise it."""
+    return float(min(first_losses[0], np.median(first_losses)))
 
 
 class AverageMovingStatistics(keras.callbacks.Callback):
