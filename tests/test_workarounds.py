@@ -264,16 +264,28 @@ def _counting_model_and_data(strategy, examples, global_batch):
 
 
 @pytest.mark.parametrize("mode", ["fit", "evaluate"])
-def test_the_model_is_built_without_reading_a_batch(strategy, mode):
-    """Keras's build before `fit`/`evaluate` takes the shapes from the iterator's element spec: each
-    example is produced once, where reading a first batch started the pipeline twice."""
+def test_the_model_is_built_without_reading_a_batch(strategy, mode, monkeypatch):
+    """Keras's build before `fit`/`evaluate` takes the shapes from the dataset's element spec: each
+    example is produced once, where reading a first batch started the pipeline twice, and one
+    iterator is started, where looking at an unread one set a second one up."""
     model, data, produced = _counting_model_and_data(strategy, 96, 32)
+    import keras
+
+    started, at_first_batch = [], []
+    iterate = type(data).__iter__
+    monkeypatch.setattr(type(data), "__iter__", lambda self: started.append(1) or iterate(self))
+    # Iterators started until the first batch (Keras starts the next epoch's at an epoch's end).
+    first_batch = keras.callbacks.LambdaCallback(
+        on_train_batch_begin=lambda batch, logs: at_first_batch.append(len(started))
+    )
     if mode == "fit":
-        history = model.fit(data, epochs=1, verbose=0)
+        history = model.fit(data, epochs=1, verbose=0, callbacks=[first_batch])
         assert np.isfinite(history.history["loss"][0])
     else:
-        model.evaluate(data, verbose=0)
+        first_batch.on_test_batch_begin = first_batch.on_train_batch_begin
+        model.evaluate(data, verbose=0, callbacks=[first_batch])
     assert int(produced.numpy()) == 96
+    assert at_first_batch[0] == 1
 
 
 def test_a_ragged_input_still_builds_from_a_first_batch(strategy):
