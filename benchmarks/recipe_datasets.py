@@ -22,7 +22,10 @@ augmentation, `tpu_scale.models.small_resnet`, for 15 epochs (batches up to 256)
                label smoothing, no strategy.
 
 Per (dataset, batch): the final validation top-1 of each variant, the best of them, and the
-default's distance to it. "Diverged" is a run whose final training loss is not finite or whose
+default's distance to it. With --trained_weights_too, a variant whose weights are evaluated as
+their moving average (`Recipe.ema_momentum`) also records, every epoch of the same run, the top-1
+of the weights as trained (`trained_top_1_by_epoch`): the average against the weights it averages,
+on one trajectory, free of run-to-run noise. "Diverged" is a run whose final training loss is not finite or whose
 top-1 ends at chance.
 
 Usage:
@@ -114,9 +117,21 @@ def practised_optimizer(steps_per_epoch, epochs):
     return keras.optimizers.AdamW(schedule, weight_decay=PRACTISED_WEIGHT_DECAY)
 
 
-def train_variants(name, records, batch, variants, seeds, lr_factors):
+def train_variants(name, records, batch, variants, seeds, lr_factors, trained_weights_too=False):
     """Trains every variant of one dataset and batch in this process; yields one run each."""
     import keras
+
+    class EvaluateTrainedWeights(keras.callbacks.Callback):
+        """The validation top-1 of the weights as trained, at every epoch's end (after
+        `SwapEMAWeights` has put them back)."""
+
+        def __init__(self, dataset):
+            super().__init__()
+            self.dataset, self.top_1 = dataset, []
+
+        def on_epoch_end(self, epoch, logs=None):
+            result = self.model.evaluate(self.dataset, verbose=0, return_dict=True)
+            self.top_1.append(round(float(result["accuracy"]), 4))
 
     import tpu_scale
     from tpu_scale import data, losses, models
@@ -137,6 +152,7 @@ def train_variants(name, records, batch, variants, seeds, lr_factors):
             start = time.perf_counter()
             by_hand = variant in ("adam", "practised")
             swept = variant_recipe(recipe, variant)
+            trained = None  # the weights as trained, evaluated every epoch (--trained_weights_too)
             if by_hand:
                 arguments = recipe_lib.AUGMENTATIONS["none"]
             else:
@@ -178,12 +194,15 @@ def train_variants(name, records, batch, variants, seeds, lr_factors):
                         metrics=["accuracy"],
                     )
                 distribute = strategy.distribute_datasets_from_function
+                evaluated = distribute(validation.dataset)
+                if trained_weights_too and swept.ema_momentum:
+                    trained = EvaluateTrainedWeights(evaluated)
                 history = model.fit(
                     distribute(train.dataset),
                     steps_per_epoch=steps,
                     epochs=epochs,
-                    validation_data=distribute(validation.dataset),
-                    callbacks=[AverageMovingStatistics()],
+                    validation_data=evaluated,
+                    callbacks=[AverageMovingStatistics(), *swept.callbacks()] + [trained] * bool(trained),
                     verbose=0,
                 )
             top_1 = [round(float(v), 4) for v in history.history["val_accuracy"]]
@@ -202,8 +221,10 @@ def train_variants(name, records, batch, variants, seeds, lr_factors):
                 "warmup_epochs": None if by_hand else swept.warmup_epochs,
                 "augmentation": "none" if by_hand else swept.augmentation,
                 "weight_decay": None if by_hand else swept.weight_decay,
+                "ema_momentum": None if by_hand else swept.ema_momentum,
                 "final_top_1": top_1[-1],
                 "top_1_by_epoch": top_1,
+                "trained_top_1_by_epoch": trained and trained.top_1,
                 "final_loss": loss,
                 "diverged": not math.isfinite(loss) or top_1[-1] <= 1.5 / label_map.num_classes,
                 "seconds": round(time.perf_counter() - start, 1),
@@ -242,13 +263,19 @@ def main():
     parser.add_argument("--variants", nargs="+", help="default: default, lr*F for each F, adam")
     parser.add_argument("--workdir", help="keep the records here between runs")
     parser.add_argument("--out", default=JSON_PATH)
+    parser.add_argument(
+        "--trained_weights_too", action="store_true", help="also evaluate the unaveraged weights"
+    )
     parser.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)  # dataset, batch
     args = parser.parse_args()
     variants = args.variants or (["default"] + [f"lr*{f:g}" for f in args.lr_factors] + ["adam"])
     if args._child:
         name, batch = args._child[0], int(args._child[1])
         records = records_of(name, args.workdir)
-        for run in train_variants(name, records, batch, variants, args.seeds, args.lr_factors):
+        runs = train_variants(
+            name, records, batch, variants, args.seeds, args.lr_factors, args.trained_weights_too
+        )
+        for run in runs:
             print("RUN " + json.dumps(run), flush=True)
         return 0
 
@@ -260,7 +287,7 @@ def main():
             # One process per dataset and batch: each holds its own strategy.
             command = [sys.executable, os.path.abspath(__file__), "--_child", name, str(batch)]
             command += ["--workdir", workdir, "--seeds", *map(str, args.seeds)]
-            command += ["--variants", *variants]
+            command += ["--variants", *variants] + ["--trained_weights_too"] * args.trained_weights_too
             child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
             for line in child.stdout:
                 if not line.startswith("RUN "):

@@ -94,6 +94,7 @@ class TrainConfig:
     warmup_epochs: Optional[float] = flag(None, "Warmup epochs. Default: the recipe's.")
     weight_decay: Optional[float] = flag(None, "Weight decay. Default: the recipe's, by data size.")
     label_smoothing: Optional[float] = flag(None, "Label smoothing. Default: the recipe's.")
+    ema_momentum: Optional[float] = flag(None, "Weight average evaluated (0: none). Default: recipe's.")
     model_dir: Optional[str] = flag(None, "The run's folder (resume, outputs). Empty: none kept.")
     num_cpu_replicas: Optional[int] = flag(None, "CPU replicas. Default: 8 (generated data), 1.")
     mesh_shape: Optional[str] = flag(None, "ROWSxCOLS of one host's replicas. Default: squarest.")
@@ -113,7 +114,7 @@ TRAINING_SETTINGS = (
     "image_dir data_dir tfds_name model image_size num_classes global_batch_size mixed_precision "
     "input_dtype num_cpu_replicas mesh_shape bn_group_size optimizer augmentation "
     "gradient_accumulation_steps weight_update_sharding "
-    "peak_learning_rate warmup_epochs weight_decay label_smoothing"
+    "peak_learning_rate warmup_epochs weight_decay label_smoothing ema_momentum"
 ).split()
 
 
@@ -238,8 +239,11 @@ def train(config, extra_callbacks=()):
             optimizer=config.optimizer,
             augmentation=config.augmentation,
         )
-        given = ("peak_learning_rate", "warmup_epochs", "weight_decay", "label_smoothing")
+        given = "peak_learning_rate warmup_epochs weight_decay label_smoothing ema_momentum".split()
         recipe = recipe.with_settings(**{k: getattr(config, k) for k in given})
+        if accumulate > 1 and config.ema_momentum is None:
+            # Keras keeps no moving average of the weights with accumulation under a strategy.
+            recipe = recipe.with_settings(ema_momentum=0.0)
         inputs = inputs.with_input_arguments(**recipe.input_arguments)  # its crops and flips
         # Raises, with the fix, if the global batch does not divide over the replicas. A small
         # validation set is decoded once and kept in memory (exact_evaluation's rule).
@@ -306,7 +310,8 @@ def train(config, extra_callbacks=()):
                 steps_per_epoch=steps,
                 validation_data=validation.dataset,
                 validation_steps=validation.steps,
-                callbacks=run_callbacks + [logger, skipped, *extra_callbacks],
+                # The recipe's: fit's validation sees the averaged weights, if the recipe averages.
+                callbacks=run_callbacks + recipe.callbacks() + [logger, skipped, *extra_callbacks],
                 verbose=1 if show_bar else 0,
                 shuffle=False,  # the input pipeline shuffles
             )

@@ -151,6 +151,84 @@ def test_recipe_weight_decay_by_data_size():
     assert sgd.weight_decay == 5e-4
 
 
+def test_recipe_evaluates_momentum_sgds_moving_average():
+    # SGD's weights are evaluated and saved averaged, at the batch norm's momentum; LARS's as
+    # trained (the paper's settings).
+    small = recipe_for_batch(64, 15, train_examples=4500, num_classes=10)
+    assert small.ema_momentum == recipe_lib.EMA_MOMENTUM == 0.9
+    assert recipe_for_batch(1024, 90, train_examples=1281167).ema_momentum == 0.9
+    assert recipe_for_batch(32768, 72).ema_momentum == 0.0
+    sgd = small.build_optimizer(steps_per_epoch=70, total_epochs=15)
+    assert sgd.use_ema and sgd.ema_momentum == 0.9
+    assert [type(c) for c in small.callbacks()] == [keras.callbacks.SwapEMAWeights]
+    # A flag turns it off: the weights themselves, no callback.
+    plain = small.with_settings(ema_momentum=0.0)
+    assert not plain.build_optimizer(steps_per_epoch=70, total_epochs=15).use_ema
+    assert plain.callbacks() == []
+    # Keras keeps no moving average with accumulation under a strategy: said at build, with the fix.
+    with pytest.raises(ValueError, match=r"with_settings\(ema_momentum=0.0\)"):
+        small.build_optimizer(70, 15, gradient_accumulation_steps=4)
+    accumulating = plain.build_optimizer(70, 15, gradient_accumulation_steps=4)
+    assert accumulating.gradient_accumulation_steps == 4 and not accumulating.use_ema
+    with pytest.raises(ValueError, match="ema_momentum"):
+        small.with_settings(ema_momentum=1.0)
+
+
+@pytest.mark.parametrize("replicas", [1, 8])
+def test_fit_validates_the_averaged_weights_and_trains_on_its_own(replicas, cpu_devices):
+    """Under the package's strategies, the recipe's callback evaluates the moving average in fit's
+    validation and puts the trained weights back: the next epoch goes on from them."""
+    import tensorflow as tf
+
+    import tpu_scale
+
+    strategy = tpu_scale.create_strategy(num_cpu_replicas=replicas)
+    recipe = recipe_for_batch(64, 2, steps_per_epoch=8)
+    rng = np.random.default_rng(0)
+    x = rng.random((512, 4), dtype=np.float32)
+    y = (x.sum(axis=1) > 2).astype(np.int64)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(64)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input([4]), keras.layers.Dense(8), keras.layers.Dense(2)])
+        model.compile(
+            recipe.build_optimizer(8, 2),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    def weights():
+        return [w.numpy().copy() for w in model.trainable_weights]
+
+    class Record(keras.callbacks.Callback):
+        """The first epoch's trained weights and average at its last step, the weights its
+        validation evaluates, and the weights the second epoch starts from."""
+
+        seen = {}
+
+        def on_train_batch_end(self, batch, logs=None):
+            if "evaluated" not in self.seen:
+                average = self.model.optimizer._model_variables_moving_average
+                self.seen.update(trained=weights(), average=[v.numpy().copy() for v in average])
+
+        def on_test_begin(self, logs=None):
+            self.seen.setdefault("evaluated", weights())
+
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                self.seen["resumed"] = weights()
+
+    record = Record()
+    model.fit(data, validation_data=data, epochs=2, verbose=0, callbacks=recipe.callbacks() + [record])
+    seen = record.seen
+    for evaluated, average, trained, resumed in zip(
+        seen["evaluated"], seen["average"], seen["trained"], seen["resumed"]
+    ):
+        np.testing.assert_allclose(evaluated, average, atol=1e-6)
+        assert not np.allclose(evaluated, trained)
+        np.testing.assert_allclose(resumed, trained, atol=1e-6)
+    # fit ends with the average in the model (Keras's finalize_variable_values).
+    for final, average in zip(weights(), model.optimizer._model_variables_moving_average):
+        np.testing.assert_array_equal(final, average.numpy())
+
+
 def test_recipe_is_monotonic_in_batch_size():
     recipes = [recipe_for_batch(b) for b in BATCHES]
     names = [r.optimizer for r in recipes]
@@ -217,8 +295,9 @@ def test_recipe_with_settings_changes_only_the_settings_given():
     assert recipe.with_settings() == recipe
     assert changed.describe() == (
         f"sgd, peak LR 1.5, warmup {recipe.warmup_epochs:.2f} epochs, augmentation "
-        f"{recipe.augmentation}"
+        f"{recipe.augmentation}, weights averaged (EMA 0.9)"
     )
+    assert changed.with_settings(ema_momentum=0.0).describe().endswith(", weights as trained")
     with pytest.raises(TypeError, match="learning_rate"):
         recipe.with_settings(learning_rate=0.1)
 

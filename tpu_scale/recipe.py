@@ -53,6 +53,10 @@ LIGHT_AUGMENTATION_MIN_EPOCHS = 30
 WEIGHT_DECAY = 1e-4
 SMALL_DATA_WEIGHT_DECAY = 5e-4
 SMALL_DATA_EXAMPLES_PER_CLASS = 1_000
+# Momentum SGD's weights are evaluated and saved as their moving average (Keras's `use_ema`) with
+# this momentum: the package's batch norm's moving-statistics momentum, so that the averaged
+# weights and the statistics they are evaluated with cover the same last ~10 steps.
+EMA_MOMENTUM = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +81,9 @@ class Recipe:
         label_smoothing: Float, for `tpu_scale.losses.SmoothedSparseCategoricalCrossentropy`.
         augmentation: String, a key of `AUGMENTATIONS`: how strongly the training images are
             cropped and mirrored.
+        ema_momentum: Float, the momentum of the weights' moving average that is evaluated and
+            saved (Keras's `use_ema=True, ema_momentum=...`); 0 evaluates the weights themselves.
+            Evaluating in `fit` needs `keras.callbacks.SwapEMAWeights()` (`Recipe.callbacks`).
     """
 
     global_batch_size: int
@@ -91,6 +98,7 @@ class Recipe:
     eta: float = 0.001
     label_smoothing: float = 0.1
     augmentation: str = "imagenet"
+    ema_momentum: float = 0.0
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:
@@ -102,6 +110,11 @@ class Recipe:
                 f"`augmentation` must be one of {tuple(AUGMENTATIONS)}; received "
                 f"{self.augmentation!r}."
             )
+        if not 0.0 <= self.ema_momentum < 1.0:
+            raise ValueError(
+                f"`ema_momentum` must be in [0, 1): 0 (no moving average) or a momentum such as "
+                f"0.9; received {self.ema_momentum!r}."
+            )
 
     def with_settings(self, **settings):
         """A copy with the given settings changed; one given as None (a flag left unset) keeps the
@@ -112,7 +125,8 @@ class Recipe:
         """One line for a run's log: the optimizer, its peak rate, the warmup, the augmentation."""
         return (
             f"{self.optimizer}, peak LR {self.peak_learning_rate:.3g}, warmup "
-            f"{self.warmup_epochs:.2f} epochs, augmentation {self.augmentation}"
+            f"{self.warmup_epochs:.2f} epochs, augmentation {self.augmentation}, weights "
+            + (f"averaged (EMA {self.ema_momentum:g})" if self.ema_momentum else "as trained")
         )
 
     @property
@@ -120,6 +134,14 @@ class Recipe:
         """The `ImageNetInput` keyword arguments of the recipe's augmentation (training crop and
         flip, evaluation crop): pass them to both the training and the evaluation input."""
         return dict(AUGMENTATIONS[self.augmentation])
+
+    def callbacks(self):
+        """The `fit` callbacks the recipe's optimizer needs: with a moving average, Keras's
+        `SwapEMAWeights`, so that `fit`'s validation sees the averaged weights (`fit` itself puts
+        them in the model when it ends)."""
+        import keras
+
+        return [keras.callbacks.SwapEMAWeights()] if self.ema_momentum else []
 
     def schedule(self, steps_per_epoch, total_epochs):
         """The learning-rate schedule of a run.
@@ -151,7 +173,9 @@ class Recipe:
             learning_rate: Optional learning rate or schedule to use instead of
                 `self.schedule(steps_per_epoch, total_epochs)`.
             **kwargs: other arguments of the optimizer's constructor, e.g.
-                `gradient_accumulation_steps` or `clipnorm`.
+                `gradient_accumulation_steps` or `clipnorm` (accumulation needs a recipe
+                without a moving average, `ema_momentum=0.0`: Keras cannot run both under a
+                strategy).
 
         Returns:
             A `tpu_scale.optimizers.LARS` or a `keras.optimizers.SGD` whose weight decay
@@ -163,6 +187,12 @@ class Recipe:
 
         if learning_rate is None:
             learning_rate = self.schedule(steps_per_epoch, total_epochs)
+        if self.ema_momentum:
+            if kwargs.get("gradient_accumulation_steps"):
+                raise ValueError(
+                    f"The recipe evaluates a moving average of the weights (ema_momentum={self.ema_momentum:g}), which Keras cannot keep with gradient_accumulation_steps under a strategy: build the optimizer of recipe.with_settings(ema_momentum=0.0)."
+                )
+            kwargs = dict(use_ema=True, ema_momentum=self.ema_momentum, **kwargs)
         if self.optimizer == "lars":
             return optimizers.LARS(
                 learning_rate,
@@ -213,6 +243,8 @@ def recipe_for_batch(
     | | 1,000 training examples a class, else 1e-4; LARS 1e-4 (none on batch-norm parameters |
     | | and biases) |
     | label smoothing | 0.1 |
+    | weights evaluated and saved | SGD: their moving average, momentum 0.9 (Keras's `use_ema`; |
+    | | `Recipe.callbacks` for `fit`'s validation); LARS: the weights as trained |
     | augmentation | `default_augmentation(train_examples, total_epochs)`: ImageNet's crop and |
     | | flip from 100,000 examples (or unknown data); none below, light crops past 30 epochs |
 
@@ -223,7 +255,13 @@ def recipe_for_batch(
     ended highest on average while keeping the fast start that augmentation slows (`--weight_decay`,
     `--augmentation` and the other flags of `examples/train_imagenet.py` override each part).
     Label smoothing stays 0.1 and no setting depends on the image size: the datasets the rule was
-    checked on (4 and 10 classes, 28 to 64 pixels, grey and colour) asked for no other value. The
+    checked on (4 and 10 classes, 28 to 64 pixels, grey and colour) asked for no other value.
+    SGD's weights are evaluated as their moving average over the last ~10 steps, the window of the
+    batch norm's moving statistics (momentum 0.9): at the short-run rate the weights themselves
+    jump from step to step, and on the tuning sets the average, evaluated in the same runs, was
+    at 0.73-0.83 top-1 after 2 epochs where the weights were at 0.13-0.60, and ended equal (the
+    rate decays to 0, so the two meet); a longer window (0.95) lagged the statistics and sat at
+    chance for 2 epochs. The
     short-run rate, the warmup floor, the augmentation levels and the weight decay were chosen on
     two real datasets (scikit-learn's digits and animal silhouettes) and checked on three others
     the choice never saw (MNIST digits, solar-cell scans, colour digits on photos), against a
@@ -320,6 +358,7 @@ def recipe_for_batch(
         float(warmup),
         weight_decay=weight_decay,
         augmentation=augmentation,
+        ema_momentum=EMA_MOMENTUM if optimizer == "sgd" else 0.0,
     )
 
 
