@@ -227,6 +227,38 @@ def test_sharding_composes_with_gradient_accumulation(strategy):
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=3e-4)
 
 
+def test_sharding_composes_with_the_moving_average(strategy):
+    """Keras's `use_ema` (the recipe's momentum SGD) runs after the sharded update: the averaged
+    weights `fit` ends with equal the unsharded run's."""
+
+    def optimizer():
+        return keras.optimizers.SGD(0.1, momentum=0.9, use_ema=True, ema_momentum=0.9)
+
+    x, y = _data()
+    keras.utils.set_random_seed(1)
+    sharded = _model(_sharded((2, 4)), optimizer, dtype="float64")
+    initial = sharded.get_weights()
+    plain = _model(strategy, optimizer, weights=initial, dtype="float64")
+    averages = []
+    for model in (sharded, plain):
+        record = keras.callbacks.LambdaCallback(
+            on_train_batch_end=lambda batch, logs, model=model: averages.append(
+                [v.numpy() for v in model.optimizer._model_variables_moving_average]
+            )
+            if batch == STEPS - 1
+            else None
+        )
+        model.fit(x, y, batch_size=BATCH, shuffle=False, epochs=1, verbose=0, callbacks=[record])
+    for got, want, start in zip(sharded.get_weights(), plain.get_weights(), initial):
+        assert not np.allclose(want, start, atol=1e-2)
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
+    # fit ended with the last step's averages in the model, sharded and not.
+    for model, last in zip((sharded, plain), averages):
+        assert len(last) == len(model.trainable_weights)
+        for variable, average in zip(model.trainable_weights, last):
+            np.testing.assert_array_equal(variable.numpy(), average)
+
+
 @pytest.mark.parametrize(
     "shape, algorithm, pack_bytes",
     [
