@@ -22,11 +22,11 @@ augmentation, `tpu_scale.models.small_resnet`, for 15 epochs (batches up to 256)
                label smoothing, no strategy.
 
 Per (dataset, batch): the final validation top-1 of each variant, the best of them, and the
-default's distance to it. With --trained_weights_too, a variant whose weights are evaluated as
-their moving average (`Recipe.ema_momentum`) also records, every epoch of the same run, the top-1
-of the weights as trained (`trained_top_1_by_epoch`): the average against the weights it averages,
-on one trajectory, free of run-to-run noise. "Diverged" is a run whose final training loss is not finite or whose
-top-1 ends at chance.
+default's distance to it. "Diverged" is a run whose final training loss is not finite or whose
+top-1 ends at chance. With --trained_weights_too, a variant whose weights are evaluated as their
+moving average (`Recipe.ema_momentum`) also records, every epoch of the same run, the top-1 of the
+weights as trained (`trained_top_1_by_epoch`): the average against the weights it averages, on
+one trajectory, free of run-to-run noise.
 
 Usage:
     nice -n 5 python benchmarks/recipe_datasets.py                           # everything

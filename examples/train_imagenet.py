@@ -145,6 +145,14 @@ def check_flags(config, one_host):
     for name, value in ((name, getattr(config, name)) for name in counts):
         if value is not None and value < 1:
             raise ValueError(f"--{name}={value}: it must be at least 1.")
+    if config.ema_momentum is not None and not 0 <= config.ema_momentum < 1:
+        raise ValueError(f"--ema_momentum={config.ema_momentum}: give 0 (no average) or a momentum below 1, e.g. 0.9.")
+    if config.ema_momentum and config.gradient_accumulation_steps > 1:
+        raise ValueError(
+            f"--ema_momentum={config.ema_momentum} with --gradient_accumulation_steps="
+            f"{config.gradient_accumulation_steps}: Keras keeps no moving average of the weights "
+            "while accumulating under a strategy; leave --ema_momentum unset or give 0."
+        )
 
 
 def train(config, extra_callbacks=()):

@@ -124,6 +124,11 @@ def test_uint8_input_and_one_step_epochs_learn_and_report_a_rate(tmp_path):
         (dict(cache_evaluation="maybe"), "choose auto or yes or no"),
         (dict(num_cpu_replicas=0, mesh_shape=None), "--num_cpu_replicas=0: it must be at least 1"),
         (dict(gradient_accumulation_steps=0), "--gradient_accumulation_steps=0: it must be at"),
+        (dict(ema_momentum=1.0), "--ema_momentum=1.0: give 0 .* below 1"),
+        (
+            dict(ema_momentum=0.9, gradient_accumulation_steps=2),
+            "no moving average .* leave --ema_momentum unset or give 0",
+        ),
     ],
 )
 def test_bad_flags_fail_at_start(overrides, message):
