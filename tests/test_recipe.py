@@ -194,6 +194,7 @@ def test_fit_validates_the_averaged_weights_and_trains_on_its_own(replicas, cpu_
             recipe.build_optimizer(8, 2),
             keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
+
     def weights():
         return [w.numpy().copy() for w in model.trainable_weights]
 
@@ -201,7 +202,9 @@ def test_fit_validates_the_averaged_weights_and_trains_on_its_own(replicas, cpu_
         """The first epoch's trained weights and average at its last step, the weights its
         validation evaluates, and the weights the second epoch starts from."""
 
-        seen = {}
+        def __init__(self):
+            super().__init__()
+            self.seen = {}
 
         def on_train_batch_end(self, batch, logs=None):
             if "evaluated" not in self.seen:
