@@ -199,3 +199,25 @@ def test_run_converts_the_replica_function_as_tensorflow_does():
 
     results = tf.function(lambda: strategy.run(replica_fn))()
     assert [float(v) for v in strategy.experimental_local_results(results)] == [6.0] * 8
+
+
+def test_one_cpu_replica_reads_its_pipeline_without_fanning_out():
+    from tensorflow.python.data.ops.multi_device_iterator_ops import OwnedMultiDeviceIterator
+
+    def dataset_fn(context):
+        return tf.data.Dataset.range(10).batch(context.get_per_replica_batch_size(4))
+
+    def reader(distributed):
+        # The one worker's iterator: a MultiDeviceIterator when batches are fanned out to devices.
+        return iter(distributed)._iterators[0]._iterator
+
+    one = tpu_scale.create_strategy(num_cpu_replicas=1)
+    direct = one.distribute_datasets_from_function(dataset_fn)
+    assert not isinstance(reader(direct), OwnedMultiDeviceIterator)
+    assert [b.numpy().tolist() for b in direct] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    # Options the user gives are kept; several replicas keep TensorFlow's default.
+    given = one.distribute_datasets_from_function(dataset_fn, tf.distribute.InputOptions())
+    assert isinstance(reader(given), OwnedMultiDeviceIterator)
+    assert [b.numpy().tolist() for b in given] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    two = tpu_scale.create_strategy(num_cpu_replicas=2, gradient_reduction="native")
+    assert isinstance(reader(two.distribute_datasets_from_function(dataset_fn)), OwnedMultiDeviceIterator)

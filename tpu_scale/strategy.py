@@ -124,6 +124,30 @@ class MirroredStrategy(_MeshMixin, tf.distribute.MirroredStrategy):
         self._collective_key_base = _workarounds.next_collective_key_base()
         super().__init__(devices, cross_device_ops)
 
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        """`tf.distribute.Strategy.distribute_datasets_from_function`; with one replica on the
+        host's CPU and no `options` given, the replica reads its pipeline directly.
+
+        Why: the default input (`PER_WORKER`) fans every batch out to the replicas through a
+        `MultiDeviceIterator`, and Keras starts a new iterator for each `evaluate` (inside `fit`,
+        every epoch). With one replica on the CPU that pipeline already produces, there is
+        nothing to fan out or copy: `PER_REPLICA` input without fetching to a device gives the
+        same batches from a plain iterator, which starts in about half the time (0.11 s against
+        0.24 s on the one command's records pipeline).
+        """
+        if options is None and _one_host_cpu_replica(self):
+            options = tf.distribute.InputOptions(
+                experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA,
+                experimental_fetch_to_device=False,
+            )
+        return super().distribute_datasets_from_function(dataset_fn, options)
+
+
+def _one_host_cpu_replica(strategy):
+    """Whether `strategy` runs one replica, on a CPU of this host."""
+    devices = strategy.extended.worker_devices
+    return len(devices) == 1 and tf.DeviceSpec.from_string(devices[0]).device_type == "CPU"
+
 
 class TPUStrategy(_MeshMixin, tf.distribute.TPUStrategy):
     """`tf.distribute.TPUStrategy` that knows its replica mesh (the slice's torus)."""
