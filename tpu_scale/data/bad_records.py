@@ -281,128 +281,131 @@ def decode_skipping_bad(
         )
         return stop.insert(tf.constant([0], tf.int64), tf.reshape(message, [1]))
 
-    def one_iterator(iterator):
-        """The batches of one iterator, whose records' keys carry its number `iterator`."""
-        first_key = tf.bitwise.left_shift(iterator, SEQUENCE_BITS)
-
-        def parse_and_screen(number, records, draw=None):
-            origin, index, image_bytes, stored_label, fault = parse(records)
-            size = tf.size(index)
-            counted = records_read.assign_add(tf.cast(size, tf.int64))
-            sequence = first_key + number * PARSE_BATCH + tf.range(size, dtype=tf.int64)
-            record_names = tf.strings.join(["record ", tf.strings.as_string(index), " of ", origin])
-            # Every record is in the table from here on: one that goes missing is still named.
-            listed = names.insert(sequence, record_names)
-            with tf.control_dependencies([listed]):
-                fault, labels = record_faults(
-                    image_bytes, stored_label, fault, label_offset, num_classes
-                )
-            crop_seeds = make_crop_seeds(size, draw)
-            bad = tf.not_equal(fault, sources.OK)
-            parts = (image_bytes, labels, crop_seeds, sequence)
-
-            def drop_bad():
-                with tf.control_dependencies([counted]):
-                    reported = report(
-                        tf.boolean_mask(record_names, bad), tf.boolean_mask(fault, bad)
-                    )
-                with tf.control_dependencies([reported]):
-                    unlisted = names.remove(tf.boolean_mask(sequence, bad))
-                with tf.control_dependencies([unlisted]):
-                    good = tf.logical_not(bad)
-                    return tuple(tf.boolean_mask(part, good) for part in parts)
-
-            # Only a batch that holds a bad record is masked: masking copies every record.
-            image_bytes, labels, crop_seeds, sequence = tf.cond(
-                tf.reduce_any(bad), drop_bad, lambda: parts
-            )
-            with tf.control_dependencies([counted, listed]):
-                return tf.identity(image_bytes), labels, crop_seeds, sequence
-
-        data = records.batch(PARSE_BATCH).enumerate()
-        if is_training:
-            data = tf.data.Dataset.zip((data, tf.data.Dataset.random(seed=seed)))
-            data = data.map(
-                graph_function(lambda numbered, draw: parse_and_screen(*numbered, draw)),
-                num_parallel_calls=tf.data.AUTOTUNE,
-                deterministic=True,
-            )
-        else:
-            data = data.map(
-                graph_function(parse_and_screen),
-                num_parallel_calls=tf.data.AUTOTUNE,
-                deterministic=True,
-            )
-        data = data.unbatch()
-
-        def decode(image_bytes, label, crop_seed, sequence):
-            return (*decode_example(image_bytes, label, crop_seed), sequence)
-
-        # Decodes on every thread of the pipeline's pool: autotuning is off (the input pipeline's
-        # options), and AUTOTUNE would then stay at its start value, at most 16 however many
-        # cores a host has. The errors ignored after it are those of the decode alone: the
-        # stages before it never fail (the reader stops at a broken file, the parser is guarded,
-        # see `sources`).
-        examples = data.map(
-            graph_function(decode),
-            num_parallel_calls=DECODES_IN_FLIGHT * threads,
-            deterministic=True,
-        ).ignore_errors()
-        end_key = first_key + END_SEQUENCE
-        if not is_training:
-            blank = tf.zeros([image_size, image_size, 3], dtype)
-            end = (blank, tf.constant(-1, tf.int32), end_key)
-            examples = examples.concatenate(tf.data.Dataset.from_tensors(end))
-        examples = examples.batch(
-            batch_size,
-            # Training shapes must be static for the accelerator; evaluation keeps every example.
-            drop_remainder=is_training,
-        )
-
-        def account(images, labels, sequence):
-            taken = names.remove(sequence)
-            with tf.control_dependencies([taken]):
-                waiting, waiting_names = names.export()
-            waiting, waiting_names = tf.reshape(waiting, [-1]), tf.reshape(waiting_names, [-1])
-            owner = tf.bitwise.right_shift(waiting, SEQUENCE_BITS)
-            lost = tf.equal(owner, iterator) & (waiting < tf.reduce_max(sequence))
-            # Left behind by an earlier iterator, which no longer takes records out.
-            abandoned = owner < iterator
-
-            def report_lost():
-                lost_names = tf.boolean_mask(waiting_names, lost)
-                codes = tf.fill(tf.shape(lost_names), sources.UNDECODABLE)
-                with tf.control_dependencies([report(lost_names, codes)]):
-                    return tf.constant(True)
-
-            gone = lost | abandoned
-
-            def remove_gone():
-                with tf.control_dependencies([names.remove(tf.boolean_mask(waiting, gone))]):
-                    return tf.constant(True)
-
-            reported = tf.cond(tf.reduce_any(lost), report_lost, lambda: tf.constant(False))
-            with tf.control_dependencies([reported]):
-                removed = tf.cond(tf.reduce_any(gone), remove_gone, lambda: tf.constant(False))
-            with tf.control_dependencies([removed]):
-                message = stop.lookup(tf.constant([0], tf.int64))[0]
-            check = tf.debugging.Assert(tf.equal(message, ""), [message])
-            with tf.control_dependencies([check]):
-                if is_training:
-                    return tf.identity(images), tf.identity(labels)
-                # Only the last batch holds the end marker (as its last row).
-                count = tf.reduce_sum(tf.cast(tf.not_equal(sequence, end_key), tf.int32))
-                return images[:count], labels[:count]
-
-        examples = examples.map(graph_function(account))
-        if not is_training:
-            examples = examples.filter(graph_function(lambda images, labels: tf.size(labels) > 0))
-        return examples
-
-    # The iterator's number is drawn once, when it starts.
+    # Every iterator draws its number once, when it starts, and has it with each batch of records.
+    # (The number travels with the records, not in a `flat_map` over the whole pipeline: a
+    # pipeline built inside a function is built again at every iterator's start.)
     start = tf.data.Dataset.from_tensors(tf.constant(1, tf.int64))
     start = start.map(graph_function(lambda one: iterators_started.assign_add(one)))
-    return start.flat_map(graph_function(one_iterator))
+    numbers = start.flat_map(graph_function(lambda n: tf.data.Dataset.from_tensors(n).repeat()))
+    if not is_training:
+        with tf.init_scope():
+            # The image of the marker that ends an evaluation pass: decodable, and cut off.
+            end_image = tf.io.encode_jpeg(tf.zeros([image_size, image_size, 3], tf.uint8))
+
+    def parse_and_screen(numbered, iterator, draw=None):
+        number, records = numbered
+        origin, index, image_bytes, stored_label, fault = parse(records)
+        size = tf.size(index)
+        counted = records_read.assign_add(tf.cast(size, tf.int64))
+        first_key = tf.bitwise.left_shift(iterator, SEQUENCE_BITS)
+        sequence = first_key + number * PARSE_BATCH + tf.range(size, dtype=tf.int64)
+        record_names = tf.strings.join(["record ", tf.strings.as_string(index), " of ", origin])
+        # Every record is in the table from here on: one that goes missing is still named.
+        listed = names.insert(sequence, record_names)
+        with tf.control_dependencies([listed]):
+            fault, labels = record_faults(
+                image_bytes, stored_label, fault, label_offset, num_classes
+            )
+        crop_seeds = make_crop_seeds(size, draw)
+        bad = tf.not_equal(fault, sources.OK)
+        parts = (image_bytes, labels, crop_seeds, sequence)
+
+        def drop_bad():
+            with tf.control_dependencies([counted]):
+                reported = report(tf.boolean_mask(record_names, bad), tf.boolean_mask(fault, bad))
+            with tf.control_dependencies([reported]):
+                unlisted = names.remove(tf.boolean_mask(sequence, bad))
+            with tf.control_dependencies([unlisted]):
+                good = tf.logical_not(bad)
+                return tuple(tf.boolean_mask(part, good) for part in parts)
+
+        # Only a batch that holds a bad record is masked: masking copies every record.
+        parts = tf.cond(tf.reduce_any(bad), drop_bad, lambda: parts)
+        if not is_training:
+            # The pass's last element (number -1, no records) adds its end marker.
+            ends = tf.cast(tf.less(number, 0), tf.int32)
+            end = (end_image, tf.constant(-1, tf.int32), tf.zeros([2], tf.int64))
+            end += (first_key + END_SEQUENCE,)
+            parts = tuple(
+                tf.concat([part, tf.repeat(e[tf.newaxis], ends, axis=0)], 0)
+                for part, e in zip(parts, end)
+            )
+        with tf.control_dependencies([counted, listed]):
+            return tuple(tf.identity(part) for part in parts)
+
+    data = records.batch(PARSE_BATCH).enumerate()
+    if is_training:
+        data = tf.data.Dataset.zip((data, numbers, tf.data.Dataset.random(seed=seed)))
+    else:
+        empty = tuple(tf.zeros([0], spec.dtype) for spec in data.element_spec[1])
+        data = data.concatenate(tf.data.Dataset.from_tensors((tf.constant(-1, tf.int64), empty)))
+        data = tf.data.Dataset.zip((data, numbers))
+    data = data.map(
+        graph_function(parse_and_screen), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True
+    )
+    data = data.unbatch()
+
+    def decode(image_bytes, label, crop_seed, sequence):
+        return (*decode_example(image_bytes, label, crop_seed), sequence)
+
+    # Decodes on every thread of the pipeline's pool: autotuning is off (the input pipeline's
+    # options), and AUTOTUNE would then stay at its start value, at most 16 however many
+    # cores a host has. The errors ignored after it are those of the decode alone: the
+    # stages before it never fail (the reader stops at a broken file, the parser is guarded,
+    # see `sources`).
+    examples = data.map(
+        graph_function(decode),
+        num_parallel_calls=DECODES_IN_FLIGHT * threads,
+        deterministic=True,
+    ).ignore_errors()
+    examples = examples.batch(
+        batch_size,
+        # Training shapes must be static for the accelerator; evaluation keeps every example.
+        drop_remainder=is_training,
+    )
+
+    def account(images, labels, sequence):
+        # A batch holds the records of one iterator, whose number is above their places.
+        iterator = tf.bitwise.right_shift(sequence[0], SEQUENCE_BITS)
+        end_key = tf.bitwise.left_shift(iterator, SEQUENCE_BITS) + END_SEQUENCE
+        taken = names.remove(sequence)
+        with tf.control_dependencies([taken]):
+            waiting, waiting_names = names.export()
+        waiting, waiting_names = tf.reshape(waiting, [-1]), tf.reshape(waiting_names, [-1])
+        owner = tf.bitwise.right_shift(waiting, SEQUENCE_BITS)
+        lost = tf.equal(owner, iterator) & (waiting < tf.reduce_max(sequence))
+        # Left behind by an earlier iterator, which no longer takes records out.
+        abandoned = owner < iterator
+
+        def report_lost():
+            lost_names = tf.boolean_mask(waiting_names, lost)
+            codes = tf.fill(tf.shape(lost_names), sources.UNDECODABLE)
+            with tf.control_dependencies([report(lost_names, codes)]):
+                return tf.constant(True)
+
+        gone = lost | abandoned
+
+        def remove_gone():
+            with tf.control_dependencies([names.remove(tf.boolean_mask(waiting, gone))]):
+                return tf.constant(True)
+
+        reported = tf.cond(tf.reduce_any(lost), report_lost, lambda: tf.constant(False))
+        with tf.control_dependencies([reported]):
+            removed = tf.cond(tf.reduce_any(gone), remove_gone, lambda: tf.constant(False))
+        with tf.control_dependencies([removed]):
+            message = stop.lookup(tf.constant([0], tf.int64))[0]
+        check = tf.debugging.Assert(tf.equal(message, ""), [message])
+        with tf.control_dependencies([check]):
+            if is_training:
+                return tf.identity(images), tf.identity(labels)
+            # Only the last batch holds the end marker (as its last row).
+            count = tf.reduce_sum(tf.cast(tf.not_equal(sequence, end_key), tf.int32))
+            return images[:count], labels[:count]
+
+    examples = examples.map(graph_function(account))
+    if not is_training:
+        examples = examples.filter(graph_function(lambda images, labels: tf.size(labels) > 0))
+    return examples
 
 
 class SkippedRecordsLogger(keras.callbacks.Callback):
