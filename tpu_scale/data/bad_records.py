@@ -312,12 +312,14 @@ def decode_skipping_bad(
 
         def drop_bad():
             with tf.control_dependencies([counted]):
-                reported = report(tf.boolean_mask(record_names, bad), tf.boolean_mask(fault, bad))
+                at = tf.where(bad)[:, 0]
+                reported = report(tf.gather(record_names, at), tf.gather(fault, at))
             with tf.control_dependencies([reported]):
-                unlisted = names.remove(tf.boolean_mask(sequence, bad))
+                unlisted = names.remove(tf.gather(sequence, at))
             with tf.control_dependencies([unlisted]):
-                good = tf.logical_not(bad)
-                return tuple(tf.boolean_mask(part, good) for part in parts)
+                # One index vector for every part (a boolean mask would build its own for each).
+                good = tf.where(tf.logical_not(bad))[:, 0]
+                return tuple(tf.gather(part, good) for part in parts)
 
         # Only a batch that holds a bad record is masked: masking copies every record.
         parts = tf.cond(tf.reduce_any(bad), drop_bad, lambda: parts)
@@ -326,10 +328,7 @@ def decode_skipping_bad(
             ends = tf.cast(tf.less(number, 0), tf.int32)
             end = (end_image, tf.constant(-1, tf.int32), tf.zeros([2], tf.int64))
             end += (first_key + END_SEQUENCE,)
-            parts = tuple(
-                tf.concat([part, tf.repeat(e[tf.newaxis], ends, axis=0)], 0)
-                for part, e in zip(parts, end)
-            )
+            parts = tuple(tf.concat([part, e[tf.newaxis][:ends]], 0) for part, e in zip(parts, end))
         with tf.control_dependencies([counted, listed]):
             return tuple(tf.identity(part) for part in parts)
 

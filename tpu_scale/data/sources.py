@@ -98,8 +98,8 @@ class Shard:
 def _without_complete_ends(parts, at_end, file_fault):
     """The `parts` of a batch of records without its end markers, but for those that report a file
     that stopped early (`file_fault`)."""
-    kept = file_fault | tf.logical_not(at_end)
-    return tuple(tf.boolean_mask(part, kept) for part in parts)
+    kept = tf.where(file_fault | tf.logical_not(at_end))[:, 0]
+    return tuple(tf.gather(part, kept) for part in parts)
 
 
 def expand_patterns(file_pattern):
