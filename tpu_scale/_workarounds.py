@@ -357,8 +357,9 @@ def empty_batch_convolutions():
     `TF_ENABLE_ONEDNN_OPTS=0` the shape is right.
 
     The guard: where `convolution_drops_empty_batches()` finds the fault, each listed Keras layer
-    class runs its `call` under a `tf.cond` on the batch size, and an empty batch gets the layer's
-    output for one all-zero example, sliced to zero rows (right shape and dtype, no data). A batch
+    class's `call` is given one all-zero example in place of an empty batch (a `tf.cond` on the
+    batch size, around the inputs only), and its output is cut to the batch's size: zero rows of
+    the right shape and dtype for an empty batch, the whole output otherwise. A batch
     whose size is known and non-zero when the step is traced (TPU, `drop_remainder=True`) adds
     nothing. Subclasses of these layers inherit the guard. Elsewhere nothing is changed.
 
@@ -401,13 +402,16 @@ def _guard_empty_batch(call):
         if not tf.is_tensor(inputs) or (inputs.shape.rank and inputs.shape[0]):
             return call(self, inputs, *args, **kwargs)
 
-        def one_example():
-            zeros = tf.zeros(tf.concat([[1], tf.shape(inputs)[1:]], 0), inputs.dtype)
-            return call(self, zeros, *args, **kwargs)[:0]
-
-        return tf.cond(
-            tf.shape(inputs)[0] > 0, lambda: call(self, inputs, *args, **kwargs), one_example
+        # An empty batch gives way to one all-zero example, whose output is then cut to the
+        # batch's size: zero rows of the right shape and dtype. Only the inputs go through the
+        # `tf.cond`, so `call` is traced once.
+        size = tf.shape(inputs)[0]
+        never_empty = tf.cond(
+            size > 0,
+            lambda: inputs,
+            lambda: tf.zeros(tf.concat([[1], tf.shape(inputs)[1:]], 0), inputs.dtype),
         )
+        return call(self, never_empty, *args, **kwargs)[:size]
 
     guarded._empty_batch_guard = True
     return guarded
