@@ -219,7 +219,6 @@ def decode_skipping_bad(
     batch_size,
     threads,
     image_size,
-    dtype,
 ):
     """Parses, checks, decodes and batches the records, skipping, naming and counting bad ones.
 
@@ -263,7 +262,6 @@ def decode_skipping_bad(
       batch_size: examples per batch.
       threads: the threads of the pipeline's pool.
       image_size: the images' height and width.
-      dtype: the images' dtype.
 
     Returns:
       A dataset of `(images, labels)` batches.

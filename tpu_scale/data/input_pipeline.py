@@ -384,7 +384,6 @@ class ImageNetInput:
                 batch_size=batch_size,
                 threads=self._threads,
                 image_size=self.image_size,
-                dtype=self.dtype,
             )
         if self.pad_last_batch:
             examples = examples.map(
