@@ -41,7 +41,8 @@ def test_recipe_below_16k_is_momentum_sgd_on_the_linear_rule(batch):
     recipe = recipe_for_batch(batch)
     assert recipe.optimizer == "sgd" and recipe.nesterov
     assert recipe.peak_learning_rate == pytest.approx(0.1 * batch / 256)
-    assert recipe.warmup_epochs == 2.0
+    # Two epochs of warmup from batch 256, proportionally fewer below.
+    assert recipe.warmup_epochs == pytest.approx(2.0 * min(1.0, batch / 256))
 
 
 def test_short_runs_get_a_higher_rate():
@@ -96,7 +97,10 @@ def test_recipe_warmup_lasts_enough_steps():
     # ... but never more than 40% of the run.
     assert recipe_for_batch(512, 20, steps_per_epoch=3).warmup_epochs == pytest.approx(8.0)
     # Enough steps an epoch: the rule's epochs.
-    assert recipe_for_batch(64, 15, steps_per_epoch=63).warmup_epochs == 2.0
+    assert recipe_for_batch(256, 15, steps_per_epoch=63).warmup_epochs == 2.0
+    assert recipe_for_batch(64, 15, steps_per_epoch=300).warmup_epochs == 0.5
+    # A small batch's shorter warmup still lasts 50 steps: 0.5 epochs of 70 steps would be 35.
+    assert recipe_for_batch(64, 15, steps_per_epoch=70).warmup_epochs == pytest.approx(50 / 70)
     imagenet = recipe_for_batch(32768, 72, steps_per_epoch=1281167 // 32768)
     assert imagenet.warmup_epochs == 12.0
 
@@ -252,8 +256,9 @@ def test_recipe_is_monotonic_in_batch_size():
 
 def test_recipe_warmup_fits_the_run():
     assert recipe_for_batch(65536, total_epochs=50).warmup_epochs == pytest.approx(20.0)
-    assert recipe_for_batch(64, total_epochs=4).warmup_epochs == pytest.approx(1.6)
-    assert recipe_for_batch(64, total_epochs=40).warmup_epochs == 2.0
+    assert recipe_for_batch(256, total_epochs=4).warmup_epochs == pytest.approx(1.6)
+    assert recipe_for_batch(256, total_epochs=40).warmup_epochs == 2.0
+    assert recipe_for_batch(64, total_epochs=1).warmup_epochs == pytest.approx(0.4)
     schedule = recipe_for_batch(16384).schedule(steps_per_epoch=10, total_epochs=10)
     assert (schedule.warmup_steps, schedule.total_steps) == (40, 100)
     assert _lr(schedule, 40) == pytest.approx(25.0)
