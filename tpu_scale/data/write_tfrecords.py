@@ -93,6 +93,7 @@ from tpu_scale.data.reencode import (  # noqa: E402
     decode_in_graph,
 )
 from tpu_scale.data.schema import LABEL_MAP_FILE  # noqa: E402
+from tpu_scale.data.sources import graph_function  # noqa: E402
 
 # Images handed from the decoding pipeline to Python at a time: enough to spread the hand-over's
 # cost, few enough that a batch of camera photos (a few MB each) stays small.
@@ -120,7 +121,7 @@ def _converted_images(plan, num_threads):
         tf.data.Dataset.from_tensor_slices((tf.range(len(images), dtype=tf.int64), paths))
         # In order (whatever the pipeline's options say): a missing index is a dropped file.
         .map(
-            _read_and_decode,
+            graph_function(_read_and_decode),
             num_parallel_calls=num_threads or tf.data.AUTOTUNE,
             deterministic=True,
         )
