@@ -270,11 +270,12 @@ def recipe_for_batch(
     chance for 2 epochs. Below batch 256 the warmup is shorter, down to its floor of 50 steps:
     on animals at batch 64 (seeds 0-2) 50 steps (0.89 epochs) in place of 2 epochs put the top-1
     after the first epoch at 0.64-0.68 against 0.51-0.58 and after the second at 0.85-0.87
-    against 0.81-0.83, and ended at 0.950-0.978 against 0.965-0.978. The short-run rate, the warmup floor, the augmentation levels and the weight decay were chosen on
-    two real datasets (scikit-learn's digits and animal silhouettes) and checked on three others
-    the choice never saw (MNIST digits, solar-cell scans, colour digits on photos), against a
-    sweep around the default, against Adam with its defaults and against a practised Keras
-    script (`benchmarks/recipe_datasets.py`, `benchmarks/time_to_accuracy.py`; figures in
+    against 0.81-0.83, and ended at 0.950-0.978 against 0.965-0.978. The short-run rate, the
+    warmup floor, the augmentation levels and the weight decay were chosen on two real datasets
+    (scikit-learn's digits and animal silhouettes) and checked on three others the choice never
+    saw (MNIST digits, solar-cell scans, colour digits on photos), against a sweep around the
+    default, against Adam with its defaults and against a practised Keras script
+    (`benchmarks/recipe_datasets.py`, `benchmarks/time_to_accuracy.py`; figures in
     `benchmarks/README.md`). LARS below 16K lost to momentum SGD there at every rate tried, which
     is why the paper's LARS settings are kept for the batch sizes they were found at and nowhere
     else.
