@@ -9,7 +9,10 @@ import pytest
 
 from tpu_scale.testing import run_workers
 
-pytestmark = pytest.mark.multiprocess
+# One cluster (the module's fixture) serves every test here: under pytest-xdist's `--dist
+# loadgroup` they run on one worker, so that the cluster starts once instead of once per worker,
+# two at a time.
+pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("torus_multiworker")]
 
 SHAPES = [(1,), (7,), (1003,), (3, 5), (2, 3, 4)] + [(i % 5 + 1, 3) for i in range(30)]
 DTYPES = ["float32", "float32", "float32", "bfloat16", "float16"] + ["float32", "bfloat16"] * 15

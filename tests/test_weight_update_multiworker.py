@@ -12,7 +12,10 @@ import pytest
 
 from tpu_scale.testing import run_workers
 
-pytestmark = pytest.mark.multiprocess
+# One cluster (the module's fixture) serves every test here: under pytest-xdist's `--dist
+# loadgroup` they run on one worker, so that the cluster starts once instead of once per worker,
+# two at a time.
+pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("weight_update_multiworker")]
 
 # (optimizer, its options, the layers' dtype policy, the strategy's settings), as in
 # test_weight_update_sharding; a name ending in "_eager" trains with run_eagerly=True (the
