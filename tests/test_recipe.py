@@ -99,8 +99,14 @@ def test_recipe_warmup_lasts_enough_steps():
     # Enough steps an epoch: the rule's epochs.
     assert recipe_for_batch(256, 15, steps_per_epoch=63).warmup_epochs == 2.0
     assert recipe_for_batch(64, 15, steps_per_epoch=300).warmup_epochs == 0.5
-    # A small batch's shorter warmup still lasts 50 steps: 0.5 epochs of 70 steps would be 35.
-    assert recipe_for_batch(64, 15, steps_per_epoch=70).warmup_epochs == pytest.approx(50 / 70)
+    # Below batch 256 momentum SGD's floor shrinks with its warmup: 12.5 steps at batch 64, 25 at
+    # 128, so 0.5 epochs of 70 steps (35) is long enough, and 0.5 epochs of 10 steps is not.
+    assert recipe_for_batch(64, 15, steps_per_epoch=70).warmup_epochs == 0.5
+    assert recipe_for_batch(64, 15, steps_per_epoch=10).warmup_epochs == pytest.approx(1.25)
+    assert recipe_for_batch(128, 15, steps_per_epoch=10).warmup_epochs == pytest.approx(2.5)
+    # LARS keeps the whole floor at any batch: 50 steps of 5 an epoch are 10 epochs, not 5.
+    lars = recipe_for_batch(1024, 90, steps_per_epoch=5, optimizer="lars")
+    assert lars.warmup_epochs == pytest.approx(10.0)
     imagenet = recipe_for_batch(32768, 72, steps_per_epoch=1281167 // 32768)
     assert imagenet.warmup_epochs == 12.0
 
