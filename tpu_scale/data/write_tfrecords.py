@@ -109,11 +109,11 @@ def _converted_images(plan, num_threads):
     """`convert_image` of every image of `plan`, shard after shard, in the plan's order.
 
     The reading and decoding, most of the per-image work, run in a `tf.data` pipeline of
-    `num_threads` parallel calls (default: the CPU count), outside Python's global lock. What is left, the header checks and
-    the records, and for a photo its EXIF turn (Pillow's decode and a re-encode, which release the
-    lock too), runs on `num_threads` threads, a batch of decoded images at a time, in order. A
-    file the pipeline could not read or decode is left out of it (`ignore_errors`) and goes
-    through `convert_image`'s own reading, which says why it is skipped.
+    `num_threads` parallel calls (default: the CPU count), outside Python's global lock. What is
+    left, the header checks and the records, and for a photo its EXIF turn (Pillow's decode and a
+    re-encode, which release the lock too), runs on as many threads, a batch of decoded images at
+    a time, in order. A file the pipeline could not read or decode is left out of it
+    (`ignore_errors`) and goes through `convert_image`'s own reading, which says why it is skipped.
     """
     images = [image for shard in plan.shards for image in shard.images]
     paths = tf.constant([path for path, _ in images], dtype=tf.string)
