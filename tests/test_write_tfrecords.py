@@ -504,6 +504,48 @@ def test_exif_rotated_photos_are_stored_upright(tmp_path, orientation):
         assert np.abs(got.astype(int) - np.asarray(photo).astype(int)).mean() > 20.0
 
 
+def test_jpeg_headers_are_read_as_pillow_reads_them_and_xmp_turns_a_photo_too():
+    """The writer asks Pillow for a JPEG's header (size, components, orientation) only when the
+    file holds an orientation tag; otherwise TensorFlow's decoder reads it, in the pipeline or on
+    its own. Both readings give Pillow's answer for every kind of JPEG, and a photo whose only
+    tag is XMP's `tiff:Orientation` is still stored upright."""
+    from sklearn.datasets import load_sample_image
+
+    from tpu_scale.data import reencode
+
+    photo = Image.fromarray(load_sample_image("china.jpg")[150:214, 300:380])  # 64 x 80
+    turned, upright = Image.Exif(), Image.Exif()
+    turned[0x0112], upright[0x0112] = 6, 1
+    xmp = (
+        b'<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/'
+        b'22-rdf-syntax-ns#"><rdf:Description xmlns:tiff="http://ns.adobe.com/tiff/1.0/" '
+        b'tiff:Orientation="6"/></rdf:RDF></x:xmpmeta>'
+    )
+    jpegs = {
+        "rgb": _encoded(photo, "JPEG"),
+        "grey": _encoded(photo.convert("L"), "JPEG"),
+        "cmyk": _encoded(photo.convert("CMYK"), "JPEG"),
+        "progressive": _saved(photo, "JPEG", progressive=True),
+        "exif upright": _saved(photo, "JPEG", exif=upright.tobytes()),
+        "exif turned": _saved(photo, "JPEG", exif=turned.tobytes()),
+        "xmp turned": _saved(photo, "JPEG", xmp=xmp),
+    }
+    for name, jpeg in jpegs.items():
+        in_graph = reencode.decode_in_graph(tf.constant(jpeg))
+        height, width, reencoded, channels = (v.numpy() for v in in_graph)
+        decoded = reencode.Decoded(int(height), int(width), reencoded, int(channels))
+        expected = reencode._pillow_header(jpeg)
+        assert reencode._jpeg_header(jpeg) == expected, name
+        assert reencode._jpeg_header(jpeg, decoded) == expected, name
+    assert [reencode._pillow_header(jpegs[n])[2:] for n in ("grey", "cmyk", "xmp turned")] == [
+        (1, 1),
+        (4, 1),
+        (3, 6),
+    ]
+    stored, height, width, reencoded = write_module.as_rgb_jpeg(jpegs["xmp turned"])
+    assert reencoded and (height, width) == (80, 64)
+
+
 def test_image_folder_records_converts_once_and_names_the_skipped_files(tmp_path, caplog):
     from tpu_scale import data
 

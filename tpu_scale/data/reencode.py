@@ -21,6 +21,9 @@ UNREADABLE = "unreadable file"
 
 _REENCODE_QUALITY = 95
 _EXIF_ORIENTATION = 0x0112
+# A JPEG holding none of these holds no orientation tag that Pillow's `getexif` reads (an EXIF
+# segment starts "Exif", an XMP packet's tag is "tiff:Orientation"), so it is upright.
+_ORIENTATION_MARKERS = (b"Exif\x00", b"Orientation")
 
 
 class Decoded(NamedTuple):
@@ -31,11 +34,14 @@ class Decoded(NamedTuple):
       width: the image width.
       jpeg: the RGB JPEG re-encoding of an image in another format (PNG, GIF, BMP, WebP); empty
         for a JPEG, which `checked_jpeg` keeps as it is or re-encodes itself.
+      channels: a JPEG's colour components as its header states them (1 grey, 3 colour, 4 CMYK);
+        3 for the other formats, decoded to RGB.
     """
 
     height: int
     width: int
     jpeg: bytes
+    channels: int = 3
 
 
 class Skip(Exception):
@@ -84,9 +90,9 @@ def checked_jpeg(image_bytes, decoded=None):
         if not image_ops.is_complete_jpeg_bytes(image_bytes):
             raise Skip(CORRUPT_JPEG)
         try:
-            # Pillow reads the header only (size, components, EXIF); TensorFlow's decoder, the one
-            # the input pipeline runs, decodes the whole file.
-            height, width, channels, orientation = _jpeg_header(image_bytes)
+            # The header (size, components, orientation), and TensorFlow's decoder, the one the
+            # input pipeline runs, on the whole file.
+            height, width, channels, orientation = _jpeg_header(image_bytes, decoded)
             pixels = None if decoded is not None else tf.io.decode_jpeg(image_bytes, channels=3)
         except (tf.errors.InvalidArgumentError, OSError, SyntaxError, ValueError):
             raise Skip(CORRUPT_JPEG) from None
@@ -123,19 +129,38 @@ def decode_in_graph(image_bytes):
     """
 
     def jpeg():
-        return tf.shape(tf.io.decode_jpeg(image_bytes, channels=3))[:2], tf.constant(b"")
+        shape = tf.shape(tf.io.decode_jpeg(image_bytes, channels=3))[:2]
+        return shape, tf.constant(b""), tf.io.extract_jpeg_shape(image_bytes)[2]
 
     def other():
         pixels = tf.io.decode_image(image_bytes, channels=3, expand_animations=False)
-        return tf.shape(pixels)[:2], tf.io.encode_jpeg(pixels, quality=_REENCODE_QUALITY)
+        reencoded = tf.io.encode_jpeg(pixels, quality=_REENCODE_QUALITY)
+        return tf.shape(pixels)[:2], reencoded, tf.constant(3)
 
-    shape, reencoded = tf.cond(image_ops.is_jpeg(image_bytes), jpeg, other)
-    return Decoded(shape[0], shape[1], reencoded)
+    shape, reencoded, channels = tf.cond(image_ops.is_jpeg(image_bytes), jpeg, other)
+    return Decoded(shape[0], shape[1], reencoded, channels)
 
 
-def _jpeg_header(jpeg_bytes):
-    """`(height, width, components, EXIF orientation)` of a JPEG, read by Pillow from its header
-    (orientation 1, upright, when there is no tag)."""
+def _jpeg_header(jpeg_bytes, decoded=None):
+    """`(height, width, components, EXIF orientation)` of a JPEG (orientation 1, upright, when
+    there is no tag).
+
+    Pillow reads the orientation from the header's EXIF segment or XMP packet, and the size and
+    components with it. A JPEG without either (most files that are not camera photos) is upright,
+    and its size and components are those TensorFlow's decoder reads from the same header: from
+    `decoded` when the pipeline has read them, else here. Pillow's header parse, in Python, is
+    most of a small image's conversion time.
+    """
+    if not any(marker in jpeg_bytes for marker in _ORIENTATION_MARKERS):
+        if decoded is None:
+            height, width, channels = tf.io.extract_jpeg_shape(jpeg_bytes).numpy().tolist()
+            return height, width, channels, 1
+        return decoded.height, decoded.width, decoded.channels, 1
+    return _pillow_header(jpeg_bytes)
+
+
+def _pillow_header(jpeg_bytes):
+    """`_jpeg_header`, read by Pillow."""
     from PIL import Image
 
     with Image.open(io.BytesIO(jpeg_bytes)) as image:

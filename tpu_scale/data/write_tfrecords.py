@@ -143,11 +143,14 @@ def _converted_images(plan, num_threads):
 
     position = 0
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        for indices, raws, heights, widths, jpegs in decoded.as_numpy_iterator():
+        for indices, raws, heights, widths, jpegs, channels in decoded.as_numpy_iterator():
             work = []
-            for index, raw, height, width, jpeg in zip(indices, raws, heights, widths, jpegs):
+            for index, raw, height, width, jpeg, channel_count in zip(
+                indices, raws, heights, widths, jpegs, channels
+            ):
                 work += [(image, None) for image in images[position:index]]  # dropped
-                work.append((images[index], (raw, Decoded(int(height), int(width), jpeg))))
+                decode = Decoded(int(height), int(width), jpeg, int(channel_count))
+                work.append((images[index], (raw, decode)))
                 position = index + 1
             yield from pool.map(convert, work)
         yield from pool.map(convert, [(image, None) for image in images[position:]])
