@@ -45,7 +45,8 @@ def _entries(folder):
 
     A local folder is read with one `os.scandir`, which knows each entry's type from the listing
     (a link by its target, as `tf.io.gfile.isdir`); a remote one (`gs://...`) through
-    `tf.io.gfile`, one call per entry (50 ms for 5,000 local files against 3 ms).
+    `tf.io.gfile`, one call per entry (listing 5,000 local files took 50 ms that way, 6-8 ms
+    with `os.scandir`).
     """
     if "://" not in folder:
         with os.scandir(folder) as found:
