@@ -41,7 +41,7 @@ class Decoded(NamedTuple):
     height: int
     width: int
     jpeg: bytes
-    channels: int = 3
+    channels: int
 
 
 class Skip(Exception):
