@@ -61,6 +61,9 @@ import tpu_scale  # noqa: E402
 from tpu_scale import cluster  # noqa: E402
 from tpu_scale.mesh import parse_mesh_shape, smallest_group_for_span  # noqa: E402
 
+# Set by the command line, which loads TensorFlow with Python's cycle collector off (see __main__).
+_collector_off_while_loading = False
+
 
 def flag(default, text):
     return dataclasses.field(default=default, metadata={"help": text})
@@ -185,7 +188,9 @@ def train(config, extra_callbacks=()):
     from tpu_scale import callbacks, checkpointing, data, losses, models, plan, training
     from tpu_scale.recipe import recipe_for_batch
 
-    if not gc.isenabled():  # the command line's start (see __main__): everything is loaded now
+    global _collector_off_while_loading
+    if _collector_off_while_loading:  # the command line's start (see __main__): all is loaded now
+        _collector_off_while_loading = False
         gc.freeze()
         gc.enable()
 
@@ -386,6 +391,7 @@ if __name__ == "__main__":
     # and those objects live as long as the process: the collector is off until `train` has them
     # loaded, then frozen out of its reach (`gc.freeze`) and on again.
     gc.disable()
+    _collector_off_while_loading = True
     # TensorFlow's own INFO lines (one per reduction it traces) would drown the progress lines.
     import logging as python_logging
 

@@ -4,6 +4,7 @@ The library it is built on has its own tests (test_records.py, test_evaluation.p
 test_training.py); these check what the script adds: its flags, its messages and its report.
 """
 
+import gc
 import json
 import os
 import sys
@@ -101,7 +102,14 @@ def test_uint8_input_and_one_step_epochs_learn_and_report_a_rate(tmp_path):
     assert record["images_per_second"] > 0 and record["wall_seconds"] > 0
     # 5 validation images, a global batch of 64 on 2 replicas: one replica gets them all, the
     # other an empty batch; the evaluation counts the 5.
-    small = train_imagenet.train(tiny_config(epochs=1, synthetic_eval_examples=5))
+    # A caller that keeps Python's cycle collector off keeps it off: only the command line's own
+    # start turns it back on.
+    gc.disable()
+    try:
+        small = train_imagenet.train(tiny_config(epochs=1, synthetic_eval_examples=5))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
     assert small["eval_examples"] == 5
     assert round(small["top_1"] * 5, 6) == round(small["top_1"] * 5)
 
