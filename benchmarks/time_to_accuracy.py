@@ -33,8 +33,8 @@ All print one line per epoch ending in `val top-1 X` (the example does so alread
 stamped with its arrival time. Per run: the seconds and epoch at which the top-1 first reaches the
 threshold (or not reached), the best and the final top-1. Runs alternate (the order rotates every
 round), --repeats of each, seed K = the round; reported: median [min, max] of each, the ratio of
-medians package / keras and package / practised (below 1: the package gets there sooner) and the
-final top-1s.
+medians package / keras and package / practised (below 1: the package gets there sooner), the
+same ratio within each round (median [min, max]) and the final top-1s.
 
 Usage:
     nice -n 5 python benchmarks/time_to_accuracy.py                    # every dataset, 3 rounds
@@ -278,7 +278,8 @@ def keras_by_hand(args):
 def summarize(runs, names):
     """Per contender: median, min and max seconds and epochs to the threshold over the runs that
     reached it, how many did; the ratio of medians of the first name to each other name
-    (`ratios`), and to the second (`ratio`)."""
+    (`ratios`), and to the second (`ratio`); and the ratio within each round (`round_ratios`:
+    median, min and max over the seeds both reached it in)."""
     summary = {}
     for name in names:
         done = [r for r in runs if r["contender"] == name and r["seconds_to_threshold"] is not None]
@@ -298,6 +299,26 @@ def summarize(runs, names):
         other = summary[name].get("seconds_to_threshold")
         summary["ratios"][name] = first["median"] / other["median"] if first and other else None
     summary["ratio"] = summary["ratios"][names[1]]
+    # A round's runs follow each other within minutes: its ratio leaves out the host's slower
+    # and faster spells, which move every contender of a round alike.
+    mine = {r["seed"]: r["seconds_to_threshold"] for r in runs if r["contender"] == names[0]}
+    summary["round_ratios"] = {}
+    for name in names[1:]:
+        ratios = [
+            mine[r["seed"]] / r["seconds_to_threshold"]
+            for r in runs
+            if r["contender"] == name and r["seconds_to_threshold"] and mine.get(r["seed"])
+        ]
+        summary["round_ratios"][name] = (
+            {
+                "median": statistics.median(ratios),
+                "min": min(ratios),
+                "max": max(ratios),
+                "rounds": len(ratios),
+            }
+            if ratios
+            else None
+        )
     return summary
 
 
@@ -311,6 +332,7 @@ def summarize_marks(runs, names, marks):
             marked.append(
                 {
                     "contender": run["contender"],
+                    "seed": run["seed"],
                     "seconds_to_threshold": reached["seconds"] if reached else None,
                     "reached_epoch": reached["epoch"] if reached else None,
                 }
@@ -374,7 +396,13 @@ def report(name, out, names):
         else:
             print(f"  {contender}: never reached it ({s['runs']} runs); {final_text}")
     for other, ratio in summary["ratios"].items():
-        print(f"  ratio {names[0]} / {other}: {ratio:.2f}" if ratio else f"  ratio / {other}: n/a")
+        rounds = summary["round_ratios"][other]
+        print(
+            f"  ratio {names[0]} / {other}: {ratio:.2f} (per round {rounds['median']:.2f} "
+            f"[{rounds['min']:.2f}, {rounds['max']:.2f}], {rounds['rounds']} rounds)"
+            if ratio and rounds
+            else f"  ratio / {other}: n/a"
+        )
 
 
 def main():

@@ -152,31 +152,46 @@ def test_a_run_that_never_gets_there_says_why(tmp_path):
 
 
 def test_the_summary_and_ratio_count_only_runs_that_reached():
-    def run(name, seconds, epoch):
-        return {"contender": name, "seconds_to_threshold": seconds, "reached_epoch": epoch}
+    def run(name, seconds, epoch, seed=0):
+        return {
+            "contender": name,
+            "seed": seed,
+            "seconds_to_threshold": seconds,
+            "reached_epoch": epoch,
+        }
 
     runs = [
-        run("package", 30.0, 5),
-        run("keras", 60.0, 12),
-        run("package", 40.0, 6),
-        run("keras", None, None),
-        run("package", 50.0, 6),
-        run("keras", 80.0, 14),
+        run("package", 30.0, 5, seed=0),
+        run("keras", 60.0, 12, seed=0),
+        run("package", 40.0, 6, seed=1),
+        run("keras", None, None, seed=1),
+        run("package", 50.0, 6, seed=2),
+        run("keras", 80.0, 14, seed=2),
     ]
     summary = tta.summarize(runs, ("package", "keras"))
     assert summary["package"]["seconds_to_threshold"] == {"median": 40.0, "min": 30.0, "max": 50.0}
     assert summary["keras"]["reached"] == 2 and summary["keras"]["runs"] == 3
     assert summary["keras"]["seconds_to_threshold"]["median"] == 70.0
     assert summary["ratio"] == 40.0 / 70.0
+    # Within a round: seeds 0 and 2, the only ones keras reached it in.
+    assert summary["round_ratios"]["keras"] == {
+        "median": (0.5 + 50.0 / 80.0) / 2,
+        "min": 0.5,
+        "max": 50.0 / 80.0,
+        "rounds": 2,
+    }
     assert tta.summarize(runs[1::2], ("package", "keras"))["ratio"] is None
-    three = tta.summarize(runs + [run("practised", 20.0, 4)], ("package", "keras", "practised"))
+    three = tta.summarize(
+        runs + [run("practised", 20.0, 4, seed=1)], ("package", "keras", "practised")
+    )
     assert three["ratios"] == {"keras": 40.0 / 70.0, "practised": 2.0}
+    assert three["round_ratios"]["practised"]["median"] == 2.0
 
 
 def test_lower_marks_are_read_off_each_runs_epochs():
     def run(name, curve):
         epochs = [{"epoch": i + 1, "val_top_1": v, "seconds": 10.0 * (i + 1)} for i, v in curve]
-        return {"contender": name, "epochs": epochs}
+        return {"contender": name, "seed": 0, "epochs": epochs}
 
     runs = [
         run("package", enumerate([0.4, 0.75, 0.92])),
@@ -186,4 +201,5 @@ def test_lower_marks_are_read_off_each_runs_epochs():
     assert marks["0.5"]["package"]["reached_epoch"]["median"] == 2
     assert marks["0.5"]["keras"]["seconds_to_threshold"]["median"] == 20.0
     assert marks["0.8"]["ratio"] == 30.0 / 40.0
+    assert marks["0.8"]["round_ratios"]["keras"]["median"] == 30.0 / 40.0
     assert marks["0.95"]["package"]["reached"] == 0 and marks["0.95"]["ratio"] is None
