@@ -21,7 +21,7 @@ byte for byte.
 
 Needs Apache Beam (`pip install -e ".[beam]"`, see the README for its environment). Usage:
 
-    flock /tmp/timing.lock python benchmarks/writer_beam.py [--rounds 3] [--dataset elpv]
+    flock /tmp/tpu_scale_timing.lock python benchmarks/writer_beam.py [--rounds 3] [--dataset elpv]
 
 Writes `benchmarks/results/writer_beam.json`.
 """

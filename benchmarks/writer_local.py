@@ -18,7 +18,7 @@ wall time of the whole call (listing, conversion, publishing).
 
 Usage:
 
-    flock /tmp/timing.lock nice -n 5 python benchmarks/writer_local.py [--rounds 5] [--datasets ...]
+    flock /tmp/tpu_scale_timing.lock nice -n 5 python benchmarks/writer_local.py [--rounds 5] [--datasets ...]
 
 Writes `benchmarks/results/writer_local.json`.
 """
