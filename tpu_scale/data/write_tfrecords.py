@@ -149,8 +149,8 @@ def _converted_images(plan, num_threads):
                 indices, raws, heights, widths, jpegs, channels
             ):
                 work += [(image, None) for image in images[position:index]]  # dropped
-                decode = Decoded(int(height), int(width), jpeg, int(channel_count))
-                work.append((images[index], (raw, decode)))
+                decoded_image = Decoded(int(height), int(width), jpeg, int(channel_count))
+                work.append((images[index], (raw, decoded_image)))
                 position = index + 1
             yield from pool.map(convert, work)
         yield from pool.map(convert, [(image, None) for image in images[position:]])
