@@ -798,9 +798,19 @@ def test_fit_with_a_partial_last_batch_trains_as_the_reference(strategy, group_s
     if group_size == NUM_REPLICAS:
         # Over all replicas, Keras's synchronized layer computes the same (its local one turns gamma
         # NaN in this run, from the 0 / 0 moments of the empty replicas).
-        _, keras_loss, keras_weights, keras_moving = _fit_partial(
-            strategy, group_size, _keras_synchronized
-        )
+        try:
+            _, keras_loss, keras_weights, keras_moving = _fit_partial(
+                strategy, group_size, _keras_synchronized
+            )
+        except AssertionError as e:
+            # keras-nightly 3.16.0.dev2026102704 takes each batch eagerly before the step, so the
+            # replicas' batch sizes are static, and its synchronized layer then fails here under
+            # a plain tf.distribute.MirroredStrategy too: a replica's backward all-reduce of the
+            # statistics meets another's gradient sum (tensorflow/tensorflow#52986). Keras 3.12
+            # and 3.15 run it. Only Keras's layer is at fault: the package's passed above.
+            if "Values to regroup had different lengths" not in str(e):
+                raise
+            pytest.xfail("Keras's own synchronized layer fails on this partial batch (TF #52986)")
         np.testing.assert_allclose(loss, keras_loss, rtol=1e-5)
         for got, want in zip(weights, keras_weights):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
