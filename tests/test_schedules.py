@@ -101,3 +101,61 @@ def test_bad_epoch_and_batch_arguments():
         WarmupPolynomialDecay.from_epochs(1.0, 1, 5, 0)
     with pytest.raises(ValueError, match="global_batch_size"):
         reference_lars_hparams(0)
+
+
+def _pow_ops(graph):
+    return [op for op in graph.get_operations() if op.type == "Pow"]
+
+
+def test_a_traced_step_builds_the_rate_once():
+    import tensorflow as tf
+
+    from tpu_scale.schedules import ScaledSchedule
+
+    s = WarmupPolynomialDecay(4.0, warmup_steps=2, total_steps=10)
+    scaled = ScaledSchedule(s, 0.5)
+    step = tf.Variable(3, dtype=tf.int64)
+
+    @tf.function
+    def reads():
+        # Keras's weight decay reads the rate once per variable and replica.
+        rates = [s(step) for _ in range(6)] + [scaled(step) for _ in range(3)]
+        # A branch is a graph of its own: it builds its own rate, of the same step.
+        in_branch = tf.cond(step > 0, lambda: s(step), lambda: s(step) + 1.0)
+        return tf.stack(rates), in_branch
+
+    assert len(_pow_ops(reads.get_concrete_function().graph)) == 1
+    # The values follow the step from call to call.
+    for value in (3, 6, 10):
+        step.assign(value)
+        rates, in_branch = reads()
+        want = _lr(s, value)
+        np.testing.assert_allclose(rates, [want] * 6 + [want / 2] * 3, rtol=1e-6)
+        assert float(in_branch) == pytest.approx(want)
+    # Eager reads compute every time.
+    step.assign(4)
+    assert float(s(step)) == pytest.approx(_lr(s, 4))
+
+
+def test_weight_decay_under_a_strategy_applies_each_steps_rate(strategy):
+    """Several replicas, weight decay and a rate that changes every step: the same weights as
+    Keras's own `PolynomialDecay`, which builds its rate at every read."""
+    import tensorflow as tf
+
+    x = np.random.default_rng(0).normal(size=(64, 5)).astype(np.float32)
+    y = np.random.default_rng(1).integers(0, 3, size=64)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16, drop_remainder=True)
+    ours = WarmupPolynomialDecay(0.5, warmup_steps=0, total_steps=6)
+    keras_own = keras.optimizers.schedules.PolynomialDecay(0.5, 6, end_learning_rate=0.0, power=2.0)
+    weights = []
+    for schedule in (ours, keras_own):
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4), keras.layers.Dense(3)])
+            optimizer = keras.optimizers.SGD(schedule, momentum=0.9, weight_decay=0.05)
+            model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(data, epochs=1, verbose=0)
+        assert int(optimizer.iterations.numpy()) == 4
+        weights.append([w.numpy() for w in model.trainable_weights])
+    for got, want in zip(*weights):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
