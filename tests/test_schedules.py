@@ -135,6 +135,9 @@ def test_a_traced_step_builds_the_rate_once():
     # Eager reads compute every time.
     step.assign(4)
     assert float(s(step)) == pytest.approx(_lr(s, 4))
+    # A step given as a number, in a traced function too.
+    for number in (5, np.int64(5)):
+        assert float(tf.function(lambda: scaled(number))()) == pytest.approx(_lr(s, 5) / 2)
 
 
 def test_weight_decay_under_a_strategy_applies_each_steps_rate(strategy):

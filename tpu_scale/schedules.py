@@ -8,6 +8,7 @@ import numbers
 import weakref
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras import ops
 
@@ -219,13 +220,12 @@ def _once_per_graph(schedule, step, rate):
     against 21 s built once; 88 times in the example's default run (its recipe decays 11). Every
     read of one step comes before the optimizer counts the step, so all of them are the same
     value: in a graph, the rate built first for a step variable is handed back to the later
-    reads. A `tf.cond` branch or a loop body is a graph
-    of its own and builds its own; eager calls compute every time. Only weak references are
-    kept: no graph, step or tensor is kept alive by the schedule, and it copies and serializes as
-    before.
+    reads. A `tf.cond` branch or a loop body is a graph of its own and builds its own; eager calls
+    and a step given as a number compute every time. Only weak references are kept: no graph,
+    step or tensor is kept alive by the schedule, and it copies and serializes as before.
     """
-    if tf.executing_eagerly():
-        return rate(step)
+    if tf.executing_eagerly() or isinstance(step, (numbers.Number, np.generic)):
+        return rate(step)  # eager, or a plain number (no reference to keep): nothing to share
     graph = tf.compat.v1.get_default_graph()
     last = getattr(schedule, "_last_rate", None)
     if last is not None and last[0]() is graph and last[1]() is step:
