@@ -375,7 +375,7 @@ def _end_of_loading():
     collector back on, with what loaded frozen out of its reach (see __main__)."""
     global _collector_off_while_loading, _hidden_while_loading
     for name in _hidden_while_loading:
-        if name in sys.modules and sys.modules[name] is None:
+        if sys.modules.get(name, ()) is None:  # still hidden
             del sys.modules[name]
     _hidden_while_loading = ()
     if _collector_off_while_loading:

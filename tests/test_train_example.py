@@ -5,17 +5,18 @@ test_training.py); these check what the script adds: its flags, its messages and
 """
 
 import gc
+import importlib.util
 import json
 import os
+import subprocess
 import sys
 
 import keras
 import numpy as np
 import pytest
 
-sys.path.insert(
-    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import train_imagenet  # noqa: E402
 
@@ -194,11 +195,12 @@ def test_data_dir_mistakes_name_the_fix(tmp_path):
 
 
 # `python examples/train_imagenet.py ARGS` with a hook around it: when the command ends it prints
-# which of Keras's extras the process holds, then imports every installed one. With NEEDS set, `import
-# keras` first imports NEEDS outright, as a Keras that needs it would.
+# which of Keras's extras (EXTRAS, the example's KERAS_EXTRAS) the process holds, then imports every
+# installed one. With NEEDS set, `import keras` first imports NEEDS outright, as a Keras that needs
+# it would.
 _COMMAND_LINE = """
 import importlib, importlib.util, json, os, runpy, sys
-EXTRAS = ("sklearn", "pandas", "matplotlib")
+EXTRAS = os.environ["EXTRAS"].split(",")
 if os.environ.get("NEEDS"):
     class Needs:
         def find_spec(self, name, path=None, target=None):
@@ -220,10 +222,8 @@ finally:
 def _command_line(needs=None):
     """Runs the command line to its first error after loading (a BN group that does not divide the
     replicas) and returns its output and the REPORT."""
-    import subprocess
-
     env = {k: v for k, v in os.environ.items() if k != train_imagenet.LOAD_ALL_ENV}
-    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env.update(PYTHONPATH=ROOT, EXTRAS=",".join(train_imagenet.KERAS_EXTRAS))
     if needs:
         env["NEEDS"] = needs
     command = [sys.executable, "-c", _COMMAND_LINE, train_imagenet.__file__, "--bn_group_size=3"]
@@ -236,8 +236,6 @@ def _command_line(needs=None):
 
 
 def test_the_command_line_loads_keras_without_its_unused_extras():
-    import importlib.util
-
     installed = [name for name in train_imagenet.KERAS_EXTRAS if importlib.util.find_spec(name)]
     assert installed, "none of Keras's extras is installed: nothing to check"
     text, report = _command_line()
