@@ -2,10 +2,12 @@
 
 A gradient's path from `model.fit` to the update, under a strategy of `create_strategy`:
 
-1. The optimizer is created under `strategy.scope()`; `TFOptimizer.__init__` (wrapped here) adopts
-   it: its class becomes `Seam` + its own class, for this object only (`adopt`).
-2. `fit` builds it (`Seam.build`): Keras's own `build`, or with `weight_update_sharding` the same
-   build with its slots made 1/N per replica (`weight_update.build`).
+1. The optimizer is created under `strategy.scope()` and passed to `compile`: it is Keras's own.
+2. `fit` calls the trainer's `_maybe_symbolic_build`, replaced here (`_install_fit_hook`): for a
+   model made under a strategy of the package, it adopts the model's optimizer (`adopt`: this
+   object's class becomes `Seam` + its own class, so `type()` and `__class__` agree), then Keras
+   builds it (`Seam.build`): Keras's own `build`, or with `weight_update_sharding` the same build
+   with its slots made 1/N per replica (`weight_update.build`).
 3. Each step is `strategy.run(train_step)` (the strategy's public `run`); with
    `gradient_accumulation_steps`, `run_train_step` traces one step per phase and picks one with a
    `tf.cond` in cross-replica context (keras-team/keras#20582).
@@ -17,18 +19,20 @@ A gradient's path from `model.fit` to the update, under a strategy of `create_st
    1/N, the all-gather phases.
 6. Keras's `_distributed_tf_update_step`: `update_step` per variable (none left when sharded).
 
-Everything an adopted optimizer does differently is in `Seam`; optimizers created under any other
-strategy are untouched. `check_keras()` runs in `create_strategy()` and fails there, naming the
-tested range and the fix, when this Keras lacks a name below.
+Everything an adopted optimizer does differently is in `Seam`; optimizers of models under any
+other strategy are untouched, and so is every other model's `fit`. `check_keras()` runs in
+`create_strategy()` and fails there, naming the tested range and the fix, when this Keras lacks a
+name below (`_NEEDED`).
 
-Every use of `keras.src` (Keras versions seen: 3.12.4, 3.15.1, 3.16.0.dev2026102704):
+Every use of `keras.src` and of Keras's private names (Keras versions seen: 3.12.4, 3.15.1,
+3.16.0.dev2026102704). One method is replaced, process-wide; no public class's method is:
 
   what                                        how        why
-  TF trainer `_maybe_symbolic_build`          replaced   keras-team/keras#19246 (evaluate with a
-                                                         partial first batch): builds from the
-                                                         element spec; off once fixed
+  TF trainer `_maybe_symbolic_build`          replaced   adopts a package strategy's optimizer
+                                                         before Keras builds it; keras-team/
+                                                         keras#19246 (evaluate with a partial
+                                                         first batch); other models: Keras's own
   `TFEpochIterator._distributed_dataset`      read       that spec, without starting an iterator
-  `TFOptimizer.__init__`                      replaced   adopts optimizers made under our strategies
   `TFOptimizer._all_reduce_sum_gradients`     overridden the torus sum; the sharded update
   `BaseOptimizer._backend_apply_gradients`    overridden accumulation under strategies (#20582)
   `_backend_increment_gradient_accumulators`, called     Keras's own accumulation steps, in phase
@@ -39,13 +43,21 @@ Every use of `keras.src` (Keras versions seen: 3.12.4, 3.15.1, 3.16.0.dev2026102
   `_distribution_strategy`                    read       the strategy an optimizer was made under
   `_learning_rate`                            read       `learning_rate_of` (the schedule itself)
   `Model._flatten_layers`, `_initial_epoch`   called/set `all_layers`; resuming `fit` at an epoch
+  `Model._compile_metrics._user_metrics`      read       unweighted metrics refused on padded
+                                                         evaluation (`check_padded_evaluation`)
   `keras.src.models.functional.Functional`    read       `is_functional_or_sequential`
+  `BatchNormalization._moments`               overridden grouped statistics, as Keras's own
+                                                         synchronized BN does (layers/)
+  `BatchNormalization._reduction_axes`        read       the axes `_moments` reduces
+  `_renorm_correction_and_moments`,           called     batch renormalization on group
+  `_compose_transforms`,                                 statistics, in Keras's own arithmetic
+  `_update_renorm_statistics`                            (Keras versions with `renorm`)
 Public ways in: `build`, `add_variable_from_reference`, `update_step`, `save_own_variables` and
 `load_own_variables` (Keras's optimizer contract), `Strategy.run`, callbacks.
 """
 
-import contextlib
 import dataclasses
+import functools
 import inspect
 import re
 import threading
@@ -149,6 +161,7 @@ def _tf_optimizer_class():
 
 _NEEDED = (
     ("TFOptimizer", lambda: _tf_optimizer_class()),
+    ("BatchNormalization._moments", lambda: getattr(keras.layers.BatchNormalization, "_moments", None)),
     ("the TensorFlow trainer's _maybe_symbolic_build", lambda: getattr(_tf_trainer_class(), "_maybe_symbolic_build", None)),
     ("TFOptimizer._all_reduce_sum_gradients", lambda: getattr(_tf_optimizer_class(), "_all_reduce_sum_gradients", None)),
     ("BaseOptimizer._backend_apply_gradients", lambda: getattr(keras.optimizers.Optimizer, "_backend_apply_gradients", None)),
@@ -157,7 +170,18 @@ _NEEDED = (
     ("BaseOptimizer._clip_gradients", lambda: getattr(keras.optimizers.Optimizer, "_clip_gradients", None)),
     ("BaseOptimizer._get_variable_index", lambda: getattr(keras.optimizers.Optimizer, "_get_variable_index", None)),
     ("Model._flatten_layers", lambda: getattr(keras.Model, "_flatten_layers", None)),
+    *(
+        # Batch renormalization's steps, in the Keras versions that have it (3.12 has not).
+        (f"BatchNormalization.{name}", lambda name=name: getattr(keras.layers.BatchNormalization, name, None) if keras_has_renorm() else True)
+        for name in ("_renorm_correction_and_moments", "_compose_transforms", "_update_renorm_statistics")
+    ),
 )
+
+
+@functools.cache
+def keras_has_renorm():
+    """Whether this Keras's `BatchNormalization` has batch renormalization (Keras 3.12 has not)."""
+    return "renorm" in inspect.signature(keras.layers.BatchNormalization.__init__).parameters
 
 
 def keras_version():
@@ -172,7 +196,7 @@ def _version_message(problem):
 
 def check_keras():
     """Checks, at start-up, that this Keras is in the supported range and has every private name the
-    seam uses; wraps `TFOptimizer.__init__` and, while Keras needs it, the trainer's build.
+    seam uses; replaces the trainer's `_maybe_symbolic_build` once (`_install_fit_hook`).
 
     Raises:
       ImportError: naming the supported range, the tested versions and the fix (pin Keras).
@@ -185,50 +209,35 @@ def check_keras():
     missing = [name for name, find in _NEEDED if find() is None]
     if missing:
         raise ImportError(_version_message(f"{', '.join(missing)} not found"))
-    _wrap_optimizer_init()
-    build_from_one_replica()
+    _install_fit_hook()
 
 
 # --------------------------------------------------------------------------- adoption
 
 _lock = threading.Lock()
 _adopted_classes = {}  # a Keras optimizer class -> its adopted subclass (classes only, no state)
-_suspended = threading.local()
 
 
-def _wrap_optimizer_init():
-    """Wraps `TFOptimizer.__init__` once per process: an optimizer made under a strategy with
-    `Settings` is adopted; every other optimizer is Keras's, untouched."""
-    cls = _tf_optimizer_class()
-    with _lock:
-        if getattr(cls.__init__, "_tpu_scale_original", None) is not None:
-            return
-        original = cls.__init__
+def adopt_for_fit(model):
+    """Adopts `model`'s optimizer (and a `LossScaleOptimizer`'s inner one) when it was made under a
+    strategy of `create_strategy`; every other optimizer stays Keras's own, untouched.
 
-        def __init__(self, *args, **kwargs):
-            original(self, *args, **kwargs)
-            if not getattr(_suspended, "on", False) and settings_for(tf.distribute.get_strategy()):
-                adopt(self)
-
-        __init__._tpu_scale_original = original
-        cls.__init__ = __init__
-
-
-@contextlib.contextmanager
-def _not_adopting():
-    """Optimizers made inside are Keras's own (the sharded update's inner optimizer)."""
-    _suspended.on = True
-    try:
-        yield
-    finally:
-        _suspended.on = False
+    Runs in `fit`, `evaluate` and `predict` before Keras builds the optimizer (`_fit_hook`), so a
+    sharded update builds its 1/N state from the start. A custom training loop that calls
+    `optimizer.apply` inside `strategy.run` adopts its optimizer itself with `adopt(optimizer)`.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    for one in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        if one is not None and settings_for(getattr(one, "_distribution_strategy", None)):
+            adopt(one)
 
 
 def adopt(optimizer):
     """Makes `optimizer` (made under a strategy of `create_strategy`) run through `Seam`.
 
-    Only this object changes: its class becomes a subclass of its own class and `Seam`, named and
-    serialized as its own class, so `isinstance`, `get_config` and saved models are unchanged.
+    Only this object changes: its class becomes a subclass of its own class and `Seam`, with its
+    own class's name and module, so `isinstance`, `get_config` and saved models are unchanged, and
+    `type(optimizer)` and `optimizer.__class__` both name the adopted class.
     """
     if isinstance(optimizer, Seam):
         return optimizer
@@ -256,12 +265,6 @@ class Seam:
     phase say otherwise (see the module docstring's map).
     """
 
-    @property
-    def __class__(self):
-        # What Keras's serialization (and `copy`, `pickle`) sees: the class it was made as, so a
-        # saved adopted optimizer is the same as a plain one. `type()` still gives the adopted one.
-        return keras_class(self)
-
     # ----------------------------------------------------------------- build and state
 
     def build(self, variables):
@@ -269,8 +272,7 @@ class Seam:
         settings = settings_for(strategy)
         if self.built or settings is None or not settings.weight_update_sharding:
             return super().build(variables)
-        with _not_adopting():
-            inner = keras_class(self).from_config(self.get_config())
+        inner = keras_class(self).from_config(self.get_config())
         weight_update.build(self, variables, strategy, super().build, inner)
 
     def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
@@ -439,8 +441,8 @@ def run_train_step(run, strategy, fn, args=(), kwargs=None, options=None):
     return tf.cond(is_update, phase(_UPDATE), phase(_ACCUMULATE))
 
 
-# --------------------------------------------------------------------------- a workaround: Keras
-# evaluate with a partial first batch (indexed in _workarounds.py)
+# --------------------------------------------------------------------------- the one replaced
+# method: the trainer's `_maybe_symbolic_build`
 
 
 def build_from_one_replica_needed():
@@ -450,56 +452,92 @@ def build_from_one_replica_needed():
     return '"MEAN"' in source
 
 
-def build_from_one_replica():
-    """Lets Keras build a model for `fit`/`evaluate`/`predict` from one replica's input shapes.
+def _install_fit_hook():
+    """Replaces the TensorFlow trainer's private `_maybe_symbolic_build`, once per process.
+
+    It is the one Keras method the package replaces. Keras calls it in `fit`, `evaluate` and
+    `predict` before it builds the model and the optimizer. For a model made under a strategy of
+    `create_strategy`, the replacement (1) adopts the model's optimizer (`adopt_for_fit`), and (2)
+    while Keras needs it, builds from one replica's input shapes (`build_from_one_replica`, the
+    workaround for keras-team/keras#19246). Every other model runs Keras's own method unchanged.
+    """
+    cls = _tf_trainer_class()
+    with _lock:
+        current = cls._maybe_symbolic_build
+        if getattr(current, "_tpu_scale_original", None) is not None:
+            return
+        one_replica = build_from_one_replica_needed()
+
+        def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+            strategy = self._distribute_strategy
+            if settings_for(strategy) is not None:
+                adopt_for_fit(self)
+                check_padded_evaluation(self, iterator)
+                if one_replica and iterator is not None:
+                    iterator, data_batch = None, build_from_one_replica(strategy, iterator)
+            return current(self, iterator=iterator, data_batch=data_batch)
+
+        _maybe_symbolic_build._tpu_scale_original = current
+        cls._maybe_symbolic_build = _maybe_symbolic_build
+
+
+def check_padded_evaluation(model, iterator):
+    """Refuses unweighted metrics on an evaluation padded with zero-weight examples.
+
+    `data.exact_evaluation` fills each replica's batch with examples of weight 0; metrics compiled
+    as `metrics=` ignore weights and would count them.
+
+    Raises:
+      ValueError: naming the metrics and the fix (`weighted_metrics=`).
+    """
+    dataset = getattr(iterator, "_distributed_dataset", None)
+    if not getattr(dataset, "tpu_scale_zero_weight_padding", False):
+        return
+    compiled = getattr(model, "_compile_metrics", None)
+    unweighted = [m for m in tf.nest.flatten(getattr(compiled, "_user_metrics", None)) if m is not None]
+    if unweighted:
+        names = [m if isinstance(m, str) else getattr(m, "name", type(m).__name__) for m in unweighted]
+        raise ValueError(f"This evaluation data (data.exact_evaluation) fills every replica's last batch with examples of weight 0, which the unweighted metrics {names} would count. Compile them as weighted metrics: model.compile(..., weighted_metrics={names!r}) (metrics=None).")
+
+
+def build_from_one_replica(strategy, iterator):
+    """One replica's input shapes for Keras to build a model from, in place of its first batch.
 
     Why: before training, evaluating or predicting under a strategy, Keras 3 takes the first
     distributed batch and asks the strategy for its mean over the replicas (`strategy.reduce("MEAN",
     batch, axis=None)`), only to learn the input shapes. When the data end within the first global
     batch (a validation set smaller than the global batch), the replicas' batches differ in size,
     some empty, and the mean fails: "Inputs to operation AddN of type AddN must have the same size
-    and shape". The wrapper hands Keras's own method one replica's shapes as its `data_batch`
-    instead: the `tf.TensorSpec`s of the iterator's `element_spec` (a `PerReplicaSpec` splits into
-    one spec per local replica with `tf.nest.flatten(..., expand_composites=True)`), with the batch
-    dimension left open. The spec is read from the epoch iterator's distributed dataset, so no
-    iterator is started: Keras discards the one it looked at and starts a new one for the epoch,
-    so a first batch cost a second start of the whole input pipeline (about 1 s of a run's start
-    on 5,000 images at 32 px, train and validation), and even an unread iterator's set-up costs
-    0.1-0.25 s at each `fit` and `evaluate`. Inputs whose spec is not one tensor per replica
-    (ragged, sparse) fall back to reading the first batch and taking the largest of this
-    process's replica batches.
+    and shape". Keras's own method is handed one replica's shapes as its `data_batch` instead: the
+    `tf.TensorSpec`s of the iterator's `element_spec` (a `PerReplicaSpec` splits into one spec per
+    local replica with `tf.nest.flatten(..., expand_composites=True)`), with the batch dimension
+    left open. The spec is read from the epoch iterator's distributed dataset, so no iterator is
+    started (Keras discards the one it looked at and starts a new one for the epoch). Inputs whose
+    spec is not one tensor per replica (ragged, sparse) fall back to reading the first batch and
+    taking the largest of this process's replica batches.
 
     Upstream: keras-team/keras#19246; seen with Keras 3.12.4, 3.15.1 and 3.16.0.dev2026102704 on
-    TF 2.21. It turns itself off when Keras's method no longer takes that mean; how to tell it can
-    go: `tests/test_workarounds.py::test_evaluate_a_validation_set_smaller_than_the_batch` passes
+    TF 2.21. It turns itself off when Keras's method no longer takes that mean
+    (`build_from_one_replica_needed`); how to tell it can go:
+    `tests/test_workarounds.py::test_evaluate_a_validation_set_smaller_than_the_batch` passes
     with Keras's own `_maybe_symbolic_build`.
 
-    Applied once per process by `check_keras` (so by `create_strategy`); idempotent.
+    Args:
+      strategy: the model's strategy.
+      iterator: Keras's epoch iterator.
+
+    Returns:
+      The `data_batch` to hand Keras's `_maybe_symbolic_build`.
     """
-    cls = _tf_trainer_class()
-    with _lock:
-        current = cls._maybe_symbolic_build
-        if getattr(current, "_tpu_scale_original", None) is not None or not build_from_one_replica_needed():
-            return
-
-        def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-            strategy = self._distribute_strategy
-            if iterator is not None and strategy is not None:
-                # The epoch iterator's distributed dataset has the spec without an iterator;
-                # starting one costs 0.1-0.25 s of graph set-up that Keras throws away.
-                dataset = getattr(iterator, "_distributed_dataset", None)
-                data_batch = None if dataset is None else _replica_specs(strategy, dataset.element_spec)
-                if data_batch is None:
-                    for _, _, it in iterator:
-                        data_batch = _replica_specs(strategy, it.element_spec)
-                        if data_batch is None:
-                            data_batch = _largest_replica_batch(strategy, next(it))
-                        break
-                iterator = None
-            return current(self, iterator=iterator, data_batch=data_batch)
-
-        _maybe_symbolic_build._tpu_scale_original = current
-        cls._maybe_symbolic_build = _maybe_symbolic_build
+    dataset = getattr(iterator, "_distributed_dataset", None)
+    data_batch = None if dataset is None else _replica_specs(strategy, dataset.element_spec)
+    if data_batch is None:
+        for _, _, it in iterator:
+            data_batch = _replica_specs(strategy, it.element_spec)
+            if data_batch is None:
+                data_batch = _largest_replica_batch(strategy, next(it))
+            break
+    return data_batch
 
 
 def _replica_specs(strategy, element_spec):

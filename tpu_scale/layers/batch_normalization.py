@@ -10,8 +10,6 @@ Reference:
   Ying et al., "Image Classification at Supercomputer Scale", 2018 (arXiv:1811.06992), section 3.
 """
 
-import functools
-import inspect
 import weakref
 
 import keras
@@ -29,10 +27,7 @@ DEFAULT_SPAN = 64
 _RENORM_ARGUMENTS = ("renorm", "renorm_clipping", "renorm_momentum")
 
 
-@functools.cache
-def keras_has_renorm():
-    """Whether this Keras's `BatchNormalization` has batch renormalization (Keras 3.12 has not)."""
-    return "renorm" in inspect.signature(keras.layers.BatchNormalization.__init__).parameters
+keras_has_renorm = keras_hook.keras_has_renorm
 
 
 @keras.saving.register_keras_serializable(package="tpu_scale")
