@@ -78,10 +78,7 @@ def _start_tensorflow():
         return
     import tensorflow as tf
 
-    from tpu_scale import _workarounds
-
-    with _workarounds.quiet_cuda_probe():
-        cpus = tf.config.list_physical_devices("CPU")
+    cpus = tf.config.list_physical_devices("CPU")
     tf.config.set_logical_device_configuration(
         cpus[0], [tf.config.LogicalDeviceConfiguration()] * NUM_CPU_REPLICAS
     )

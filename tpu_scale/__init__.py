@@ -11,24 +11,17 @@ summation), `data` (records to inputs, exact evaluation, the input pipeline), `o
 `schedules` (learning-rate schedules), `recipe` (a run's settings from its batch and data),
 `losses`, `callbacks`, `training` (a run's callbacks and folder), `checkpointing`, `models`,
 `plan` (the pod-scale cost model), `cluster` (where a run's cluster comes from: TPU, `TF_CONFIG`,
-Slurm), `launch` (`python -m tpu_scale.launch`, local workers), `testing`.
+Slurm), `launch` (`python -m tpu_scale.launch`, local workers), `process` (process-wide settings
+for TensorFlow's sake, opt-in by name), `testing`.
 
-Importing the package selects TensorFlow's BFC allocator for the CPU (unless
-`TF_CPU_ALLOCATOR_USE_BFC` is already set; `0` keeps TensorFlow's default): the default allocator
-returns large buffers to the system after each use, so every training step faults its activations
-in again, where BFC keeps them for reuse (figures: benchmarks/README.md). TensorFlow reads the
-setting when it first creates its CPU device, so it applies when the package is imported before
-any TensorFlow op runs, and worker processes started from here inherit it.
+Importing the package, and `create_strategy`, change nothing global in your process
+(`tpu_scale.process` says what stays untouched and what you can ask for).
 """
-
-import os
 
 from tpu_scale import _lazy
 from tpu_scale.mesh import ReplicaMesh
 
 __version__ = "0.1.0"
-
-os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "1")
 
 __getattr__ = _lazy.attributes(
     __name__,
@@ -45,6 +38,7 @@ __getattr__ = _lazy.attributes(
         "models",
         "optimizers",
         "plan",
+        "process",
         "recipe",
         "schedules",
         "testing",

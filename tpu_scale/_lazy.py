@@ -2,8 +2,7 @@
 
 Importing TensorFlow takes seconds, and the mesh geometry, the planner and the writer's command
 line need none of it before they run: a package lists its public names and the modules that
-define them, and each is imported when first read. The import runs under
-`_workarounds.quiet_cuda_probe`, since it may be TensorFlow's first.
+define them, and each is imported when first read.
 
     __getattr__ = _lazy.attributes(__name__, {"ImageNetInput": "tpu_scale.data.input_pipeline"},
                                    submodules=("image_ops",))
@@ -28,19 +27,12 @@ def attributes(package, public, submodules=()):
 
     def __getattr__(name):
         if name in public:
-            value = getattr(_import(public[name]), name)
+            value = getattr(importlib.import_module(public[name]), name)
         elif name in submodules:
-            value = _import(f"{package}.{name}")
+            value = importlib.import_module(f"{package}.{name}")
         else:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         setattr(sys.modules[package], name, value)
         return value
 
     return __getattr__
-
-
-def _import(module):
-    import tpu_scale._workarounds as workarounds
-
-    with workarounds.quiet_cuda_probe():
-        return importlib.import_module(module)

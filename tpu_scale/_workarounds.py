@@ -1,16 +1,20 @@
 """Workarounds for TensorFlow and Keras behaviour, in one place.
 
 Each entry names the upstream report (or says none was found), the versions it was seen on, and how
-to tell it can go. Users never call these: `create_strategy` and the strategy classes apply them.
+to tell it can go. None of them changes anything outside the objects the package makes: the two
+that change the whole process are opt-in, by name, through `tpu_scale.process`.
 
+Opt-in (`tpu_scale.process.avoid_iterator_stalls()`):
   replica_iterators_untuned a distributed iterator's deletion waits on each replica's autotuning
   batch_scheduling          tf.data iterator deletion stalls up to 60 s per iterator on CPU hosts
+
+Applied by the package's own strategy classes and functions, to their own objects:
   next_collective_key_base  every strategy in a process numbers its collective keys from 1
   multi_worker_extended     MultiWorkerMirroredStrategy uses one CPU device per worker
   reduce_nested             Keras 3 `fit` asks a multi-worker `reduce` for nested, scalar values
   local_device_type         which kind of device a multi-worker strategy's replicas run on
-  quiet_cuda_probe          the spurious "failed call to cuInit" error on machines without a GPU
-  empty_batch_convolutions  oneDNN convolutions give an empty batch the wrong shape on some CPUs
+  convolution_drops_empty_batches  oneDNN convolutions give an empty batch the wrong shape on some
+                            CPUs; the exact evaluation never hands a replica an empty batch
   slurm_cluster_resolver    TensorFlow's SlurmClusterResolver fails on nodes without GPUs
   slurm_node_order          TensorFlow's SlurmClusterResolver sorts host names as strings (n10 < n9)
   tensor_seeds              a tensor seed fails after `tf.random.set_seed(0)`
@@ -26,14 +30,11 @@ Keras's source at start-up and turns itself off once Keras no longer has what it
 """
 
 import contextlib
-import functools
 import itertools
 import os
-import sys
-import tempfile
 
-# TensorFlow is imported inside the functions: this module loads before TensorFlow does, so that
-# `quiet_cuda_probe` can cover TensorFlow's own first import (see there).
+# TensorFlow is imported inside the functions: the package's command-line tools that need none of
+# it (the planner, the writer's argument parsing) import this module too.
 
 # --------------------------------------------------------------------------- tf.data iterator
 # deletion
@@ -61,7 +62,8 @@ def replica_iterators_untuned():
     `benchmarks/iterator_stall.py` shows no stalled deletion, or that function applies the source
     dataset's options.
 
-    Applied once per process; idempotent.
+    Opt-in, by name: `tpu_scale.process.avoid_iterator_stalls()`; once per process, idempotent.
+    It replaces TensorFlow's private `multi_device_iterator_ops._create_device_dataset`.
     """
     global _replica_iterators_untuned
     if _replica_iterators_untuned:
@@ -113,8 +115,9 @@ def batch_scheduling(enabled=True):
     end of `fit`, so a run's epochs now and then stall for many times their length.
 
     Under SCHED_BATCH a woken thread does not preempt the deleting one, so the race is lost less
-    often; with `replica_iterators_untuned`, as `create_strategy` applies both, few deletions stall
-    (figures: benchmarks/README.md). Threads that already run are switched too.
+    often; with `replica_iterators_untuned` (`tpu_scale.process.avoid_iterator_stalls()` applies
+    both) few deletions stall (figures: benchmarks/README.md). Threads that already run are
+    switched too. Opt-in, by name: the package never applies it by itself.
 
     Upstream: no report found; seen with TF 2.16 to 2.21 on 2-core Linux hosts with 8 CPU replicas.
     How to tell it can go: `python benchmarks/iterator_stall.py` shows no stalled deletion in its
@@ -266,155 +269,39 @@ def reduce_nested(reduce_one, reduce_op, value, axis, local_results, distribute_
     return tf.nest.map_structure(one, value, expand_composites=False)
 
 
-# --------------------------------------------------------------------------- CPU-only machines
-
-_SPURIOUS_CUDA_LINE = "failed call to cuInit"
-
-
-def has_nvidia_driver():
-    """True when an NVIDIA kernel driver is loaded (Linux), or when that cannot be told."""
-    if not sys.platform.startswith("linux"):
-        return True
-    return os.path.exists("/proc/driver/nvidia/version")
-
-
-@contextlib.contextmanager
-def quiet_cuda_probe():
-    """Drops TensorFlow's "failed call to cuInit" error line while devices are first listed.
-
-    Why: TensorFlow's CUDA build tries to initialize CUDA when it first enumerates devices and logs
-    `E ... failed call to cuInit: ... UNKNOWN ERROR (303)` on every machine without a GPU driver,
-    before its log settings apply (TF_CPP_MIN_LOG_LEVEL does not hide it). Users read it as a
-    failure. On a Linux machine with no NVIDIA driver, stderr is captured around the first device
-    listing and written back without that one line; everything else TensorFlow prints there still
-    shows.
-
-    Upstream: tensorflow/tensorflow#37689 (closed without a fix; tensorflow-cpu does not probe);
-    seen with TF 2.16 to 2.21. How to tell it can go: `python -c "import tensorflow as tf;
-    tf.config.list_physical_devices()"` prints no cuInit line on a machine without a GPU.
-    """
-    if has_nvidia_driver():
-        yield
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+b") as captured:
-        os.dup2(captured.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            captured.seek(0)
-            kept = [
-                line
-                for line in captured.read().decode(errors="replace").splitlines(True)
-                if _SPURIOUS_CUDA_LINE not in line
-            ]
-            sys.stderr.write("".join(kept))
-            sys.stderr.flush()
-
-
 # --------------------------------------------------------------------------- empty batches
-
-
-# The Keras layers whose TensorFlow kernels mishandle an empty batch (see below).
-_CONVOLUTIONS = (
-    "Conv1D",
-    "Conv2D",
-    "Conv3D",
-    "DepthwiseConv1D",
-    "DepthwiseConv2D",
-    "SeparableConv1D",
-    "SeparableConv2D",
-)
-_empty_batch_guarded = False
 
 
 def convolution_drops_empty_batches():
     """Whether this process's CPU convolution gives an empty batch the wrong output shape.
 
-    Runs one tiny convolution eagerly on the CPU (the runtime must be initialized: call it after the
-    devices are configured). True where the kernel hands back its input's shape.
+    Why it matters: an evaluation or prediction pass whose last global batch is partial can hand
+    some replicas an empty batch (TensorFlow splits a partial batch that way). On some CPUs,
+    TensorFlow's oneDNN convolution kernels (`Conv2D` and the 1-D, 3-D, depthwise and separable
+    convolutions built on them) return a tensor of the *input's* shape for an empty batch:
+    `tf.nn.conv2d(tf.zeros([0, 64, 64, 3]), tf.zeros([3, 3, 3, 16]), 2, "SAME")` has shape
+    `(0, 64, 64, 3)`, not `(0, 32, 32, 16)`, and the next layer fails ("Incompatible shapes").
+    With `TF_ENABLE_ONEDNN_OPTS=0` the shape is right.
+
+    How the package avoids it, on every CPU: its exact evaluation (`data.exact_evaluation`) pads
+    the last global batch with zero-weight examples, so every replica's batch is full, and
+    training batches are whole (`drop_remainder=True`). Keras's layers are left as they are. A
+    dataset of the user's own whose last batch is smaller than the number of replicas meets the
+    fault on such a CPU, as it does under TensorFlow's own `MirroredStrategy`.
+
+    Upstream: no report found; seen with TF 2.21.0 (oneDNN on) on AMD EPYC and Intel Xeon CPUs
+    with AVX-512 (the same TF on another x86-64 CPU gave the right shape). How to tell it can go:
+    this function is False on such a CPU
+    (`tests/test_workarounds.py::test_convolution_empty_batch_fault_is_detected`).
+
+    Runs one tiny convolution eagerly on the CPU (the runtime must be initialized: call it after
+    the devices are configured). True where the kernel hands back its input's shape.
     """
     import tensorflow as tf
 
     with tf.init_scope(), tf.device("/CPU:0"):
         output = tf.nn.conv2d(tf.zeros([0, 2, 2, 1]), tf.zeros([1, 1, 1, 2]), 1, "VALID")
     return tuple(output.shape) != (0, 2, 2, 2)
-
-
-def empty_batch_convolutions():
-    """Gives Keras's convolution layers the right output shape for an empty batch.
-
-    Why: an evaluation or prediction pass whose last global batch is partial hands some replicas
-    an empty batch (TensorFlow does so for a partial batch; the example tops up its passes with
-    empty batches). On some CPUs, TensorFlow's oneDNN convolution kernels (`Conv2D` and the 1-D,
-    3-D, depthwise and separable convolutions built on them) return a tensor of the *input's*
-    shape for an empty batch: `tf.nn.conv2d(tf.zeros([0, 64, 64, 3]), tf.zeros([3, 3, 3, 16]), 2,
-    "SAME")` has shape `(0, 64, 64, 3)`, not `(0, 32, 32, 16)`. The next layer then fails
-    ("Incompatible shapes: [16] vs. [0,64,64,3]"), or a later op broadcasts it silently. With
-    `TF_ENABLE_ONEDNN_OPTS=0` the shape is right.
-
-    The guard: where `convolution_drops_empty_batches()` finds the fault, each listed Keras layer
-    class's `call` is given one all-zero example in place of an empty batch (a `tf.cond` on the
-    batch size, around the inputs only), and its output is cut to the batch's size: zero rows of
-    the right shape and dtype for an empty batch, the whole output otherwise. A batch
-    whose size is known and non-zero when the step is traced (TPU, `drop_remainder=True`) adds
-    nothing. Subclasses of these layers inherit the guard. Elsewhere nothing is changed.
-
-    Upstream: no report found; seen with TF 2.21.0 (oneDNN on) on an AMD EPYC CPU with AVX-512 (the
-    same TF on another x86-64 CPU gave the right shape). How to tell it can go:
-    `convolution_drops_empty_batches()` is False on such a CPU (on every CPU,
-    `tests/test_workarounds.py::test_empty_batch_convolutions_keep_their_output_shape` checks that
-    the guard is there exactly where the fault is, and that the layers give the right shape).
-
-    Applied once per process by `create_strategy` for CPU replicas; idempotent.
-    """
-    global _empty_batch_guarded
-    if _empty_batch_guarded:
-        return
-    _empty_batch_guarded = True
-    if not convolution_drops_empty_batches():
-        return
-    import keras
-
-    for name in _CONVOLUTIONS:
-        layer_class = getattr(keras.layers, name, None)
-        if layer_class is not None:
-            layer_class.call = _guard_empty_batch(layer_class.call)
-
-
-def empty_batch_convolutions_guarded():
-    """Whether `empty_batch_convolutions` has changed the convolution layers in this process."""
-    import keras
-
-    return getattr(keras.layers.Conv2D.call, "_empty_batch_guard", False)
-
-
-def _guard_empty_batch(call):
-    """`call` of a layer class, giving an empty batch the output shape of a non-empty one."""
-
-    @functools.wraps(call)
-    def guarded(self, inputs, *args, **kwargs):
-        import tensorflow as tf
-
-        if not tf.is_tensor(inputs) or (inputs.shape.rank and inputs.shape[0]):
-            return call(self, inputs, *args, **kwargs)
-
-        # An empty batch gives way to one all-zero example, whose output is then cut to the
-        # batch's size: zero rows of the right shape and dtype. Only the inputs go through the
-        # `tf.cond`, so `call` is traced once.
-        size = tf.shape(inputs)[0]
-        never_empty = tf.cond(
-            size > 0,
-            lambda: inputs,
-            lambda: tf.zeros(tf.concat([[1], tf.shape(inputs)[1:]], 0), inputs.dtype),
-        )
-        return call(self, never_empty, *args, **kwargs)[:size]
-
-    guarded._empty_batch_guard = True
-    return guarded
 
 
 # --------------------------------------------------------------------------- Slurm, CPU-only

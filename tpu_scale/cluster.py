@@ -231,12 +231,7 @@ def discover(tpu=None, cluster_resolver=None, environ=None):
     Raises:
       ValueError: two sources name a cluster, or one is half set; the message names the variables.
     """
-    from tpu_scale import _workarounds
-
-    # TensorFlow may be imported first here (for TF_CONFIG or Slurm), and under absl.app.run its
-    # import already probes CUDA.
-    with _workarounds.quiet_cuda_probe():
-        return _discover(tpu, cluster_resolver, environ)
+    return _discover(tpu, cluster_resolver, environ)
 
 
 def _discover(tpu, cluster_resolver, environ):

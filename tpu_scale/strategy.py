@@ -301,8 +301,6 @@ def create_strategy(
         raise ValueError(f"num_cpu_replicas must be a positive int, got {num_cpu_replicas!r}.")
 
     found = cluster_lib.discover(tpu, cluster_resolver)
-    with _workarounds.quiet_cuda_probe():
-        tf.config.list_physical_devices()  # the first listing initializes every platform
     if found.is_tpu:
         if mesh_shape is not None:
             raise ValueError(
@@ -361,12 +359,6 @@ def create_strategy(
                 "weight_update_sharding=True works on CPU and GPU hosts; not on a TPU yet."
             )
         weight_update.enable(strategy)
-    _workarounds.replica_iterators_untuned()
-    on_cpus = not found.is_tpu and _workarounds.local_device_type(strategy) == "CPU"
-    if on_cpus:
-        _workarounds.empty_batch_convolutions()
-    if on_cpus and strategy.num_replicas_in_sync > 1:
-        _workarounds.batch_scheduling()
     if gradient_reduction == "torus":
         # "torus" names the package's gradient sum; which algorithm it runs ("auto": the planner's
         # cheapest for this mesh, e.g. one flat sum on one host) is logged at the first sum.

@@ -125,23 +125,7 @@ def _shard_images(shard_number, scratch, names):
             yield shard_number, position, path, class_id
 
 
-_worker_ready = False
-
-
-def _start_worker():
-    """A worker process's first TensorFlow device listing, without the cuInit line it logs on
-    machines with no GPU driver (as the command line's own start does)."""
-    global _worker_ready
-    if not _worker_ready:
-        from tpu_scale import _workarounds
-
-        with _workarounds.quiet_cuda_probe():
-            tf.config.list_physical_devices()
-        _worker_ready = True
-
-
 def _convert(image, class_names, label_offset, base_dir):
-    _start_worker()
     shard_number, position, path, class_id = image
     converted = convert_image(_absolute(path, base_dir), class_id, class_names, label_offset)
     # Named as the listing names it, as the local writer reports it.

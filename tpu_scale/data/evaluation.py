@@ -14,7 +14,6 @@ A small evaluation set is decoded once: its pass is kept in host memory after th
 """
 
 import collections
-import copy
 import math
 
 import tensorflow as tf
@@ -68,23 +67,23 @@ def pass_bytes(eval_input, steps, examples_per_step):
 def exact_evaluation(eval_input, strategy, num_examples, *, cache=None):
     """The distributed evaluation dataset and steps that count every example exactly once.
 
-    One input pipeline (one host): each pass is `evaluation_steps(...)` steps, topped up with empty
-    per-replica batches (zero-size batches are valid inputs to the package's layers and to Keras's
-    metrics), then repeated, so every `evaluate` or validation in `fit` sees each example once
-    whether it starts a new iterator or continues an old one. On a TPU the input is padded to
-    full batches with zero weights (`pad_last_batch=True`) and the top-up batches are full and of
-    zero weight, so every step has static shapes. Several input pipelines (one per host under
-    `MultiWorkerMirroredStrategy`, one per host of a TPU pod slice) read their own files: where
-    every file's record count is known (the label map of `write_tfrecords`), a pass is as many
-    steps as the longest pipeline's and the others are topped up to it; otherwise each pass runs
-    to the end of its data (`steps` is None, and Keras warns that the input ran out of data).
+    One input pipeline (one host): each pass is `evaluation_steps(...)` steps, each replica's
+    batch filled up to the per-replica size with zero-weight examples and the pass topped up with
+    whole zero-weight batches, then repeated, so every `evaluate` or validation in `fit` sees each
+    example once whether it starts a new iterator or continues an old one. Compile the metrics as
+    `weighted_metrics` (unweighted ones are refused under a strategy of `create_strategy`). No
+    replica gets an empty batch and every step has static shapes. Several input pipelines (one
+    per host under `MultiWorkerMirroredStrategy`, one per host of a TPU pod slice) read their own
+    files: where every file's record count is known (the label map of `write_tfrecords`), a pass
+    is as many steps as the longest pipeline's and the others are topped up to it; otherwise each
+    pass runs to the end of its data (`steps` is None, and Keras warns that the input ran out of
+    data).
 
     Caching. Keras starts a new iterator for every `evaluate` (inside `fit` too), and an input
-    pipeline takes a while to start (reading, parsing and decoding its first batch: about 0.5 s
-    for a few hundred 32 px images on a 2-core host, per epoch of a run, where the pass itself takes
-    0.05 s). With `cache`, the first complete pass keeps its batches, fillers included, in host
-    memory (`tf.data.Dataset.cache`), and every later pass reads them from there; an evaluation
-    input has no randomness, so each pass gives the same batches. The rule (`cache=None`): cache
+    pipeline takes a while to start (reading, parsing and decoding its first batch, per epoch of
+    a run, where the pass itself is short). With `cache`, the first complete pass keeps its
+    batches, fillers included, in host memory (`tf.data.Dataset.cache`), and every later pass
+    reads them from there; an evaluation input has no randomness, so each pass gives the same batches. The rule (`cache=None`): cache
     when one pass's decoded images take at most `CACHE_LIMIT_BYTES` (512 MiB) per input pipeline
     (`pass_bytes`: e.g. 10,000 images at 64 px in float32), so that a user's own small validation
     set is decoded once and ImageNet's 50,000 at 224 px are not held in memory. The input's
@@ -125,9 +124,7 @@ def exact_evaluation(eval_input, strategy, num_examples, *, cache=None):
     batch = eval_input.global_batch_size
     if batch % replicas:
         raise ValueError(f"The global batch size {batch} does not divide over {replicas} replicas; use a multiple of {replicas}, e.g. {replicas * max(1, batch // replicas)}.")
-    if _is_tpu(strategy) and not getattr(eval_input, "pad_last_batch", True):
-        eval_input = copy.copy(eval_input)
-        eval_input.pad_last_batch = True
+    per_replica = batch // replicas
     pipelines = _input_pipelines(strategy)
     if pipelines > 1:
         # Each pipeline reads its own files: the pass is as long as the longest pipeline's.
@@ -136,25 +133,27 @@ def exact_evaluation(eval_input, strategy, num_examples, *, cache=None):
             source.records_per_shard(pipelines) if hasattr(source, "records_per_shard") else None
         )
         if counts is None:
-            return ExactEvaluation(
-                strategy.distribute_datasets_from_function(eval_input.dataset), None
+            dataset = strategy.distribute_datasets_from_function(
+                lambda context: eval_input.dataset(context).map(
+                    lambda *batch: _filled(batch, per_replica)
+                )
             )
+            return ExactEvaluation(_marked(dataset), None)
         replicas_fed = replicas // pipelines
         steps = max(
-            evaluation_steps(count, batch // replicas * replicas_fed, replicas_fed)
-            for count in counts
+            evaluation_steps(count, per_replica * replicas_fed, replicas_fed) for count in counts
         )
     else:
         replicas_fed = replicas
         steps = evaluation_steps(num_examples, batch, replicas)
     if cache is None:
-        size = pass_bytes(eval_input, steps, batch // replicas * replicas_fed)
+        size = pass_bytes(eval_input, steps, per_replica * replicas_fed)
         cache = size is not None and size <= CACHE_LIMIT_BYTES
 
     def dataset(context):
-        data = eval_input.dataset(context)
+        data = eval_input.dataset(context).map(lambda *batch: _filled(batch, per_replica))
         replicas_fed = context.num_replicas_in_sync // context.num_input_pipelines
-        filler = tf.data.Dataset.from_tensors(_filler(data.element_spec)).repeat()
+        filler = tf.data.Dataset.from_tensors(_zero_weights(data.element_spec)).repeat()
         # The pass's own batches (at most steps * replicas_fed), then fillers to a whole number of
         # steps; repeated, so that the next pass starts at the first example again.
         one_pass = data.concatenate(filler).take(steps * replicas_fed)
@@ -164,15 +163,38 @@ def exact_evaluation(eval_input, strategy, num_examples, *, cache=None):
             one_pass = one_pass.cache()
         return one_pass.repeat()
 
-    return ExactEvaluation(strategy.distribute_datasets_from_function(dataset), steps, bool(cache))
+    distributed = strategy.distribute_datasets_from_function(dataset)
+    return ExactEvaluation(_marked(distributed), steps, bool(cache))
 
 
-def _filler(spec):
-    """A batch that adds nothing to any metric: empty, or (static shapes) all zero weights."""
-    static = spec[0].shape[0] is not None
-    return tuple(
-        tf.zeros(s.shape if static else [0] + s.shape[1:].as_list(), s.dtype) for s in spec
-    )
+# The attribute that marks an evaluation dataset padded with zero-weight examples; the seam reads
+# it to refuse unweighted metrics (`keras_hook.check_padded_evaluation`).
+PADDED = "tpu_scale_zero_weight_padding"
+
+
+def _marked(distributed):
+    setattr(distributed, PADDED, True)
+    return distributed
+
+
+def _filled(batch, size):
+    """`(images, labels[, weights])` filled up to `size` examples with zeros of weight 0, as
+    `(images, labels, weights)` of static batch size `size`."""
+    images, labels, *weights = batch
+    count = tf.shape(images)[0]
+    weights = weights[0] if weights else tf.ones([count], tf.float32)
+    missing = size - count
+
+    def fill(t):
+        zeros = tf.zeros(tf.concat([[missing], tf.shape(t)[1:]], 0), t.dtype)
+        return tf.ensure_shape(tf.concat([t, zeros], 0), [size, *t.shape[1:]])
+
+    return fill(images), fill(labels), fill(tf.cast(weights, tf.float32))
+
+
+def _zero_weights(spec):
+    """A whole batch that adds nothing to any weighted metric: zeros of weight 0."""
+    return tuple(tf.zeros(s.shape, s.dtype) for s in spec)
 
 
 def _is_tpu(strategy):

@@ -395,10 +395,7 @@ def main(argv: Sequence[str] | None = None) -> TFRecordSummary:
         'multi_processing" (pip install -e ".[beam]")',
     )
     args = parser.parse_args(argv)
-    from tpu_scale import _workarounds
-
-    with _workarounds.quiet_cuda_probe():  # TensorFlow's first device listing, before any image
-        tf.config.list_physical_devices()
+    tf.config.list_physical_devices()  # TensorFlow's start-up lines, before any image's
     try:
         summary = write_tfrecords(
             args.image_dir,
