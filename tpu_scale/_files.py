@@ -4,11 +4,13 @@ Local folders go through `os` and `shutil` (renames are atomic there, and `fsync
 everything else through `tf.io.gfile`.
 """
 
+import logging
 import os
 import shutil
 
 import tensorflow as tf
-from absl import logging
+
+logger = logging.getLogger(__name__)
 
 
 def is_local(path):
@@ -35,4 +37,4 @@ def remove_tree(path, *, best_effort=False):
     except (OSError, tf.errors.OpError) as e:
         if not best_effort:
             raise
-        logging.warning("Could not remove %s (%s); it is not needed any more.", path, e)
+        logger.warning("Could not remove %s (%s); it is not needed any more.", path, e)

@@ -24,6 +24,7 @@ weights; fit's validation, the checkpoints and the saved model see the same batc
 """
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -32,10 +33,11 @@ import time
 
 import keras
 import tensorflow as tf
-from absl import logging
 
 from tpu_scale import checkpointing, weight_update
 from tpu_scale.callbacks import AverageMovingStatistics, LossGuard
+
+logger = logging.getLogger(__name__)
 
 BACKUP_DIR = "backup"
 CHECKPOINTS_DIR = "checkpoints"
@@ -146,7 +148,7 @@ def resuming_from(model_dir, epochs=None):
     """
     backup = checkpointing.latest_backup(os.path.join(_expand(model_dir), BACKUP_DIR))
     if backup is not None:
-        logging.info(
+        logger.info(
             "Resuming from the backup after epoch %d%s%s (%s)",
             backup.epoch,
             f" of {epochs}" if epochs else "",
@@ -179,7 +181,7 @@ def record_settings(model_dir, settings, strategy):
             before = json.load(f)
         changed = [k for k in settings if k in before and before[k] != settings[k]]
         if changed:
-            logging.warning(
+            logger.warning(
                 "Resuming a run that started with other settings: %s. The rest of the run trains "
                 "with the new ones; give the old values to go on as it began.",
                 ", ".join(f"--{k} {before[k]} -> {settings[k]}" for k in changed),
@@ -319,7 +321,7 @@ class EpochLogger(keras.callbacks.Callback):
             self.images += images
             self.seconds += seconds
             rate = images / seconds
-        logging.info(
+        logger.info(
             "epoch %d/%d: %s images/s (%s per replica), loss %.4f, top-1 %.4f, val top-1 %.4f",
             epoch + 1,
             self.epochs,

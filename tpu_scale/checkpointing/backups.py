@@ -3,14 +3,16 @@
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import re
 import time
 
 import tensorflow as tf
-from absl import logging
 
 from tpu_scale._files import is_local, remove_tree
+
+logger = logging.getLogger(__name__)
 
 PREEMPTED_EXIT_CODE = 143
 """Exit code after a preemption backup: 128 + SIGTERM, what a shell reports for a job ended by
@@ -144,7 +146,7 @@ def latest_backup(backup_dir):
             )
         else:
             outcome = "no complete backup is left, so training starts over from epoch 0"
-        logging.warning(
+        logger.warning(
             "Backup %s is damaged: %s; %s. Delete it once you have looked at it.",
             path,
             reason,

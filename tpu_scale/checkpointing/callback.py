@@ -3,6 +3,7 @@
 import hashlib
 import itertools
 import json
+import logging
 import os
 import shutil
 import sys
@@ -10,7 +11,6 @@ import tempfile
 
 import keras
 import tensorflow as tf
-from absl import logging
 
 from tpu_scale import keras_hook
 from tpu_scale._files import remove_tree
@@ -29,6 +29,8 @@ from tpu_scale.checkpointing.preemption import (
     kv_get,
     kv_set,
 )
+
+logger = logging.getLogger(__name__)
 
 _fit_counter = itertools.count()
 
@@ -125,7 +127,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._epoch, self._step = backup.epoch, backup.step
             if backup.step:
                 self._skip_batches(backup.step)
-            logging.info(
+            logger.info(
                 "BackupAndRestore: resumed from %s (epoch %d, step %d).",
                 backup.path,
                 backup.epoch + 1,
@@ -290,13 +292,13 @@ class BackupAndRestore(keras.callbacks.Callback):
             f"{self._epoch + 1} step {self._step} to {where}. Exiting with code "
             f"{self.preemption_exit_code}; run the same command again to resume from there."
         )
-        logging.warning(message)
+        logger.warning(message)
         sys.exit(self.preemption_exit_code)
 
     def on_train_end(self, logs=None):
         if self._notice is not None:
             if self._notice.signalled:
-                logging.warning(
+                logger.warning(
                     "SIGTERM arrived as training ended; training is complete, so no "
                     "backup was saved for it."
                 )

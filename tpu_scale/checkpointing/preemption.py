@@ -1,12 +1,14 @@
 """Preemption: workers agree through TensorFlow's coordination service on the step to save at."""
 
 import dataclasses
+import logging
 import signal
 import threading
 
 import tensorflow as tf
-from absl import logging
 from tensorflow.python.eager import context as tf_context
+
+logger = logging.getLogger(__name__)
 
 KEY_PREFIX = "tpu_scale/checkpointing"
 _STOP = "stop"
@@ -110,7 +112,7 @@ class PreemptionNotice:
 
     def start(self):
         if threading.current_thread() is not threading.main_thread():
-            logging.warning(
+            logger.warning(
                 "BackupAndRestore: fit runs outside the main thread, where no SIGTERM "
                 "handler can be installed; a preemption notice will not save a backup."
             )
@@ -145,7 +147,7 @@ class PreemptionNotice:
         try:
             kv_set(f"{self._ack_prefix}/{self._cluster.me}", "1")
         except Exception as e:  # noqa: BLE001
-            logging.warning("Could not acknowledge the preemption notice of %s: %s", origin, e)
+            logger.warning("Could not acknowledge the preemption notice of %s: %s", origin, e)
 
     def due(self, steps_done, may_claim=True):
         """Whether to save now, after `steps_done` train steps of this `fit`."""
@@ -164,14 +166,14 @@ class PreemptionNotice:
             kv_set(self._key, f"{steps_done + 1}|{me}")
         except tf.errors.AlreadyExistsError:
             return False  # another worker's notice came first; its step applies to everyone
-        logging.warning(
+        logger.warning(
             "SIGTERM on %s: every worker saves a backup after train step %d.", me, steps_done + 1
         )
         for task in self._cluster.tasks:
             try:
                 kv_get(f"{self._ack_prefix}/{task}", self._ack_timeout)
             except tf.errors.OpError as e:
-                logging.warning(
+                logger.warning(
                     "%s did not acknowledge the preemption notice within %d s (%s); saving anyway.",
                     self._cluster.describe(task),
                     self._ack_timeout,

@@ -10,14 +10,16 @@ records without a validation split.
 """
 
 import dataclasses
+import logging
 import os
 
 import tensorflow as tf
-from absl import logging
 
 from tpu_scale.data.image_folder import IMAGE_EXTENSIONS
 from tpu_scale.data.input_pipeline import ImageNetInput
 from tpu_scale.data.schema import read_label_map
+
+logger = logging.getLogger(__name__)
 
 IMAGENET_TRAIN_EXAMPLES = 1_281_167
 IMAGENET_VALIDATION_EXAMPLES = 50_000
@@ -227,7 +229,7 @@ def _tfds_inputs(name, data_dir, num_classes, train_examples, validation_example
 
 def _log(data_dir, label_map, inputs):
     source = f"label map {label_map.path}" if label_map is not None else data_dir
-    logging.info(
+    logger.info(
         "Records %s: %d classes, %d train / %d validation examples",
         source,
         inputs.num_classes,
@@ -235,7 +237,7 @@ def _log(data_dir, label_map, inputs):
         inputs.validation_examples,
     )
     if inputs.train_examples < inputs.train.global_batch_size:
-        logging.warning(
+        logger.warning(
             "The training set (%d images) is smaller than the global batch (%d): every epoch is "
             "one step that repeats images. A smaller global batch trains better here.",
             inputs.train_examples,

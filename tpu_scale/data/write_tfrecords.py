@@ -60,6 +60,7 @@ unfinished.)
 import argparse
 import concurrent.futures
 import itertools
+import logging
 import os
 import sys
 import time
@@ -94,6 +95,8 @@ from tpu_scale.data.reencode import (  # noqa: E402
 )
 from tpu_scale.data.schema import LABEL_MAP_FILE  # noqa: E402
 from tpu_scale.data.sources import graph_function  # noqa: E402
+
+logger = logging.getLogger(__name__)
 
 # Images handed from the decoding pipeline to Python at a time: enough to spread the hand-over's
 # cost, few enough that a batch of camera photos (a few MB each) stays small.
@@ -335,17 +338,16 @@ def image_folder_records(
     Raises:
       ValueError: as `write_tfrecords` does (no class folders, no usable image, ...).
     """
-    from absl import logging
 
     if tf.io.gfile.exists(os.path.join(records_dir, LABEL_MAP_FILE)):
-        logging.info(
+        logger.info(
             f"Reading the records of {image_dir} written earlier to {records_dir} (delete that "
             "folder to convert the images again)."
         )
         return records_dir
     start = time.monotonic()
     summary = write_tfrecords(image_dir, records_dir, seed=seed, strict=strict)
-    logging.info(f"{summary.describe()}\n  in {time.monotonic() - start:.1f} s")
+    logger.info(f"{summary.describe()}\n  in {time.monotonic() - start:.1f} s")
     return records_dir
 
 
