@@ -10,17 +10,14 @@ folder (nothing is downloaded) and trains a small ResNet on 8 virtual CPU replic
 
     python examples/train_imagenet.py
 
-Your own images (one sub-folder of images per class): the first start converts them to records in
-the run's folder (records/, reused on resume) with a validation split and a label map (labels.json);
-on a CPU host it trains on one replica, the fastest layout there (benchmarks/cpu_layout.py):
+Your own images (one sub-folder of images per class), converted once to records in the run's
+folder with a validation split and a label map; on a CPU host it trains on one replica:
 
     python examples/train_imagenet.py --image_dir ~/flowers --model_dir ~/flowers_run
 
---model_dir keeps the run: checkpoints, TensorBoard logs, the backup it resumes from, final.keras
-(read it with `tpu_scale.models.load_model`), run.json and settings.json. The same command after an
-interruption resumes from the last finished epoch, naming every setting that changed; a SIGTERM
-makes every worker save and exit with code 143; a larger --epochs continues a finished run.
-Without --model_dir nothing is written.
+--model_dir keeps the run (checkpoints, TensorBoard logs, backups, final.keras, run.json); the same
+command resumes it after an interruption, naming every setting that changed; a SIGTERM makes
+every worker save and exit with code 143. Without --model_dir nothing is written.
 
 A Cloud TPU with ImageNet (train-* and validation-* files), the paper's v3-1024 setup: batch 32768
 = 16 per core, LARS (rate and warmup from the batch), BN groups of 4 cores = span 64; a v3-8 takes
@@ -40,7 +37,6 @@ create_strategy finds the cluster in TF_CONFIG (examples/kubernetes/) or a Slurm
 
 import contextlib
 import dataclasses
-import gc
 import os
 import shutil
 import sys
@@ -55,22 +51,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Runnable from a checkout without installing: the package sits next to this folder.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# Sets TensorFlow's CPU allocator (TF_CPU_ALLOCATOR_USE_BFC=0 keeps the default); TensorFlow
-# itself starts in create_strategy, and the rest of the package after it.
-import tpu_scale  # noqa: E402
-from tpu_scale import cluster  # noqa: E402
-from tpu_scale.mesh import parse_mesh_shape, smallest_group_for_span  # noqa: E402
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
-# Keras imports these whenever they are installed, for its scikit-learn wrappers, DataFrame inputs
-# and image plots, none of which this command uses; each import sits in a `try` that reads a
-# failure as "not installed". The command line's start hides them (see __main__).
-KERAS_EXTRAS = ("sklearn", "pandas", "matplotlib")
-# Set, the command line's start hides nothing: it is how a Keras that imports one of
-# KERAS_EXTRAS outright starts the command again (`main`).
-LOAD_ALL_ENV = "TPU_SCALE_LOAD_KERAS_EXTRAS"
-# Set by the command line (see __main__): what its start keeps off while TensorFlow and Keras load.
-_collector_off_while_loading = False
-_hidden_while_loading = ()
+import tpu_scale  # noqa: E402
+from tpu_scale import callbacks, checkpointing, data, losses, models, plan, training  # noqa: E402
+from tpu_scale.mesh import parse_mesh_shape, smallest_group_for_span  # noqa: E402
+from tpu_scale.recipe import recipe_for_batch  # noqa: E402
 
 
 def flag(default, text):
@@ -130,12 +117,15 @@ TRAINING_SETTINGS = (
 ).split()
 
 
+IMAGE_DIR_ON_ONE_HOST = "--image_dir converts the images on this host; for a TPU or several workers convert them once (python -m tpu_scale.data.write_tfrecords) and pass --data_dir."
+
+
 class TrainingDiverged(RuntimeError):
     """The loss blew up and backing off did not help; the message names the flags to change."""
 
 
-def check_flags(config, one_host):
-    """Fails at start, with the fix, on flags that cannot work (`one_host`: no TPU or cluster)."""
+def check_flags(config):
+    """Fails at start, with the fix, on flags that cannot work."""
     for name, allowed in [
         ("model", "resnet50 small_resnet"),
         ("optimizer", "lars sgd"),
@@ -148,55 +138,40 @@ def check_flags(config, one_host):
             raise ValueError(f"--{name}={value!r}: choose {' or '.join(allowed.split())}.")
     if sum(bool(v) for v in (config.image_dir, config.data_dir, config.tfds_name)) > 1:
         raise ValueError("Give one of --image_dir, --data_dir and --tfds_name.")
-    if config.image_dir and not one_host:
-        raise ValueError(
-            "--image_dir converts the images on this host; for a TPU or several workers convert "
-            "them once (python -m tpu_scale.data.write_tfrecords) and pass --data_dir."
-        )
+    if config.image_dir and config.tpu:
+        raise ValueError(IMAGE_DIR_ON_ONE_HOST)
     counts = "epochs global_batch_size num_cpu_replicas gradient_accumulation_steps".split()
     for name, value in ((name, getattr(config, name)) for name in counts):
         if value is not None and value < 1:
             raise ValueError(f"--{name}={value}: it must be at least 1.")
     if config.ema_momentum is not None and not 0 <= config.ema_momentum < 1:
         raise ValueError(f"--ema_momentum={config.ema_momentum}: give 0 (no average) or a momentum below 1, e.g. 0.9.")
-    if config.ema_momentum and config.gradient_accumulation_steps > 1:
-        raise ValueError(
-            f"--ema_momentum={config.ema_momentum} with --gradient_accumulation_steps="
-            f"{config.gradient_accumulation_steps}: Keras keeps no moving average of the weights "
-            "while accumulating under a strategy; leave --ema_momentum unset or give 0."
-        )
 
 
 def train(config, extra_callbacks=()):
     """Trains and evaluates; returns the summary (`top_1`, `images_per_second`, ...)."""
     start = time.perf_counter()
     config = dataclasses.replace(config)
-    one_host_cpu = cluster.discover(config.tpu).source == "local"
-    check_flags(config, one_host_cpu)
+    check_flags(config)
     synthetic = not (config.image_dir or config.data_dir or config.tfds_name)
     if config.num_cpu_replicas is None:
         # The generated data show the 2x4 mesh; on a user's data one replica trains fastest on a
         # CPU host, where TensorFlow already spreads each operation over the cores.
         config.num_cpu_replicas = 8 if synthetic else 1
 
-    # ---- strategy: the hardware and its replica mesh (one host's CPU replicas take a shape;
-    # several workers are workers x local replicas; a TPU follows its torus)
+    # ---- strategy: the hardware and its replica mesh (one host's replicas in the squarest grid
+    # or --mesh_shape; several workers are workers x local replicas; a TPU follows its torus)
+    mesh_shape = config.mesh_shape and parse_mesh_shape(config.mesh_shape, config.num_cpu_replicas)
     strategy = tpu_scale.create_strategy(
         config.tpu,
         num_cpu_replicas=config.num_cpu_replicas,
-        mesh_shape=parse_mesh_shape(config.mesh_shape, config.num_cpu_replicas)
-        if one_host_cpu
-        else None,
+        mesh_shape=mesh_shape or "squarest",
         gradient_reduction=config.gradient_reduction,
         weight_update_sharding=config.weight_update_sharding,
     )
     replicas, mesh = strategy.num_replicas_in_sync, strategy.mesh
-    import keras
-
-    from tpu_scale import callbacks, checkpointing, data, losses, models, plan, training
-    from tpu_scale.recipe import recipe_for_batch
-
-    _end_of_loading()  # the command line's start (see __main__): all is loaded now
+    if config.image_dir and not isinstance(strategy, tf.distribute.MirroredStrategy):
+        raise ValueError(IMAGE_DIR_ON_ONE_HOST)
 
     if config.bn_group_size is None:
         # The smallest group spanning 64 examples, chosen here: under several workers the layers
@@ -209,9 +184,7 @@ def train(config, extra_callbacks=()):
         return dict(finished, finished_before=True, model=None)
 
     with contextlib.ExitStack() as cleanup:
-        cleanup.callback(
-            keras.mixed_precision.set_global_policy, keras.mixed_precision.global_policy()
-        )
+        cleanup.callback(keras.mixed_precision.set_global_policy, keras.mixed_precision.global_policy())
         if config.mixed_precision != "float32":
             keras.mixed_precision.set_global_policy(f"mixed_{config.mixed_precision}")
         keras.utils.set_random_seed(config.seed)
@@ -223,9 +196,7 @@ def train(config, extra_callbacks=()):
         data_dir = config.data_dir
         if config.image_dir:
             records = os.path.join(model_dir, "records")
-            data_dir = data.image_folder_records(
-                config.image_dir, records, seed=config.seed, strict=config.strict
-            )
+            data_dir = data.image_folder_records(config.image_dir, records, seed=config.seed, strict=config.strict)
         if synthetic:
             data_dir = tempfile.mkdtemp(prefix="tpu_scale_synthetic_")
             cleanup.callback(shutil.rmtree, data_dir, ignore_errors=True)
@@ -302,9 +273,7 @@ def train(config, extra_callbacks=()):
             logging.info(advice)
 
         # ---- callbacks: backups, preemption, checkpoints, TensorBoard, statistics, guard
-        guard = callbacks.LossGuard(
-            learning_rate_flag="--peak_learning_rate", optimizer_flag="--optimizer"
-        )
+        guard = callbacks.LossGuard(learning_rate_flag="--peak_learning_rate", optimizer_flag="--optimizer")
         run_callbacks = [callbacks.AverageMovingStatistics(), guard]
         if config.model_dir:
             run_callbacks = training.run_callbacks(
@@ -318,12 +287,7 @@ def train(config, extra_callbacks=()):
         skipped = data.SkippedRecordsLogger(inputs.train, inputs.validation)  # bad records
 
         # ---- fit, then one more exact evaluation of the final model
-        logging.info(
-            f"Training {config.epochs} epochs x {steps} steps of {config.global_batch_size} "
-            f"images (effective batch {config.global_batch_size * accumulate}) on {replicas} "
-            f"replicas (mesh {'x'.join(map(str, mesh.shape))}); model_dir "
-            f"{config.model_dir or 'none'}"
-        )
+        logging.info(f"Training {config.epochs} epochs x {steps} steps of {config.global_batch_size} images (effective batch {config.global_batch_size * accumulate}) on {replicas} replicas (mesh {'x'.join(map(str, mesh.shape))}); model_dir {config.model_dir or 'none'}")
         show_bar = sys.stdout.isatty() if config.progress is None else config.progress
         with checkpointing.peer_failures_explained(strategy):
             model.fit(
@@ -341,15 +305,9 @@ def train(config, extra_callbacks=()):
             raise TrainingDiverged(guard.message)
         if not validation.cached:
             inputs.validation.reset_counts()  # the final evaluation's own count of bad records
-        results = model.evaluate(
-            validation.dataset, steps=validation.steps, return_dict=True, verbose=0
-        )
+        results = model.evaluate(validation.dataset, steps=validation.steps, return_dict=True, verbose=0)
         # A cached evaluation read its records once, in fit's first validation.
-        eval_skipped = (
-            inputs.validation.distinct_skipped_records
-            if validation.cached
-            else inputs.validation.skipped_records
-        )
+        eval_skipped = inputs.validation.distinct_skipped_records if validation.cached else inputs.validation.skipped_records
 
         # ---- report
         rate = logger.images_per_second
@@ -370,49 +328,22 @@ def train(config, extra_callbacks=()):
         return dict(summary, model=model, model_dir=config.model_dir, outputs=outputs)
 
 
-def _end_of_loading():
-    """Makes the modules the command line's start hid importable again and turns Python's cycle
-    collector back on, with what loaded frozen out of its reach (see __main__)."""
-    global _collector_off_while_loading, _hidden_while_loading
-    for name in _hidden_while_loading:
-        if sys.modules.get(name, ()) is None:  # still hidden
-            del sys.modules[name]
-    _hidden_while_loading = ()
-    if _collector_off_while_loading:
-        _collector_off_while_loading = False
-        gc.freeze()
-        gc.enable()
-
-
-def _hidden_module_needed(error):
-    """The hidden module (KERAS_EXTRAS) whose absence raised `error` or its causes, or None."""
-    while error is not None:
-        if isinstance(error, ModuleNotFoundError) and error.name in _hidden_while_loading:
-            return error.name
-        error = error.__cause__ or error.__context__
-    return None
-
-
 def main(argv):
     del argv
     fields = dataclasses.fields(TrainConfig)
     config = TrainConfig(**{f.name: flags.FLAGS[f.name].value for f in fields})
+    # Two process-wide settings for TensorFlow's sake, asked for by name (tpu_scale.process): the
+    # BFC allocator keeps a step's buffers for the next, and a tf.data iterator's deletion (each
+    # evaluation's) seldom stalls.
+    tpu_scale.process.use_bfc_cpu_allocator()
+    tpu_scale.process.avoid_iterator_stalls()
     try:
         summary = train(config)
     except (ValueError, TrainingDiverged) as e:
         print(f"error: {e}", file=sys.stderr)  # once: absl's logging.error would repeat it
         return 2
-    except ImportError as e:
-        if not (name := _hidden_module_needed(e)):
-            raise
-        # This Keras (or a module it loads) imports it outright: a fresh process, hiding nothing.
-        logging.info("%s is needed while TensorFlow and Keras load; starting again with it.", name)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.environ[LOAD_ALL_ENV] = "1"
-        os.execv(sys.executable, getattr(sys, "orig_argv", [sys.executable, *sys.argv]))
-    print(tpu_scale.training.summary_line(summary))
-    print("\n".join(tpu_scale.training.outputs_lines(summary.get("outputs"))))
+    print(training.summary_line(summary))
+    print("\n".join(training.outputs_lines(summary.get("outputs"))))
     return 0
 
 
@@ -422,21 +353,10 @@ if __name__ == "__main__":
         kind = next((k for k in kinds if k.__name__ in str(field.type)), str)
         kinds.get(kind, flags.DEFINE_string)(field.name, field.default, field.metadata["help"])
     logging.set_verbosity(logging.INFO)
-    # Python's cycle collector walks every object it tracks, over and over while TensorFlow and
-    # Keras load their millions of objects (0.6-0.9 s of this command's start on a 2-core host),
-    # and those objects live as long as the process: the collector is off until `train` has them
-    # loaded, then frozen out of its reach (`gc.freeze`) and on again.
-    gc.disable()
-    _collector_off_while_loading = True
-    # Keras's optional imports this command never uses (KERAS_EXTRAS) take about a second of its
-    # start on a 2-core host (1.2 s of `import tensorflow, keras`, 0.9 s to a run's second epoch):
-    # they read as not installed while TensorFlow and Keras load, and import as usual from the end
-    # of loading on (`_end_of_loading`).
-    if not os.environ.get(LOAD_ALL_ENV):
-        _hidden_while_loading = tuple(name for name in KERAS_EXTRAS if name not in sys.modules)
-        sys.modules.update(dict.fromkeys(_hidden_while_loading))
-    # TensorFlow's own INFO lines (one per reduction it traces) would drown the progress lines.
     import logging as python_logging
 
+    # The package's progress lines (its loggers are Python's, under "tpu_scale"); TensorFlow's own
+    # INFO lines (one per reduction it traces) would drown them.
+    python_logging.getLogger("tpu_scale").setLevel(python_logging.INFO)
     python_logging.getLogger("tensorflow").setLevel(python_logging.WARNING)
     app.run(main)

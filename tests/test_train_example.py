@@ -4,11 +4,8 @@ The library it is built on has its own tests (test_records.py, test_evaluation.p
 test_training.py); these check what the script adds: its flags, its messages and its report.
 """
 
-import gc
-import importlib.util
 import json
 import os
-import subprocess
 import sys
 
 import keras
@@ -101,16 +98,9 @@ def test_uint8_input_and_one_step_epochs_learn_and_report_a_rate(tmp_path):
     with open(tmp_path / "run" / "run.json") as f:
         record = json.loads(f.read(), parse_constant=lambda name: pytest.fail(f"{name} in JSON"))
     assert record["images_per_second"] > 0 and record["wall_seconds"] > 0
-    # 5 validation images, a global batch of 64 on 2 replicas: one replica gets them all, the
-    # other an empty batch; the evaluation counts the 5.
-    # A caller that keeps Python's cycle collector off keeps it off: only the command line's own
-    # start turns it back on.
-    gc.disable()
-    try:
-        small = train_imagenet.train(tiny_config(epochs=1, synthetic_eval_examples=5))
-        assert not gc.isenabled()
-    finally:
-        gc.enable()
+    # 5 validation images, a global batch of 64 on 2 replicas: one replica's batch holds them,
+    # both are filled with zero-weight examples; the evaluation counts the 5.
+    small = train_imagenet.train(tiny_config(epochs=1, synthetic_eval_examples=5))
     assert small["eval_examples"] == 5
     assert round(small["top_1"] * 5, 6) == round(small["top_1"] * 5)
 
@@ -136,7 +126,7 @@ def test_uint8_input_and_one_step_epochs_learn_and_report_a_rate(tmp_path):
         (dict(ema_momentum=1.0), "--ema_momentum=1.0: give 0 .* below 1"),
         (
             dict(ema_momentum=0.9, gradient_accumulation_steps=2),
-            "no moving average .* leave --ema_momentum unset or give 0",
+            "moving average .* with gradient_accumulation_steps",  # the recipe's own check
         ),
     ],
 )
@@ -192,58 +182,3 @@ def test_data_dir_mistakes_name_the_fix(tmp_path):
     (images / "cat" / "a.JPG").write_bytes(b"")
     with pytest.raises(ValueError, match="holds folders of images.*write_tfrecords --image_dir"):
         train_imagenet.train(tiny_config(data_dir=str(images)))
-
-
-# `python examples/train_imagenet.py ARGS` with a hook around it: when the command ends it prints
-# which of Keras's extras (EXTRAS, the example's KERAS_EXTRAS) the process holds, then imports every
-# installed one. With NEEDS set, `import keras` first imports NEEDS outright, as a Keras that needs
-# it would.
-_COMMAND_LINE = """
-import importlib, importlib.util, json, os, runpy, sys
-EXTRAS = os.environ["EXTRAS"].split(",")
-if os.environ.get("NEEDS"):
-    class Needs:
-        def find_spec(self, name, path=None, target=None):
-            if name == "keras":
-                importlib.import_module(os.environ["NEEDS"])
-    sys.meta_path.insert(0, Needs())
-def report():
-    held = [name for name in EXTRAS if sys.modules.get(name) is not None]
-    imported = [name for name in EXTRAS if importlib.util.find_spec(name) and importlib.import_module(name)]
-    print("REPORT " + json.dumps(dict(held=held, imported=imported)), flush=True)
-sys.argv = sys.argv[1:]
-try:
-    runpy.run_path(sys.argv[0], run_name="__main__")
-finally:
-    report()
-"""
-
-
-def _command_line(needs=None):
-    """Runs the command line to its first error after loading (a BN group that does not divide the
-    replicas) and returns its output and the REPORT."""
-    env = {k: v for k, v in os.environ.items() if k != train_imagenet.LOAD_ALL_ENV}
-    env.update(PYTHONPATH=ROOT, EXTRAS=",".join(train_imagenet.KERAS_EXTRAS))
-    if needs:
-        env["NEEDS"] = needs
-    command = [sys.executable, "-c", _COMMAND_LINE, train_imagenet.__file__, "--bn_group_size=3"]
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
-    text = done.stdout + done.stderr
-    assert done.returncode == 2 and "group_size=3 does not divide" in text, text[-3000:]
-    reports = [json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("REPORT ")]
-    assert len(reports) == 1, text[-3000:]
-    return text, reports[0]
-
-
-def test_the_command_line_loads_keras_without_its_unused_extras():
-    installed = [name for name in train_imagenet.KERAS_EXTRAS if importlib.util.find_spec(name)]
-    assert installed, "none of Keras's extras is installed: nothing to check"
-    text, report = _command_line()
-    assert report == dict(held=[], imported=installed)
-    assert "starting again" not in text
-    # A Keras that imports one outright: the command starts again hiding nothing, and runs.
-    needed = installed[0]
-    text, report = _command_line(needs=needed)
-    assert f"{needed} is needed while TensorFlow and Keras load; starting again with it." in text
-    assert needed in report["held"] and report["imported"] == installed
-    assert text.count("cluster from local") == 1  # the first start ended before its strategy

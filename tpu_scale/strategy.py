@@ -19,16 +19,19 @@ attributes: `mesh` (a `ReplicaMesh`) and `gradient_reduction` (`"torus"` or `"na
 in `tpu_scale._workarounds`.
 """
 
+import logging
+
 import tensorflow as tf
-from absl import logging
 from tensorflow.python.autograph.core import ag_ctx as autograph_ctx
 from tensorflow.python.autograph.impl import api as autograph
 
 from tpu_scale import _workarounds, keras_hook, torus, weight_update
 from tpu_scale import cluster as cluster_lib
 from tpu_scale.context import mesh_of  # noqa: F401  (tpu_scale.mesh_of)
-from tpu_scale.mesh import ReplicaMesh
+from tpu_scale.mesh import ReplicaMesh, parse_mesh_shape
 from tpu_scale.plan import choice as plan_choice
+
+logger = logging.getLogger(__name__)
 
 GRADIENT_REDUCTIONS = keras_hook.GRADIENT_REDUCTIONS
 
@@ -97,7 +100,7 @@ class GradientPlanner:
         if key not in self.choices:
             if self.cluster is None or self.cluster.mesh.shape != mesh.shape:
                 algorithm = torus.resolve_algorithm("auto", mesh)
-                logging.info(
+                logger.info(
                     "tpu_scale: gradient sum 'auto' -> %s (fixed rule: no cost figures for this "
                     "hardware)",
                     algorithm,
@@ -107,7 +110,7 @@ class GradientPlanner:
                 decision = plan_choice.choose_algorithm(
                     self.cluster, list(tensors), self.pack_bytes or 0, self.gradient_dtype
                 )
-                logging.info(
+                logger.info(
                     "tpu_scale: gradient sum 'auto' -> %s, %d tensors, %.1f MB",
                     decision.summary(),
                     len(tensors),
@@ -258,8 +261,10 @@ def create_strategy(
         worker of a multi-worker cluster (default there: `TPU_SCALE_CPUS_PER_WORKER`, which
         `python -m tpu_scale.launch --num_cpu_replicas` sets, else 1). Creating them must happen
         before TensorFlow starts; later calls with the same or a smaller count reuse the devices.
-      mesh_shape: `(rows, cols)` for a single host's replicas; default `(1, n)`. Multi-host meshes
-        are workers x local replicas and TPU meshes follow the torus.
+      mesh_shape: `(rows, cols)` for a single host's replicas; default `(1, n)`; `"squarest"`: the
+        most nearly square grid of one host's replicas (2x4 for 8), and the natural mesh on a TPU
+        or several workers, so one script runs anywhere. Multi-host meshes are workers x local
+        replicas and TPU meshes follow the torus.
       gradient_reduction: `"torus"` (the 2-D reduction of `tpu_scale.torus`, used by `model.fit`) or
         `"native"` (TensorFlow's own all-reduce).
       gradient_algorithm: with `"torus"`: `"auto"`, `"native"` or one of
@@ -301,6 +306,11 @@ def create_strategy(
         raise ValueError(f"num_cpu_replicas must be a positive int, got {num_cpu_replicas!r}.")
 
     found = cluster_lib.discover(tpu, cluster_resolver)
+    squarest = isinstance(mesh_shape, str) and mesh_shape == "squarest"
+    if squarest and (found.is_tpu or found.is_multi_worker):
+        mesh_shape = None
+    elif isinstance(mesh_shape, str):
+        raise ValueError(f"mesh_shape={mesh_shape!r}: give (rows, cols) or 'squarest'.")
     if found.is_tpu:
         if mesh_shape is not None:
             raise ValueError(
@@ -333,10 +343,12 @@ def create_strategy(
     elif tf.config.list_physical_devices("GPU"):
         gpus = [d.name for d in tf.config.list_logical_devices("GPU")]
         strategy = MirroredStrategy(gpus)
-        mesh = ReplicaMesh.for_devices(len(gpus), mesh_shape)
+        mesh = ReplicaMesh.for_devices(len(gpus), parse_mesh_shape(None, len(gpus)) if squarest else mesh_shape)
         kind = f"{len(gpus)} GPU(s)"
         hardware = dict(kind="gpu", replicas_per_host=len(gpus), gpu=_gpu_type())
     else:
+        if squarest:
+            mesh_shape = parse_mesh_shape(None, num_cpu_replicas or 1)
         if num_cpu_replicas is None and mesh_shape is not None:
             num_cpu_replicas = int(mesh_shape[0]) * int(mesh_shape[1])
         _configure_cpu_replicas(num_cpu_replicas or 1)
@@ -365,7 +377,7 @@ def create_strategy(
         reduction = f"tpu_scale's, algorithm {settings.algorithm!r}"
     else:
         reduction = "TensorFlow's own"
-    logging.info(
+    logger.info(
         "tpu_scale: cluster from %s (%s): %s, %d replicas, mesh %dx%d, gradient sum %s",
         found.source,
         found.description,
