@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import tpu_scale
+from tpu_scale import keras_hook
 from tpu_scale.optimizers import LARS
 
 BATCH = 16
@@ -144,8 +145,13 @@ def test_checkpoints_move_between_sharded_and_unsharded(tmp_path, strategy):
         np.testing.assert_array_equal(a, b)
 
     resharded = _model(sharded_strategy, optimizer)
+    unadopted = _model(sharded_strategy, optimizer)
     with sharded_strategy.scope():
+        keras_hook.adopt(resharded.optimizer)  # sharded from its build on
         resharded.optimizer.build(resharded.trainable_variables)
+        unadopted.optimizer.build(unadopted.trainable_variables)
+    with pytest.raises(ValueError, match=r"keras_hook.adopt\(model.optimizer\)"):
+        unadopted.fit(x[:64], y[:64], batch_size=BATCH, epochs=1, verbose=0)
     plain_path = str(tmp_path / "plain.weights.h5")
     plain.save_weights(plain_path)
     resharded.load_weights(plain_path)
@@ -178,6 +184,7 @@ def test_a_sharded_run_resumes_on_another_replica_count(tmp_path):
         model.save_weights(path)
         resumed = _model(second, optimizer)
         with second.scope():
+            keras_hook.adopt(resumed.optimizer)  # built before fit: adopted first
             resumed.optimizer.build(resumed.trainable_variables)
         resumed.load_weights(path)
         assert int(resumed.optimizer.iterations.numpy()) == STEPS // 2

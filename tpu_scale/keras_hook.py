@@ -222,14 +222,20 @@ def adopt_for_fit(model):
     """Adopts `model`'s optimizer (and a `LossScaleOptimizer`'s inner one) when it was made under a
     strategy of `create_strategy`; every other optimizer stays Keras's own, untouched.
 
-    Runs in `fit`, `evaluate` and `predict` before Keras builds the optimizer (`_fit_hook`), so a
-    sharded update builds its 1/N state from the start. A custom training loop that calls
-    `optimizer.apply` inside `strategy.run` adopts its optimizer itself with `adopt(optimizer)`.
+    Runs in `fit`, `evaluate` and `predict` before Keras builds the optimizer (`_install_fit_hook`),
+    so a sharded update builds its 1/N state from the start. A program that builds or restores
+    the optimizer before `fit` with `weight_update_sharding` (or runs its own loop that calls
+    `optimizer.apply` inside `strategy.run`) adopts it first with `adopt(optimizer)`; a sharded
+    strategy refuses an optimizer built unadopted, naming that fix.
     """
     optimizer = getattr(model, "optimizer", None)
     for one in (optimizer, getattr(optimizer, "inner_optimizer", None)):
-        if one is not None and settings_for(getattr(one, "_distribution_strategy", None)):
-            adopt(one)
+        settings = settings_for(getattr(one, "_distribution_strategy", None))
+        if one is None or settings is None or isinstance(one, Seam):
+            continue
+        if one.built and settings.weight_update_sharding:
+            raise ValueError(f"{type(one).__name__} was built before fit (optimizer.build or a restore), so it holds its whole state on every replica although the strategy shards the update (weight_update_sharding=True). Adopt it before building it: tpu_scale.keras_hook.adopt(model.optimizer), then optimizer.build(...) or load_weights(...).")
+        adopt(one)
 
 
 def adopt(optimizer):
@@ -237,7 +243,9 @@ def adopt(optimizer):
 
     Only this object changes: its class becomes a subclass of its own class and `Seam`, with its
     own class's name and module, so `isinstance`, `get_config` and saved models are unchanged, and
-    `type(optimizer)` and `optimizer.__class__` both name the adopted class.
+    `type(optimizer)` and `optimizer.__class__` both name the adopted class. An optimizer already
+    built (restored before `fit`) starts an accumulation window in progress again
+    (`_restart_window`), as one restored after adoption does.
     """
     if isinstance(optimizer, Seam):
         return optimizer
@@ -249,6 +257,8 @@ def adopt(optimizer):
             adopted = type(cls.__name__, (Seam, cls), namespace)
             _adopted_classes[cls] = adopted
     optimizer.__class__ = adopted
+    if optimizer.built:
+        _restart_window(optimizer)
     return optimizer
 
 
