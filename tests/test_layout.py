@@ -99,9 +99,10 @@ def test_every_module_says_what_it_holds(name, path):
     assert ast.get_docstring(ast.parse(text)), f"{name} has no docstring"
 
 
-def test_importing_the_package_selects_the_bfc_cpu_allocator():
-    # TensorFlow reads the setting when it creates its CPU device: importing the package after
-    # TensorFlow, before any op, is enough. Only the BFC allocator reports memory statistics.
+def test_the_bfc_cpu_allocator_is_selected_only_when_asked_for():
+    # TensorFlow reads the setting when it creates its CPU device: asking for it after importing
+    # TensorFlow, before any op, is enough. Only the BFC allocator reports memory statistics;
+    # importing the package alone leaves TensorFlow's default.
     import os
     import subprocess
     import sys
@@ -109,21 +110,26 @@ def test_importing_the_package_selects_the_bfc_cpu_allocator():
     # Without BFC, TensorFlow reports a zero peak or refuses to report ("Allocator stats not
     # available for device 'CPU:0'", seen with 2.21 on some hosts): both are "no statistics".
     code = (
-        "import tensorflow as tf, tpu_scale; tf.ones(1)\n"
+        "import sys, tensorflow as tf, tpu_scale.process\n"
+        "if sys.argv[1:] == ['ask']: tpu_scale.process.use_bfc_cpu_allocator()\n"
+        "tf.ones(1)\n"
         "try: print(tf.config.experimental.get_memory_info('CPU:0')['peak'] > 0)\n"
         "except ValueError: print(False)"
     )
     env = {k: v for k, v in os.environ.items() if k != "TF_CPU_ALLOCATOR_USE_BFC"}
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.stdout.strip() == "True", done.stderr[-2000:]
-    off = subprocess.run(
-        [sys.executable, "-c", code],
-        env=dict(env, TF_CPU_ALLOCATOR_USE_BFC="0"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    # 0 keeps TensorFlow's default allocator, which keeps no statistics.
-    assert off.stdout.strip() == "False", off.stderr[-2000:]
+
+    def statistics(*args, **variables):
+        done = subprocess.run(
+            [sys.executable, "-c", code, *args],
+            env=dict(env, **variables),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        return done.stdout.strip(), done.stderr[-2000:]
+
+    assert statistics()[0] == "False", statistics()[1]  # imported, not asked: the default
+    assert statistics("ask")[0] == "True", statistics("ask")[1]
+    # 0, set by the user, keeps TensorFlow's default allocator even when the package is asked.
+    off = statistics("ask", TF_CPU_ALLOCATOR_USE_BFC="0")
+    assert off[0] == "False", off[1]
