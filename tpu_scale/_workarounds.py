@@ -451,11 +451,11 @@ def slurm_cluster_resolver(port_base=8888, gpus_per_node=None, gpus_per_task=Non
     global _slurm_resolver_class
     import shutil
 
-    from tensorflow.python.distribute.cluster_resolver import slurm_cluster_resolver as slurm_lib
+    import tensorflow as tf
 
     if _slurm_resolver_class is None:
 
-        class SlurmClusterResolver(slurm_lib.SlurmClusterResolver):
+        class SlurmClusterResolver(tf.distribute.cluster_resolver.SlurmClusterResolver):
             def cluster_spec(self):
                 return slurm_node_order(self, self._sorted_cluster_spec())
 
