@@ -67,7 +67,8 @@ def replica_iterators_untuned():
     if _replica_iterators_untuned:
         return
     import tensorflow as tf
-    from tensorflow.python.data.ops import multi_device_iterator_ops
+
+    from tpu_scale.tf_seam import multi_device_iterator_ops
 
     build = multi_device_iterator_ops._create_device_dataset
     options = tf.data.Options()
@@ -192,7 +193,7 @@ def multi_worker_extended(
     """
     global _multi_worker_extended
     if _multi_worker_extended is None:
-        from tensorflow.python.distribute import collective_all_reduce_strategy as collective_lib
+        from tpu_scale.tf_seam import collective_all_reduce_strategy as collective_lib
 
         class MultiWorkerExtended(collective_lib.CollectiveAllReduceExtended):
             def __init__(self, container, resolver, options, local_cpus):

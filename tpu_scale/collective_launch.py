@@ -15,8 +15,8 @@ import zlib
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.distribute import device_util
-from tensorflow.python.ops import resource_variable_ops
+
+from tpu_scale.tf_seam import device_util, resource_variable_ops
 
 # Every tf.distribute strategy numbers its group keys from 1; ours live far above them.
 PRIVATE_KEY_BASE = 1 << 30

@@ -40,8 +40,6 @@ reduce-scatter.
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.distribute import device_util
-from tensorflow.python.distribute import values as values_lib
 
 from tpu_scale import context
 from tpu_scale.collective_launch import (  # noqa: F401  (ordering_channel, timeout_seconds: public)
@@ -54,6 +52,8 @@ from tpu_scale.collective_launch import (  # noqa: F401  (ordering_channel, time
     ordering_channel,
     timeout_seconds,
 )
+from tpu_scale.tf_seam import device_util
+from tpu_scale.tf_seam import distribute_values as values_lib
 
 
 def _checked_groups(group_assignment, num_replicas):

@@ -6,7 +6,8 @@ import threading
 
 import tensorflow as tf
 from absl import logging
-from tensorflow.python.eager import context as tf_context
+
+from tpu_scale.tf_seam import eager_context as tf_context
 
 KEY_PREFIX = "tpu_scale/checkpointing"
 _STOP = "stop"
