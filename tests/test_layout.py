@@ -1,4 +1,4 @@
-"""The package's shape: imports run one way, Keras internals in one module, small modules."""
+"""The package's shape: imports run one way, Keras's and TensorFlow's internals each in one module."""
 
 import ast
 import pathlib
@@ -9,6 +9,7 @@ import pytest
 PACKAGE = pathlib.Path(__file__).parents[1] / "tpu_scale"
 # The core, lowest first, then the recipe on top of it: each may import only those before it.
 CORE = [
+    "tf_seam",
     "mesh",
     "context",
     "collective_launch",
@@ -90,6 +91,12 @@ def test_keras_internals_in_one_module():
         if name != "tpu_scale.keras_hook" and private.search(path.read_text())
     )
     assert reaching == [], reaching
+
+
+def test_tensorflow_internals_in_one_module():
+    # Every `tensorflow.python` name goes through the seam's table and its start-up check.
+    users = sorted(name for name, path in _modules() if "tensorflow.python" in path.read_text())
+    assert users == ["tpu_scale.tf_seam"]
 
 
 @pytest.mark.parametrize("name,path", list(_modules()), ids=[n for n, _ in _modules()])

@@ -69,7 +69,8 @@ def replica_iterators_untuned():
     if _replica_iterators_untuned:
         return
     import tensorflow as tf
-    from tensorflow.python.data.ops import multi_device_iterator_ops
+
+    from tpu_scale.tf_seam import multi_device_iterator_ops
 
     build = multi_device_iterator_ops._create_device_dataset
     options = tf.data.Options()
@@ -195,7 +196,7 @@ def multi_worker_extended(
     """
     global _multi_worker_extended
     if _multi_worker_extended is None:
-        from tensorflow.python.distribute import collective_all_reduce_strategy as collective_lib
+        from tpu_scale.tf_seam import collective_all_reduce_strategy as collective_lib
 
         class MultiWorkerExtended(collective_lib.CollectiveAllReduceExtended):
             def __init__(self, container, resolver, options, local_cpus):
@@ -338,11 +339,11 @@ def slurm_cluster_resolver(port_base=8888, gpus_per_node=None, gpus_per_task=Non
     global _slurm_resolver_class
     import shutil
 
-    from tensorflow.python.distribute.cluster_resolver import slurm_cluster_resolver as slurm_lib
+    import tensorflow as tf
 
     if _slurm_resolver_class is None:
 
-        class SlurmClusterResolver(slurm_lib.SlurmClusterResolver):
+        class SlurmClusterResolver(tf.distribute.cluster_resolver.SlurmClusterResolver):
             def cluster_spec(self):
                 return slurm_node_order(self, self._sorted_cluster_spec())
 

@@ -15,9 +15,8 @@ import zlib
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.distribute import device_util
-from tensorflow.python.framework import ops
-from tensorflow.python.ops import collective_ops, resource_variable_ops
+
+from tpu_scale.tf_seam import device_util, resource_variable_ops
 
 # Every tf.distribute strategy numbers its group keys from 1; ours live far above them.
 PRIVATE_KEY_BASE = 1 << 30
@@ -93,7 +92,7 @@ def _instance_key(group_key, device):
     keys taken at call time stay in step because every replica runs the same collectives in the same
     order.
     """
-    graph = ops.get_default_graph()
+    graph = tf.compat.v1.get_default_graph()
     while getattr(graph, "is_control_flow_graph", False):
         graph = graph.outer_graph
     if not graph.building_function:
@@ -110,7 +109,7 @@ def _ordering_token(device, channel=0):
         if token is None:
             # A plain ResourceVariable (not tf.Variable) so no strategy or Keras variable creator
             # sees it.
-            with ops.init_scope(), ops.device(device):
+            with tf.init_scope(), tf.device(device):
                 token = resource_variable_ops.ResourceVariable(
                     0.0, trainable=False, name="collective_token"
                 )
@@ -128,20 +127,23 @@ class Launch:
         self.channel = getattr(_override, "channel", 0)
 
     def kwargs(self):
+        """The keywords every collective V2 op of `tf.raw_ops` takes, for one launch."""
         return dict(
             group_size=self.group_size,
             group_key=self.group_key,
             instance_key=_instance_key(self.group_key, self.device),
-            ordering_token=_ordering_token(self.device, self.channel),
-            timeout=timeout_seconds(),
+            ordering_token=[_ordering_token(self.device, self.channel)],
+            timeout_seconds=timeout_seconds(),
         )
 
 
 def collective_sum(x, launch):
     @tf.custom_gradient
     def summed(x):
-        with ops.device(launch.device):
-            y = collective_ops.all_reduce_v2(x, **launch.kwargs())
+        with tf.device(launch.device):
+            y = tf.raw_ops.CollectiveReduceV2(
+                input=x, merge_op="Add", final_op="Id", **launch.kwargs()
+            )
         return y, lambda dy: collective_sum(dy, launch)
 
     return summed(x)
@@ -151,9 +153,10 @@ def collective_all_to_all(x, launch):
     @tf.custom_gradient
     def exchanged(x):
         # The CPU/GPU kernel wants axis 0 to be exactly the group size: one row per rank.
-        with ops.device(launch.device):
+        with tf.device(launch.device):
             rows = tf.reshape(x, [launch.group_size, -1])
-            y = tf.reshape(collective_ops.all_to_all_v2(rows, **launch.kwargs()), tf.shape(x))
+            y = tf.raw_ops.CollectiveAllToAllV2(input=rows, **launch.kwargs())
+            y = tf.reshape(y, tf.shape(x))
         return y, lambda dy: collective_all_to_all(dy, launch)
 
     return exchanged(x)
@@ -162,16 +165,18 @@ def collective_all_to_all(x, launch):
 def collective_all_gather(x, launch):
     @tf.custom_gradient
     def gathered(x):
-        with ops.device(launch.device):
+        with tf.device(launch.device):
             if x.dtype == tf.bfloat16:
                 # The gather kernel has no bfloat16; it only copies bytes, so send the bits as
                 # float16.
                 y = tf.bitcast(
-                    collective_ops.all_gather_v2(tf.bitcast(x, tf.float16), **launch.kwargs()),
+                    tf.raw_ops.CollectiveGatherV2(
+                        input=tf.bitcast(x, tf.float16), **launch.kwargs()
+                    ),
                     tf.bfloat16,
                 )
             else:
-                y = collective_ops.all_gather_v2(x, **launch.kwargs())
+                y = tf.raw_ops.CollectiveGatherV2(input=x, **launch.kwargs())
 
         def grad(dy):
             return local_shard_sum(collective_all_to_all(dy, launch), launch.group_size)

@@ -40,9 +40,6 @@ reduce-scatter.
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.distribute import device_util
-from tensorflow.python.distribute import values as values_lib
-from tensorflow.python.framework import ops
 
 from tpu_scale import context
 from tpu_scale.collective_launch import (  # noqa: F401  (ordering_channel, timeout_seconds: public)
@@ -55,6 +52,8 @@ from tpu_scale.collective_launch import (  # noqa: F401  (ordering_channel, time
     ordering_channel,
     timeout_seconds,
 )
+from tpu_scale.tf_seam import device_util
+from tpu_scale.tf_seam import distribute_values as values_lib
 
 
 def _checked_groups(group_assignment, num_replicas):
@@ -238,12 +237,12 @@ def _on_each(devices, fn):
 
 
 def _on(device, fn, rank):
-    with ops.device(device):
+    with tf.device(device):
         return fn(rank)
 
 
 def _sum_on_first(parts, devices):
-    with ops.device(devices[0]):
+    with tf.device(devices[0]):
         return tf.add_n(parts)
 
 
@@ -260,7 +259,7 @@ def _build_reduce_scatter(parts, devices):
     # the sum's buffer (TensorFlow's `Split` copies every other split, e.g. any of a 1-D one).
     g = len(parts)
     total = _sum_on_first(parts, devices)
-    with ops.device(devices[0]):
+    with tf.device(devices[0]):
         rest = total.shape[1:]
         if rest.is_fully_defined():
             shape = [-1] + rest.as_list()
@@ -273,7 +272,7 @@ def _build_reduce_scatter(parts, devices):
 def _build_all_gather(parts, devices):
     # Built once, as the sum above: every member gets the same buffer (a variable assigned from it
     # shares it too, until an in-place update copies it).
-    with ops.device(devices[0]):
+    with tf.device(devices[0]):
         gathered = tf.concat(parts, axis=0)
     return _on_each(devices, lambda rank: tf.identity(gathered))
 
@@ -397,9 +396,7 @@ def group_sum(x, group_assignment, latency_bound=False, in_graph=False):
     if backend == "single" or groups.shape[1] == 1:
         return tf.identity(x)
     if backend == "tpu":
-        from tensorflow.python.tpu.ops import tpu_ops
-
-        return tpu_ops.cross_replica_sum(x, groups.astype(np.int32).tolist())
+        return tf.raw_ops.CrossReplicaSum(input=x, group_assignment=groups.astype(np.int32))
     ctx = tf.distribute.get_replica_context()
     if backend == "eager":
         return _eager_group_sum(x, groups, ctx)
@@ -437,14 +434,12 @@ def all_to_all(x, group_assignment):
     if backend == "single" or group_size == 1:
         return tf.identity(x)
     if backend == "tpu":
-        from tensorflow.python.tpu.ops import tpu_ops
-
-        return tpu_ops.all_to_all(
-            x,
+        return tf.raw_ops.AllToAll(
+            input=x,
+            group_assignment=groups.astype(np.int32),
             concat_dimension=0,
             split_dimension=0,
             split_count=group_size,
-            group_assignment=groups.astype(np.int32).tolist(),
         )
     ctx = tf.distribute.get_replica_context()
     if backend == "eager":

@@ -621,7 +621,7 @@ def check_jit_compile(strategy):
     """
     if tf.executing_eagerly():
         return
-    from tensorflow.python.ops import control_flow_util
+    from tpu_scale.tf_seam import control_flow_util
 
     if not control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
         return

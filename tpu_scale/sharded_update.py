@@ -19,9 +19,9 @@ module builds the step itself, in replica context, from one replica's gradients:
 """
 
 import tensorflow as tf
-from tensorflow.python.distribute import values as values_lib
 
 from tpu_scale import collectives, torus
+from tpu_scale.tf_seam import distribute_values as values_lib
 
 
 def update(ctx, state, grads, values, learning_rate, layer=None, gradient_dtype=None):

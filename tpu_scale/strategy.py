@@ -22,14 +22,14 @@ in `tpu_scale._workarounds`.
 import logging
 
 import tensorflow as tf
-from tensorflow.python.autograph.core import ag_ctx as autograph_ctx
-from tensorflow.python.autograph.impl import api as autograph
 
-from tpu_scale import _workarounds, keras_hook, torus, weight_update
+from tpu_scale import _workarounds, keras_hook, tf_seam, torus, weight_update
 from tpu_scale import cluster as cluster_lib
 from tpu_scale.context import mesh_of  # noqa: F401  (tpu_scale.mesh_of)
 from tpu_scale.mesh import ReplicaMesh, parse_mesh_shape
 from tpu_scale.plan import choice as plan_choice
+from tpu_scale.tf_seam import ag_ctx as autograph_ctx
+from tpu_scale.tf_seam import autograph_api as autograph
 
 logger = logging.getLogger(__name__)
 
@@ -297,6 +297,7 @@ def create_strategy(
       True)` on several CPU replicas fails before the first step, naming what works.
     """
     keras_hook.check_keras()  # an unsupported Keras fails here, naming the range and the fix
+    tf_seam.check_tensorflow()  # so does a TensorFlow without a private name the package uses
     settings = keras_hook.Settings(
         gradient_reduction, gradient_algorithm, gradient_pack_bytes, gradient_dtype
     )

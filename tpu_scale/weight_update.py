@@ -58,9 +58,9 @@ import itertools
 import keras
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.eager import context as tf_context
 
 from tpu_scale import collectives, context, sharded_update, torus_schedule
+from tpu_scale.tf_seam import eager_context as tf_context
 
 # Keras's element-wise optimizers, by name (those this Keras has): their `update_step` on a flat
 # shard is their `update_step` on each piece of it.

@@ -6,7 +6,8 @@ import signal
 import threading
 
 import tensorflow as tf
-from tensorflow.python.eager import context as tf_context
+
+from tpu_scale.tf_seam import eager_context as tf_context
 
 logger = logging.getLogger(__name__)
 
