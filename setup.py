@@ -14,9 +14,10 @@ setup(
     packages=find_packages(include=["tpu_scale", "tpu_scale.*"]),
     python_requires=">=3.9",
     # The ranges CI tests (.ci/run): TensorFlow 2.21 with Keras 3.12 (the oldest Keras it accepts),
-    # the current release and keras-nightly; tpu_scale.keras_hook checks the Keras range at start-up.
+    # the current release and keras-nightly, and tf-nightly (2.23.dev) with keras-nightly;
+    # tpu_scale.keras_hook checks the Keras range at start-up, tpu_scale.tf_seam TensorFlow's names.
     install_requires=[
-        "tensorflow>=2.21,<2.22",
+        "tensorflow>=2.21,<2.24",
         "keras>=3.12,<3.17",
         "numpy",
         "absl-py",

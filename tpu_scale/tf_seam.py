@@ -7,7 +7,7 @@ same thing, the package uses it instead (`tf.device`, `tf.init_scope`,
 `tf.compat.v1.get_default_graph`, the collective and TPU ops of `tf.raw_ops`,
 `tf.distribute.cluster_resolver.SlurmClusterResolver`).
 
-Every private name (TensorFlow versions seen on: 2.21.0):
+Every private name (TensorFlow versions seen on: 2.21.0, 2.23.0.dev20261026):
 
   name (tensorflow.python. ...)          what, and where                  why no public way
   distribute.device_util                 the device the replica's ops     `tf.distribute` gives a
@@ -51,9 +51,9 @@ import importlib
 
 import tensorflow as tf
 
-# The TensorFlow releases the package is tested on (CI runs them).
-TESTED_TENSORFLOW = ("2.21.0",)
-SUPPORTED_TENSORFLOW = ">=2.21,<2.22"
+# The TensorFlow releases the package is tested on (CI: the current release and tf-nightly).
+TESTED_TENSORFLOW = ("2.21.0", "2.23.0.dev20261026")
+SUPPORTED_TENSORFLOW = ">=2.21,<2.24"
 
 # The seam's name of each TensorFlow module -> that module.
 MODULES = {
