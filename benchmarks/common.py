@@ -24,10 +24,12 @@ RESULTS = os.path.join(HERE, "results")
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-# The CPU allocator the package selects on import (see tpu_scale/__init__.py): the benchmarks import
-# this module before TensorFlow starts, their child processes inherit the setting, and
+# The benchmarks ask for the BFC CPU allocator by name (tpu_scale.process), as the example does:
+# they import this module before TensorFlow starts, their child processes inherit the setting, and
 # `machine_info` records it. TF_CPU_ALLOCATOR_USE_BFC=0 measures TensorFlow's default.
-import tpu_scale  # noqa: E402, F401
+import tpu_scale.process  # noqa: E402
+
+tpu_scale.process.use_bfc_cpu_allocator()
 
 
 def cpu_allocator():

@@ -30,17 +30,17 @@ def _env():
 
 
 def readme_evaluation(model_path, records, image_size):
-    """The README's evaluation of a saved model, with its paths and image size replaced (prints
-    "top-1 X on N validation images")."""
-    text = open(os.path.join(ROOT, "README.md")).read()
-    section = text[text.index("## Your own images") : text.index("## Quickstart")]
+    """The evaluation of a saved model in examples/README.md, with its paths and image size
+    replaced (prints "top-1 X on N validation images")."""
+    text = open(os.path.join(ROOT, "examples", "README.md")).read()
+    section = text[text.index("## Your own images") : text.index("## Several hosts")]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     for old, new in [
         ('"~/flowers_run/final.keras"', repr(model_path)),
         ('"~/flowers_run/records/validation-*"', repr(os.path.join(records, "validation-*"))),
         ("image_size=64", f"image_size={image_size}"),
     ]:
-        assert old in code, f"the README's evaluation no longer contains {old!r}"
+        assert old in code, f"examples/README.md's evaluation no longer contains {old!r}"
         code = code.replace(old, new)
     return code
 
