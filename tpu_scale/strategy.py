@@ -310,7 +310,7 @@ def create_strategy(
     squarest = isinstance(mesh_shape, str) and mesh_shape == "squarest"
     if squarest and (found.is_tpu or found.is_multi_worker):
         mesh_shape = None
-    elif isinstance(mesh_shape, str):
+    elif isinstance(mesh_shape, str) and not squarest:
         raise ValueError(f"mesh_shape={mesh_shape!r}: give (rows, cols) or 'squarest'.")
     if found.is_tpu:
         if mesh_shape is not None:
