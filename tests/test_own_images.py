@@ -141,7 +141,8 @@ def test_interrupted_training_resumes_and_learns(images, tmp_path):
     assert abs(evaluated - top_1) <= 1 / total + 1e-4, (evaluated, total, top_1)
     assert f"final model: {os.path.join(model_dir, 'final.keras')}" in text
     assert len(os.listdir(os.path.join(model_dir, "checkpoints"))) == 3
-    for noise in ("failed call to cuInit", "ran out of data", "Local rendezvous"):
+    # TensorFlow's own cuInit line on a machine without a GPU stays: the package leaves stderr be.
+    for noise in ("ran out of data", "Local rendezvous"):
         assert noise not in text
 
     third = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=300)

@@ -16,7 +16,7 @@ from tpu_scale import training  # noqa: E402
 def _example_epoch_line(monkeypatch, logs):
     """The line the example's epoch logger logs at the end of an epoch, as it formats it."""
     lines = []
-    monkeypatch.setattr(training.logging, "info", lambda fmt, *a: lines.append(fmt % a))
+    monkeypatch.setattr(training.logger, "info", lambda fmt, *a: lines.append(fmt % a))
     progress = training.EpochLogger(128, 8, 30)
     progress.on_epoch_begin(2)
     progress.on_train_batch_end(0)

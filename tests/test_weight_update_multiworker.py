@@ -103,6 +103,7 @@ def workers_main():
                 runs[sharded]["saved"] = weight_update.full_state(model.optimizer)
                 again = _model(strategy, lambda: optimizer(options), None, dtype)
                 with strategy.scope():
+                    keras_hook.adopt(again.optimizer)  # built before fit: adopted first
                     again.optimizer.build(again.trainable_variables)
                 again.load_weights(path)
                 runs[sharded]["reloaded"] = weight_update.full_state(again.optimizer)
@@ -124,6 +125,7 @@ def workers_main():
         weight_update.enable(strategy)
         misordered = _model(strategy, lambda: OPTIMIZERS["sgd"](dict(momentum=0.9)), None, None)
         with strategy.scope():
+            keras_hook.adopt(misordered.optimizer)
             misordered.optimizer.build(misordered.trainable_variables)
     except RuntimeError as e:
         out["misordered"] = str(e)

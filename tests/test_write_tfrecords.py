@@ -406,8 +406,8 @@ def test_command_line(tmp_path):
     for name in ["cut_in_half.jpg", "text_named.jpg", "notes.txt", "scan.tiff", "empty_class"]:
         assert name in done.stdout
     assert read_label_map(str(tmp_path / "out")).num_classes == 10
-    # The summary names the broken images; TensorFlow's warning for each failed decode is gone.
-    assert "Local rendezvous" not in done.stderr and "cuInit" not in done.stderr
+    # The summary names the broken images, without a traceback.
+    assert "Traceback" not in done.stderr
 
     strict = run("--output_dir", str(tmp_path / "strict"), "--strict")
     assert strict.returncode == 1
