@@ -101,25 +101,35 @@ def _pin_to_one_core(core):
 BASELINE_REV = "ebd1ce2"
 
 
+# The modules of `tpu_scale.data` that make up the pipeline, loaded from git for a baseline when
+# the commit has them (the rest of `tpu_scale.data` is shared).
+_PIPELINE_MODULES = ("input_pipeline", "sources", "image_ops", "bad_records", "input_config")
+
+
 def baseline_input_class(rev):
-    """`ImageNetInput` as it was at commit `rev`: its input_pipeline, sources and image_ops modules
-    read from git into a package of their own (the rest of `tpu_scale.data` is shared)."""
+    """`ImageNetInput` as it was at commit `rev`: its pipeline modules read from git into a
+    package of their own."""
     import importlib
 
     package = os.path.join(tempfile.mkdtemp(), "baseline_data")
     os.makedirs(package)
     open(os.path.join(package, "__init__.py"), "w").close()
-    for module in ("input_pipeline", "sources", "image_ops"):
-        text = subprocess.run(
+    texts = {}
+    for module in _PIPELINE_MODULES:
+        shown = subprocess.run(
             ["git", "-C", ROOT, "show", f"{rev}:tpu_scale/data/{module}.py"],
             capture_output=True,
             text=True,
-            check=True,
-        ).stdout
+        )
+        if shown.returncode == 0:
+            texts[module] = shown.stdout
+    for module, text in texts.items():
         text = text.replace(
             "from tpu_scale.data import image_ops, sources",
             "from baseline_data import image_ops, sources",
-        ).replace("from tpu_scale.data.sources import", "from baseline_data.sources import")
+        )
+        for other in texts:
+            text = text.replace(f"from tpu_scale.data.{other} import", f"from baseline_data.{other} import")
         with open(os.path.join(package, f"{module}.py"), "w") as f:
             f.write(text)
     sys.path.insert(0, os.path.dirname(package))

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import tpu_scale.strategy  # its MirroredStrategy has private collective keys: tests share a process
 from tpu_scale.data import ImageNetInput, SyntheticImageNetInput, image_ops, make_synthetic_imagenet
-from tpu_scale.data.bad_records import PARSE_BATCH
+from tpu_scale.data.input_pipeline import RECORDS_PER_CALL
 from tpu_scale.data.schema import make_example, read_label_map
 
 NUM_CLASSES = 5
@@ -245,29 +245,25 @@ def test_options_are_set(records):
     inp = make_input(records[0], is_training=True, global_batch_size=4, threadpool_size=3)
     options = inp.dataset().options()
     assert options.threading.private_threadpool_size == 3
-    assert options.experimental_optimization.map_and_batch_fusion
     assert options.autotune.enabled is False and options.deterministic is False
 
 
 def test_the_decode_runs_on_every_thread_of_the_pool(records):
     # Autotuning is off, so an AUTOTUNE parallelism would stay at its start value (at most 16): a
-    # host with more cores than that must still decode on all of them (4 records in flight per
-    # thread, see `bad_records.DECODES_IN_FLIGHT`).
+    # host with more cores than that must still decode on all of them (one call of the decode
+    # stage per thread, see `input_pipeline.DecodeStage`).
     from tensorflow.core.framework import graph_pb2
 
     inp = make_input(records[0], is_training=True, global_batch_size=4, threadpool_size=37)
     graph = graph_pb2.GraphDef.FromString(inp.dataset()._as_serialized_graph().numpy())
-    # The decode sits in the function that builds each iterator's stream (see
-    # `bad_records.decode_skipping_bad`); a function's inputs read "node:output:index".
-    bodies = [list(graph.node)] + [list(f.node_def) for f in graph.library.function]
+    nodes = {node.name: node for node in graph.node}
+    # The stage's calls are the pipeline's one parallel map; its last input is the parallelism.
     (parallelism,) = [
-        nodes[decode.input[1].split(":")[0]].attr["value"].tensor.int64_val
-        for nodes in ({node.name: node for node in body} for body in bodies)
-        for decode in nodes.values()
-        if decode.op == "ParallelMapDatasetV2"
-        and nodes[decode.input[0].split(":")[0]].op == "UnbatchDataset"
+        nodes[stage.input[-1]].attr["value"].tensor.int64_val
+        for stage in nodes.values()
+        if stage.op == "ParallelMapDatasetV2"
     ]
-    assert list(parallelism) == [4 * 37]
+    assert list(parallelism) == [37]
 
 
 def test_record_level_sharding_with_fewer_files_than_pipelines(tmp_path):
@@ -682,14 +678,14 @@ def test_an_iterator_left_behind_makes_no_false_reports(tmp_path, caplog):
     behind = iter(dataset)
     next(behind)
     ahead = iter(dataset)
-    for _ in range(PARSE_BATCH):
+    for _ in range(RECORDS_PER_CALL):
         next(ahead)
     # `behind` lists records that `ahead` has long taken out (parsing ahead of its decode), then
     # is dropped.
-    for _ in range(PARSE_BATCH // 4):
+    for _ in range(RECORDS_PER_CALL // 4):
         next(behind)
     del behind
-    for _ in range(PARSE_BATCH):
+    for _ in range(RECORDS_PER_CALL):
         next(ahead)
     named = {r.getMessage().split(":")[0] for r in caplog.records if "Skipped" in r.getMessage()}
     assert named == {f"Skipped record 5 of {tmp_path}/train-00000-of-00002"}
@@ -1087,14 +1083,21 @@ def test_data_service_eval_gives_each_example_once(records, data_service):
     assert sorted(ids) == sorted(expected)
 
 
-def test_data_service_fails_at_a_bad_record_naming_it(tmp_path, data_service):
-    # The service's workers cannot report skipped records: the first bad record stops the run.
-    pattern, _ = write_coded_records(str(tmp_path), 2, 6, bad={8: truncated})
+@pytest.mark.parametrize(
+    "breakage,words",
+    [("truncated", "is not a complete JPEG"), ("frame height 0", "holds an image the decoder")],
+)
+def test_data_service_fails_at_a_bad_record_naming_it(tmp_path, data_service, breakage, words):
+    # The service's workers cannot report skipped records: the first bad record stops the run,
+    # named like a skipped one, the decoder's rejects included.
+    pattern, _ = write_coded_records(str(tmp_path), 2, 6, bad={8: BREAKAGES[breakage]})
     inp = make_input(
         pattern, is_training=False, global_batch_size=4, data_service_address=data_service
     )
     with pytest.raises(
-        tf.errors.InvalidArgumentError, match=r"(?s)Record.*2.*train-00001-of-00002.*JPEG"
+        tf.errors.InvalidArgumentError,
+        match=r"(?s)service the first bad record stops the run.*record 2 of \S*train-00001-of-00002 "
+        + words,
     ):
         list(inp.dataset())
 

@@ -5,18 +5,17 @@ tf.data service.
 
     files (sharded per input pipeline, shuffled) -> parallel interleave with a large read buffer
     -> [cache raw records] -> shuffle -> repeat
-    -> batches of 128 records: parse, check, drop and name bad ones, crop seeds (one draw)
-    -> unbatch -> parallel map: fused JPEG decode-and-crop, resize, flip, normalize
-    -> records the decoder rejects dropped -> batch(drop_remainder=True)
-    -> per batch: name the records the decoder rejected, stop if there are too many bad ones
-    -> prefetch
+    -> the decode stage (`DecodeStage`), in parallel calls of 32 records each: parse, check, crop
+       seeds, fused JPEG decode-and-crop, resize, flip, normalize; bad records dropped, named and
+       counted
+    -> batches (`drop_remainder=True` in training) -> prefetch
 
 A bad record does not stop the run: it is skipped, named once in the log (warnings of the
 "tpu_scale" logger: its file, its index in the file, the reason) and counted
 (`ImageNetInput.skipped_records`, `skipped_by_reason`, against `records_read`); the run stops with
 an error naming the first bad records when they are more than `max_bad_fraction` of the records
 read (see `bad_records`). `strict=True` stops at the first one. With the tf.data service, whose
-workers cannot report to this process, the first bad record that the checks find stops the run.
+workers cannot report to this process, the first bad record stops the run.
 
 Every stage runs on the host CPU. `dataset(input_context)` is meant to be given to
 `strategy.distribute_datasets_from_function`, which calls it once per input pipeline with the
@@ -30,13 +29,7 @@ from typing import Any
 import tensorflow as tf
 
 from tpu_scale.data import image_ops, sources
-from tpu_scale.data.bad_records import (
-    PARSE_BATCH,
-    BadRecordLog,
-    decode_skipping_bad,
-    explanations,
-    record_faults,
-)
+from tpu_scale.data.bad_records import BadRecords, explanations, record_faults
 from tpu_scale.data.schema import IMAGE_KEY, LABEL_KEY, read_label_map
 from tpu_scale.data.sources import (
     Shard,
@@ -48,11 +41,13 @@ from tpu_scale.data.sources import (
 )
 
 AUTOTUNE = tf.data.AUTOTUNE
+# Records one call of the decode stage parses, checks and decodes (on one thread of the pool).
+RECORDS_PER_CALL = 32
 
 
 def _pipeline_options(*, deterministic, threadpool_size):
     options = tf.data.Options()
-    # No autotuning: the decode runs on every thread of the pool (`_decode`), which is what
+    # No autotuning: the decode runs on every thread of the pool (`DecodeStage`), which is what
     # autotuning settles on for a CPU-bound map, and the model that autotuning keeps (a clock read
     # and a bookkeeping step around every element of every stage, and its own thread) costs the
     # training path CPU per image.
@@ -62,7 +57,6 @@ def _pipeline_options(*, deterministic, threadpool_size):
     options.threading.private_threadpool_size = threadpool_size
     # Parallelism comes from many examples in flight, not from splitting one resize across threads.
     options.threading.max_intra_op_parallelism = 1
-    options.experimental_optimization.map_and_batch_fusion = True
     options.deterministic = deterministic
     return options
 
@@ -226,21 +220,18 @@ class ImageNetInput:
         self.label_offset, self.num_classes = _resolve_labels(
             self.label_map, label_offset, num_classes
         )
-        meanings = explanations(
-            self.label_map,
-            self.source.image_key,
-            self.source.label_key,
-            self.label_offset,
-            self.num_classes,
+        self._bad_records = BadRecords(
+            explanations(
+                self.label_map,
+                self.source.image_key,
+                self.source.label_key,
+                self.label_offset,
+                self.num_classes,
+            ),
+            strict=strict,
+            max_bad_fraction=max_bad_fraction,
+            on_service=bool(data_service_address),
         )
-        self.bad_records = BadRecordLog(meanings, strict=strict, max_bad_fraction=max_bad_fraction)
-        with tf.init_scope():
-            self._records_read = tf.Variable(
-                tf.constant(0, tf.int64), trainable=False, name="records_read"
-            )
-            self._iterators_started = tf.Variable(
-                tf.constant(0, tf.int64), trainable=False, name="iterators_started"
-            )
 
     @classmethod
     def from_tfds(
@@ -282,33 +273,32 @@ class ImageNetInput:
     def skipped_records(self) -> int:
         """How many bad records this input's datasets skipped (since `reset_counts`): those they
         read, including read-ahead; after an evaluation pass, the records it left out."""
-        return self.bad_records.total
+        return self._bad_records.skipped
 
     @property
     def distinct_skipped_records(self) -> int:
         """How many different bad records this input's datasets skipped since it was built, each
         counted once however often it was read (e.g. by a cached evaluation's first pass and the
         batch Keras reads ahead of it); `reset_counts` leaves it."""
-        return self.bad_records.distinct
+        return self._bad_records.distinct
 
     @property
     def skipped_by_reason(self) -> dict:
         """`skipped_records` by reason, e.g. `{"not a complete image": 2, "undecodable image":
         1}`."""
-        return self.bad_records.by_reason()
+        return self._bad_records.by_reason()
 
     @property
     def records_read(self) -> int:
         """How many records this input's datasets read (since `reset_counts`), bad ones included:
         after an evaluation pass, `records_read - skipped_records` examples were evaluated."""
-        return int(self._records_read.numpy())
+        return self._bad_records.records_read
 
     def reset_counts(self):
         """Starts `skipped_records`, `skipped_by_reason` and `records_read` again from zero (e.g.
         before an evaluation pass); the threshold of `max_bad_fraction` then applies to the new
         counts."""
-        self._records_read.assign(0)
-        self.bad_records.reset()
+        self._bad_records.reset()
 
     @property
     def _threads(self):
@@ -364,27 +354,23 @@ class ImageNetInput:
             if self.cache:
                 records = records.repeat()
 
-        if self.data_service_address:
-            examples = self._decode_failing_fast(records, seed).batch(
-                batch_size, drop_remainder=self.is_training
-            )
-        else:
-            examples = decode_skipping_bad(
-                records,
-                self.bad_records,
-                parse=self.source.parse,
-                label_offset=self.label_offset,
-                num_classes=self.num_classes,
-                make_crop_seeds=self._crop_seeds,
-                decode_example=self._decode_example,
-                records_read=self._records_read,
-                iterators_started=self._iterators_started,
-                is_training=self.is_training,
-                seed=seed,
-                batch_size=batch_size,
-                threads=self._threads,
-                image_size=self.image_size,
-            )
+        stage = DecodeStage(
+            parse=self.source.parse,
+            decode_image=self._decode_image,
+            bad_records=self._bad_records,
+            label_offset=self.label_offset,
+            num_classes=self.num_classes,
+            random_crops=self.is_training,
+        )
+        examples = stage(
+            records,
+            batch_size=batch_size,
+            # Training shapes must be static for the accelerator; evaluation keeps every example.
+            drop_remainder=self.is_training,
+            parallel_calls=self._threads,
+            deterministic=deterministic,
+            seed=seed,
+        )
         if self.pad_last_batch:
             examples = examples.map(
                 graph_function(lambda images, labels: _pad_batch(images, labels, batch_size))
@@ -401,87 +387,10 @@ class ImageNetInput:
             )
         return examples.prefetch(AUTOTUNE)
 
-    def _crop_seeds(self, size, draw):
-        """The crop seeds of a batch of `size` records: from one random value `draw` (training),
-        zeros for the center crop (`draw` None)."""
-        if draw is None:
-            return tf.zeros([size, 2], tf.int64)
-        # One stateless draw of the batch's seed pairs, from its random value.
-        seed = tf.stack([draw, tf.bitwise.invert(draw)])
-        return tf.random.stateless_uniform(
-            [size, 2], seed, minval=None, maxval=None, dtype=tf.int64
-        )
-
-    def _decode_failing_fast(self, records, seed):
-        """Parses, checks and decodes every record, failing at the first bad one with its name.
-
-        The path of the tf.data service, whose workers cannot report skipped records to this
-        process. Parsing and the record checks run on batches of `PARSE_BATCH` records with one
-        assertion per batch; then the records go one by one to the decode, which is fused with the
-        batching that follows (map_and_batch_fusion). An image that passes the checks but that the
-        decoder rejects stops the run with the decoder's message.
-        """
-        data = records.batch(PARSE_BATCH)
-        if self.is_training:
-            data = tf.data.Dataset.zip((data, tf.data.Dataset.random(seed=seed)))
-            data = data.map(graph_function(self._parse_and_check), num_parallel_calls=AUTOTUNE)
-        else:
-            data = data.map(
-                graph_function(lambda *batch: self._parse_and_check(batch)),
-                num_parallel_calls=AUTOTUNE,
-            )
-        data = data.unbatch()
-        return data.map(graph_function(self._decode_example), num_parallel_calls=self._threads)
-
-    def _parse_and_check(self, records, draw=None):
-        """Parses a batch of records, fails on any record fault, and gives each record its crop
-        seed.
-
-        Args:
-          records: a batch of the source's records.
-          draw: one random int64 for the batch's crop seeds (training); None for the center crop.
-
-        Returns:
-          `(image_bytes, labels, crop_seeds)`, vectors of the batch's size (seeds `[size, 2]`).
-        """
-        image_bytes, labels = self._checked(*self.source.parse(records))
-        return image_bytes, labels, self._crop_seeds(tf.size(labels), draw)
-
-    def _checked(self, origin, index, image_bytes, stored_label, fault):
-        """Fails, naming the file, the record and the fix, on any fault of a batch of records;
-        returns their image bytes and labels.
-
-        One assertion for all checks of the batch, naming its first bad record, placed before the
-        decoder so that a broken record fails here, with its name, rather than inside libjpeg.
-        """
-        fault, label = record_faults(
-            image_bytes, stored_label, fault, self.label_offset, self.num_classes
-        )
-        bad = tf.not_equal(fault, sources.OK)
-        first = tf.argmax(tf.cast(bad, tf.int32), output_type=tf.int32)
-        meanings = self.bad_records.explanations
-        problem = tf.gather(
-            tf.constant([meanings[code] for code in range(len(sources.FAULT_NAMES))]),
-            fault[first],
-        )
-        check = tf.debugging.Assert(
-            tf.logical_not(tf.reduce_any(bad)),
-            [
-                "Record",
-                index[first],
-                "of",
-                origin[first],
-                problem,
-                "Its stored label:",
-                stored_label[first],
-            ],
-        )
-        with tf.control_dependencies([check]):
-            return tf.identity(image_bytes), label
-
-    def _decode_example(self, image_bytes, label, crop_seed):
-        # uint8 comes straight from the decode functions (rounded before the flip); the other
-        # dtypes are normalized from their float32 pixels.
+    def _decode_image(self, image_bytes, crop_seed):
+        """One record's image: the fused decode-and-crop (random box in training, center crop in
+        evaluation), resized, flipped, in the input's dtype (uint8 straight from the decode, rounded
+        before the flip; the other dtypes normalized from their float32 pixels)."""
         pixels = tf.uint8 if self.dtype == tf.uint8 else tf.float32
         if self.is_training:
             image = image_ops.decode_and_random_crop(
@@ -503,9 +412,121 @@ class ImageNetInput:
                 dtype=pixels,
                 crop_fraction=self.center_crop_fraction,
             )
-        if self.dtype == tf.uint8:
-            return image, label
-        return image_ops.normalize_image(image, self.dtype), label
+        return image if self.dtype == tf.uint8 else image_ops.normalize_image(image, self.dtype)
+
+
+class DecodeStage:
+    """The pipeline's decode stage: records in, batches of `(images, labels)` out, bad records
+    named and counted; the same for the local pipeline and the tf.data service.
+
+    Each call of the stage takes `RECORDS_PER_CALL` records, on one thread of the pipeline's pool,
+    and in one linear chain: parses them (`parse`, one parser call for all), checks them
+    (`record_faults`: the source's faults, the image's structure, the label's range), gives each a
+    crop seed (one draw per call), decodes the good ones one by one (`decode_image`), and hands
+    the bad ones by name to `bad_records`, which counts and names them and stops the run when it
+    must. An image the decoder rejects (a JPEG whose frame header says height 0, a broken Huffman
+    table) fails inside a dataset of the call's records whose errors are ignored: it is missing
+    from the call's results, and named by its place among the call's records. Nothing is kept
+    between calls, so any number of iterators, left early or not, read the same dataset.
+
+    Args:
+      parse: the source's `parse`: a batch of its records -> `(origin, index, image_bytes,
+        stored_label, fault)`.
+      decode_image: `(image_bytes, crop_seed)` -> one image.
+      bad_records: the input's `bad_records.BadRecords`.
+      label_offset: subtracted from the stored labels.
+      num_classes: labels must lie below it (None: unchecked).
+      random_crops: draw crop seeds (training); zeros otherwise (the center crop needs none).
+    """
+
+    def __init__(self, *, parse, decode_image, bad_records, label_offset, num_classes, random_crops):
+        self.parse = parse
+        self.decode_image = decode_image
+        self.bad_records = bad_records
+        self.label_offset = label_offset
+        self.num_classes = num_classes
+        self.random_crops = random_crops
+
+    def __call__(self, records, *, batch_size, drop_remainder, parallel_calls, deterministic, seed):
+        """Batches of `batch_size` examples of `records`.
+
+        Args:
+          records: the source's records (as `parse` takes them, batched).
+          batch_size: examples per batch.
+          drop_remainder: drop the last partial batch.
+          parallel_calls: calls at once: the threads of the pipeline's pool (autotuning is off,
+            see `_pipeline_options`, and AUTOTUNE would stay at its start value).
+          deterministic: hand out the calls' examples in the records' order.
+          seed: the seed of the per-call crop seed draws (with `random_crops`).
+        """
+        data = records.batch(RECORDS_PER_CALL)
+        if self.random_crops:
+            data = tf.data.Dataset.zip((data, tf.data.Dataset.random(seed=seed)))
+            call = self._decode_records
+        else:
+            call = lambda *batch: self._decode_records(batch)  # noqa: E731
+        data = data.map(
+            graph_function(call), num_parallel_calls=parallel_calls, deterministic=deterministic
+        )
+        return data.rebatch(batch_size, drop_remainder=drop_remainder)
+
+    def _decode_records(self, records, draw=None):
+        """`(images, labels)` of the good records of a batch, the bad ones counted and named."""
+        origin, index, image_bytes, stored_label, fault = self.parse(records)
+        size = tf.size(index)
+        counted = self.bad_records.count_read(size)
+        fault, labels = record_faults(
+            image_bytes, stored_label, fault, self.label_offset, self.num_classes
+        )
+        place = tf.range(size)
+        good = tf.equal(fault, sources.OK)
+        parts = (image_bytes, labels, self._crop_seeds(size, draw), place)
+        # Only a batch that holds a bad record is masked: masking copies every record.
+        parts = tf.cond(
+            tf.reduce_all(good),
+            lambda: parts,
+            lambda: tuple(tf.gather(part, tf.where(good)[:, 0]) for part in parts),
+        )
+        images, labels, decoded = self._decode_each(parts)
+        # The decoder's rejects: good records missing from its results.
+        came_out = tf.scatter_nd(decoded[:, tf.newaxis], tf.ones_like(decoded), [size]) > 0
+        fault = tf.where(good & tf.logical_not(came_out), sources.UNDECODABLE, fault)
+        bad = tf.not_equal(fault, sources.OK)
+
+        def report():
+            at = tf.where(bad)[:, 0]
+            at_index = tf.strings.as_string(tf.gather(index, at))
+            names = tf.strings.join(["record ", at_index, " of ", tf.gather(origin, at)])
+            with tf.control_dependencies([self.bad_records.report(names, tf.gather(fault, at))]):
+                return tf.constant(True)
+
+        with tf.control_dependencies([counted]):
+            reported = tf.cond(tf.reduce_any(bad), report, lambda: tf.constant(False))
+        with tf.control_dependencies([counted, reported]):
+            return tf.identity(images), tf.identity(labels)
+
+    def _decode_each(self, parts):
+        """`(images, labels, places)` of the records of `parts` that the decoder accepts."""
+
+        def decode(image_bytes, label, crop_seed, place):
+            return self.decode_image(image_bytes, crop_seed), label, place
+
+        decoded = tf.data.Dataset.from_tensor_slices(parts).map(graph_function(decode))
+        decoded = decoded.ignore_errors().batch(RECORDS_PER_CALL)
+        # Every record rejected, or none given: no batch, so an empty one stands in.
+        none = tuple(tf.zeros([0, *s.shape[1:]], s.dtype) for s in decoded.element_spec)
+        return decoded.concatenate(tf.data.Dataset.from_tensors(none)).take(1).get_single_element()
+
+    def _crop_seeds(self, size, draw):
+        """The crop seeds of `size` records: from one random value `draw` (training), zeros for the
+        center crop."""
+        if draw is None:
+            return tf.zeros([size, 2], tf.int64)
+        # One stateless draw of the batch's seed pairs, from its random value.
+        seed = tf.stack([draw, tf.bitwise.invert(draw)])
+        return tf.random.stateless_uniform(
+            [size, 2], seed, minval=None, maxval=None, dtype=tf.int64
+        )
 
 
 def _pad_batch(images, labels, batch_size):
