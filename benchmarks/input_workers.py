@@ -34,6 +34,7 @@ wait at a barrier, so their timed windows start at the same time.
 
 import argparse
 import dataclasses
+import inspect
 import json
 import os
 import resource
@@ -147,13 +148,20 @@ def worker_ours(args, dtype="float32", one_core=False, baseline=False):
     else:
         from tpu_scale.data import ImageNetInput
 
+    threads = 1 if one_core else None
+    if "config" in inspect.signature(ImageNetInput).parameters:
+        from tpu_scale.data import InputConfig
+
+        settings = dict(config=InputConfig(threadpool_size=threads))
+    else:  # a baseline from before the configuration
+        settings = dict(threadpool_size=threads)
     inp = ImageNetInput(
         args.pattern,
         is_training=True,
         global_batch_size=args.batch_size,
         image_size=IMAGE_SIZE,
         dtype=dtype,
-        threadpool_size=1 if one_core else None,
+        **settings,
     )
     return _time_windows(
         _iterate(inp.dataset()),

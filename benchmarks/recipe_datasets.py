@@ -157,13 +157,17 @@ def train_variants(name, records, batch, variants, seeds, lr_factors, trained_we
                 arguments = recipe_lib.AUGMENTATIONS["none"]
             else:
                 arguments = swept.input_arguments
-            inputs = dict(global_batch_size=batch, image_size=size, **arguments)
+            config = data.InputConfig(**arguments)
+            inputs = dict(global_batch_size=batch, image_size=size)
             pattern = os.path.join(records, "{}-*")
             train = data.ImageNetInput(
-                pattern.format("train"), is_training=True, seed=seed, **inputs
+                pattern.format("train"),
+                is_training=True,
+                config=config.replace(seed=seed),
+                **inputs,
             )
             validation = data.ImageNetInput(
-                pattern.format("validation"), is_training=False, **inputs
+                pattern.format("validation"), is_training=False, config=config, **inputs
             )
             if by_hand:
                 model = models.small_resnet(label_map.num_classes, input_shape=(size, size, 3))

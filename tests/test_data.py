@@ -6,6 +6,7 @@ resizing, so every output image can be traced back to its record, and counts, pa
 and sharding are checked exactly.
 """
 
+import dataclasses
 import os
 
 import numpy as np
@@ -13,7 +14,14 @@ import pytest
 import tensorflow as tf
 
 import tpu_scale.strategy  # its MirroredStrategy has private collective keys: tests share a process
-from tpu_scale.data import ImageNetInput, SyntheticImageNetInput, image_ops, make_synthetic_imagenet
+from tpu_scale.data import (
+    ImageNetInput,
+    InputConfig,
+    SyntheticImageNetInput,
+    image_ops,
+    make_synthetic_imagenet,
+)
+from tpu_scale.data.input_config import FIELDS
 from tpu_scale.data.input_pipeline import RECORDS_PER_CALL
 from tpu_scale.data.schema import make_example, read_label_map
 
@@ -92,8 +100,55 @@ def records(tmp_path_factory):
 
 
 def make_input(pattern, **kwargs):
+    """An `ImageNetInput`, given its arguments and its configuration's fields together."""
     kwargs.setdefault("image_size", IMAGE_SIZE)
-    return ImageNetInput(pattern, **kwargs)
+    settings = {name: kwargs.pop(name) for name in list(kwargs) if name in FIELDS}
+    return ImageNetInput(pattern, config=InputConfig(**settings), **kwargs)
+
+
+def test_a_setting_passed_as_before_names_its_new_home(records):
+    with pytest.raises(TypeError, match=r"Pass config=InputConfig\(cache=True, seed=3\)\."):
+        ImageNetInput(records[0], is_training=True, global_batch_size=4, cache=True, seed=3)
+    config = InputConfig(deterministic=True)
+    with pytest.raises(TypeError, match=r"Pass config=config\.replace\(strict=True\)\."):
+        ImageNetInput(records[0], is_training=True, global_batch_size=4, config=config, strict=True)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'shuffle'"):
+        ImageNetInput(records[0], is_training=True, global_batch_size=4, shuffle=True)
+    with pytest.raises(TypeError, match="must be an InputConfig"):
+        ImageNetInput(records[0], is_training=True, global_batch_size=4, config={"seed": 1})
+    # The calls of before that are not settings run as they did.
+    inp = ImageNetInput(
+        records[0], is_training=False, image_size=8, global_batch_size=4, label_offset=1,
+        dtype="uint8",
+    )
+    images, labels = next(iter(inp.dataset()))
+    assert images.dtype == tf.uint8 and inp.config == InputConfig()
+
+
+def test_the_configuration_goes_to_json_and_back():
+    import json
+
+    config = InputConfig(crop_area_range=[0.5, 1], seed=4, data_service_address="grpc://d:1")
+    assert config.crop_area_range == (0.5, 1.0)  # a list from JSON becomes the tuple
+    text = json.dumps(config.to_dict())
+    assert InputConfig.from_dict(json.loads(text)) == config
+    assert InputConfig.from_dict({}) == InputConfig()
+    assert json.loads(json.dumps(InputConfig(crop_area_range=None).to_dict()))["crop_area_range"] is None
+    with pytest.raises(ValueError, match="Not InputConfig fields: bogus"):
+        InputConfig.from_dict({"bogus": 1, "seed": 0})
+    for bad, words in [
+        (dict(crop_area_range=(0.5, 0.2)), "crop_area_range"),
+        (dict(center_crop_fraction=0), "center_crop_fraction"),
+        (dict(resize_method="cubic"), "resize_method"),
+        (dict(max_bad_fraction=2), "max_bad_fraction"),
+        (dict(cycle_length=0), "cycle_length"),
+        (dict(shuffle_buffer_size=0), "shuffle_buffer_size"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            InputConfig(**bad)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.seed = 5
+    assert config.replace(seed=5).seed == 5 and config.seed == 4
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1142,7 +1197,7 @@ def test_synthetic_imagenet_is_deterministic_and_learnable(tmp_path):
             is_training=is_training,
             global_batch_size=40,
             image_size=16,
-            deterministic=True,
+            config=InputConfig(deterministic=True),
         )
         images, labels = next(iter(inp.dataset()))
         return images.numpy().mean(axis=(1, 2)), labels.numpy()
@@ -1242,9 +1297,7 @@ def test_real_digits_training_epoch_holds_every_label_once(digits):
         global_batch_size=64,
         image_size=32,
         dtype="uint8",
-        cache=True,
-        deterministic=True,
-        seed=1,
+        config=InputConfig(cache=True, deterministic=True, seed=1),
     )
     count = len(order["train"])
     labels = np.concatenate([labels.numpy() for _, labels in inp.dataset().take(count // 64 + 1)])[

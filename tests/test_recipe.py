@@ -134,6 +134,13 @@ def test_recipe_augmentation_fits_the_data():
     assert shift["crop_area_range"] == (0.75, 1.0) and not shift["random_flip"]
     imagenet = recipe_for_batch(4096).input_arguments
     assert imagenet["crop_area_range"] == (0.08, 1.0) and imagenet["random_flip"]
+    # The same augmentation as the inputs' configuration, every other field at its default.
+    from tpu_scale.data import InputConfig
+
+    light = recipe_for_batch(64, 60, train_examples=1617).input_config
+    assert light == InputConfig(crop_area_range=(0.5, 1.0), random_flip=False,
+                                center_crop_fraction=1.0)
+    assert recipe_for_batch(4096).input_config == InputConfig()
     with pytest.raises(ValueError, match="augmentation"):
         recipe_for_batch(64, augmentation="strong")
 
@@ -342,12 +349,18 @@ def test_recipe_trains_real_digits_well_above_chance(tmp_path):
     steps_per_epoch = train_examples // batch
     recipe = recipe_for_batch(batch, epochs, train_examples=train_examples, num_classes=10)
     assert (recipe.optimizer, recipe.augmentation, recipe.weight_decay) == ("sgd", "none", 5e-4)
-    inputs = dict(global_batch_size=batch, image_size=32, **recipe.input_arguments)
+    inputs = dict(global_batch_size=batch, image_size=32)
     train = data.ImageNetInput(
-        str(tmp_path / "records" / "train-*"), is_training=True, seed=0, **inputs
+        str(tmp_path / "records" / "train-*"),
+        is_training=True,
+        config=recipe.input_config.replace(seed=0),
+        **inputs,
     )
     validation = data.ImageNetInput(
-        str(tmp_path / "records" / "validation-*"), is_training=False, **inputs
+        str(tmp_path / "records" / "validation-*"),
+        is_training=False,
+        config=recipe.input_config,
+        **inputs,
     )
     keras.utils.set_random_seed(0)
     model = models.small_resnet(10, input_shape=(32, 32, 3))

@@ -38,13 +38,13 @@ def test_input_arguments_reach_both_inputs(synthetic):
     )
     # Added once the counts are known (as a recipe's augmentation is): the same data, counts kept.
     plain = data.records_inputs(folder, image_size=16, global_batch_size=32, dtype="uint8")
-    assert plain.train.random_flip
+    assert plain.train.config.random_flip
     added = plain.with_input_arguments(**augmentation)
     for inputs in (given, added):
         assert (inputs.train_examples, inputs.validation_examples) == (96, 37)
         for pipeline in (inputs.train, inputs.validation):
-            assert pipeline.dtype == tf.uint8 and pipeline.center_crop_fraction == 1.0
-            assert pipeline.crop_area_range is None and not pipeline.random_flip
+            assert pipeline.dtype == tf.uint8
+            assert pipeline.config == data.InputConfig(**augmentation)
 
 
 def test_shards_without_a_label_map_need_the_classes_and_are_counted(synthetic, tmp_path):

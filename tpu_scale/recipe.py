@@ -2,13 +2,14 @@
 augmentation, chosen from what the run knows (batch size, length, data).
 
 `recipe_for_batch` returns a `Recipe`; `Recipe.build_optimizer` puts the optimizer on its schedule
-(`tpu_scale.schedules`) and `Recipe.input_arguments` are the inputs' augmentation.
+(`tpu_scale.schedules`) and `Recipe.input_config` is the inputs' augmentation.
 """
 
 import dataclasses
 import math
 import numbers
 
+from tpu_scale.data.input_config import InputConfig
 from tpu_scale.schedules import WarmupPolynomialDecay, reference_lars_hparams
 
 # From this global batch on the recipe is LARS with the reference settings; below it, momentum SGD.
@@ -37,7 +38,7 @@ MIN_WARMUP_STEPS = 50
 MAX_WARMUP_FRACTION = 0.4
 OPTIMIZERS = ("sgd", "lars")
 
-# Augmentation levels: `ImageNetInput` arguments for the training crop, the flip and the eval crop.
+# Augmentation levels: the `InputConfig` fields of the training crop, the flip and the eval crop.
 AUGMENTATIONS = {
     # The whole image, unmirrored, in training and evaluation.
     "none": dict(crop_area_range=None, random_flip=False, center_crop_fraction=1.0),
@@ -136,9 +137,16 @@ class Recipe:
         )
 
     @property
+    def input_config(self) -> InputConfig:
+        """The inputs' configuration with the recipe's augmentation (training crop and flip,
+        evaluation crop), the other fields at their defaults: give it to both the training and
+        the evaluation input, or add the augmentation to another configuration with
+        `config.replace(**recipe.input_arguments)`."""
+        return InputConfig(**AUGMENTATIONS[self.augmentation])
+
+    @property
     def input_arguments(self):
-        """The `ImageNetInput` keyword arguments of the recipe's augmentation (training crop and
-        flip, evaluation crop): pass them to both the training and the evaluation input."""
+        """The `InputConfig` fields of the recipe's augmentation, as a dict (`input_config`'s)."""
         return dict(AUGMENTATIONS[self.augmentation])
 
     def callbacks(self):
@@ -307,7 +315,7 @@ def recipe_for_batch(
 
     Returns:
         A frozen `Recipe`: its `build_optimizer(steps_per_epoch, total_epochs)` makes the
-        optimizer on its schedule and `input_arguments` are the inputs' augmentation.
+        optimizer on its schedule and `input_config` is the inputs' augmentation.
 
     Reference:
         - [Ying et al., 2018](https://arxiv.org/abs/1811.06992)

@@ -1,6 +1,7 @@
 """The input builder: ImageNet TFRecords / TFDS on tf.data with fused JPEG decode-and-crop.
 
 ImageNetInput            the train / eval pipeline (`.dataset(input_context)`, `.from_tfds`)
+InputConfig              its settings: augmentation, reading, order, tf.data service, bad records
 SyntheticImageNetInput   random batches with no I/O (the input-free bound of a step)
 write_tfrecords          class folders of images -> train/validation TFRecords + labels.json
 image_folder_records     the same, converted on a training script's first start, reused after
@@ -22,6 +23,7 @@ from tpu_scale import _lazy
 # submodule of that name binds the module to it (`_lazy` binds the function after the import).
 _PUBLIC = {
     "ImageNetInput": "tpu_scale.data.input_pipeline",
+    "InputConfig": "tpu_scale.data.input_config",
     "LabelMap": "tpu_scale.data.schema",
     "read_label_map": "tpu_scale.data.schema",
     "SyntheticImageNetInput": "tpu_scale.data.synthetic",
@@ -43,6 +45,7 @@ __getattr__ = _lazy.attributes(__name__, _PUBLIC, submodules=_SUBMODULES)
 __all__ = [
     "ExactEvaluation",
     "ImageNetInput",
+    "InputConfig",
     "LabelMap",
     "RecordInputs",
     "SkippedRecordsLogger",

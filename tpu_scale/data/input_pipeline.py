@@ -30,10 +30,12 @@ import tensorflow as tf
 
 from tpu_scale.data import image_ops, sources
 from tpu_scale.data.bad_records import BadRecords, explanations, record_faults
+from tpu_scale.data.input_config import FIELDS, InputConfig
 from tpu_scale.data.schema import IMAGE_KEY, LABEL_KEY, read_label_map
 from tpu_scale.data.sources import (
     Shard,
     TFDSSource,
+    TFDSSplit,
     TFRecordSource,
     expand_patterns,
     graph_function,
@@ -65,7 +67,8 @@ class ImageNetInput:
     """Builds the ImageNet input pipeline for training or evaluation.
 
     Example:
-        train = ImageNetInput("/data/imagenet/train-*", is_training=True, global_batch_size=1024)
+        train = ImageNetInput("/data/imagenet/train-*", is_training=True, image_size=224,
+                              global_batch_size=1024, config=InputConfig(seed=0))
         dataset = strategy.distribute_datasets_from_function(train.dataset)
         model.fit(dataset, steps_per_epoch=1251, epochs=90)
 
@@ -73,11 +76,12 @@ class ImageNetInput:
     cache of the raw records, shuffle, repeat, fused decode-and-crop (Inception random box), flip,
     normalize, batches with `drop_remainder=True` (static shapes), prefetch.
     Evaluation: every example exactly once in file order, center crop, no shuffle, no repeat; the
-    last batch is smaller unless `pad_last_batch=True`.
+    last batch is smaller unless `config.pad_last_batch`.
 
     Args:
-      file_pattern: a glob (or list of globs) of TFRecord files holding `tf.train.Example`s with
-        JPEG bytes under `image_key` and an int64 label under `label_key`.
+      data: a glob (or list of globs) of TFRecord files holding `tf.train.Example`s with an
+        encoded image and an int64 label (`InputConfig.image_key` and `label_key`); or a TFDS split
+        (`ImageNetInput.from_tfds`).
       is_training: selects the training path (random crops, shuffling, infinite repeat) or the eval
         path.
       global_batch_size: the batch size over all replicas; each pipeline produces
@@ -87,64 +91,22 @@ class ImageNetInput:
         `labels.json` that `write_tfrecords` puts next to the files), else 1, for the classic
         1-based ImageNet files. A value that disagrees with the label map is an error.
       num_classes: labels (after `label_offset`) must lie in `[0, num_classes)`; a record outside
-        is skipped and named (see `strict`). None: the label map's, else unchecked above. A value
-        that disagrees with the label map is an error.
+        is skipped and named (see `InputConfig.strict`). None: the label map's, else unchecked
+        above. A value that disagrees with the label map is an error.
       dtype: the images' dtype: `"float32"` or `"bfloat16"`, normalized with ImageNet's mean and
         stddev; or `"uint8"`, the cropped, resized and flipped pixels rounded to 0-255 with no
         normalization, a quarter of float32's bytes per image, for a model that normalizes on the
         device (`tpu_scale.layers.ImageNormalization`, `models.resnet50(normalize_inputs=True)`).
         Labels are always int32.
-      image_key: the feature holding the encoded JPEG.
-      label_key: the feature holding the integer label.
-      cache: keep the raw (encoded) records in host memory after the first epoch (training only
-        needs about 150 GB for full ImageNet; use it for datasets that fit).
-      shuffle_buffer_size: raw records in the shuffle buffer (training). The file shuffle and the
-        interleave over `cycle_length` files already mix the data, so the reference recipe's 1024
-        (about 110 MB of ImageNet JPEGs) suffices.
-      cycle_length: files read at once by the interleave.
-      read_buffer_bytes: read buffer of each file reader (large buffers suit network file systems;
-        the readers hold `cycle_length x read_buffer_bytes` of host memory).
-      deterministic: reproducible order and crops (slower). With `seed`, two runs give the same
-        batches.
-      seed: the seed of the file shuffle, the shuffle buffer and the per-example crop seeds.
-      strict: stop at the first bad record, naming it. By default bad records (the truncated end
-        of a file, not an Example, a missing feature or one of another type, a label out of range,
-        bytes that are no complete JPEG, PNG, GIF, BMP or WebP file, an image the decoder rejects
-        such as a JPEG whose frame header says height 0) are skipped, named once each in the log
-        (warnings of the "tpu_scale" logger) and counted in `skipped_records` and
-        `skipped_by_reason`, out of `records_read`. The counts cover what the pipeline read,
-        including what it read ahead of the batches handed out.
-      max_bad_fraction: the run stops, with an error naming the first bad records and the fix, when
-        the bad records are more than this fraction of the records read and at least
-        `bad_records.MIN_BAD_RECORDS_TO_STOP` (10): a wrong or badly damaged dataset is not trained
-        on silently, and one broken file does not stop a small dataset.
-      pad_last_batch: evaluation only: pad the last batch to full size so every batch has a static
-        shape; the dataset then yields `(images, labels, weights)` with weight 0 for padding, which
-        Keras `evaluate` uses as sample weights so padding does not count.
-      data_service_address: a tf.data service dispatcher (`grpc://host:port`); the pipeline then
-        runs on the service's workers, each file handed out once (dynamic sharding), and this host
-        only receives batches. The service's workers cannot report bad records to this process:
-        with the service, the first bad record the checks find stops the run, as with `strict`.
-      data_service_job_name: share one service job between consumers (otherwise each `dataset()`
-        call gets its own job).
-      threadpool_size: size of the private tf.data thread pool (default: the host's CPU count).
-      resize_method: a `tf.image.ResizeMethod` name.
-      crop_area_range: training: (min, max) fraction of the image area the Inception random box
-        covers; `(0.08, 1.0)` is the ImageNet recipe's, a larger minimum augments less (small
-        datasets, short runs); None trains on the whole image. `recipe.recipe_for_batch` gives
-        one that fits the run.
-      random_flip: training: mirror half of the images left to right.
-      center_crop_fraction: evaluation: the side of the center crop as a fraction of the short
-        side (224 / 256 by default; 1.0 keeps a square image whole).
-      scaled_decode: decode a crop window at least twice the output size (in both dimensions) at a
-        libjpeg downscaling ratio of 2, 4 or 8 before the resize (`image_ops.decode_window`): less
-        decode work for large photos, a measured PSNR bound against full-size decode + resize (see
-        benchmarks/README.md). Off by default.
+      config: an `InputConfig`: the augmentation, the reading, the order and seed, the tf.data
+        service, the bad-record policy and the evaluation's last batch (None: the defaults). A
+        keyword that used to be an argument here and is a field there (`cache=True`, ...) fails
+        with a `TypeError` that says so.
     """
 
     def __init__(
         self,
-        file_pattern: str | Sequence[str] | None,
+        data: "str | Sequence[str] | TFDSSplit",
         *,
         is_training: bool,
         global_batch_size: int,
@@ -152,27 +114,14 @@ class ImageNetInput:
         label_offset: int | None = None,
         num_classes: int | None = None,
         dtype: Any = tf.float32,
-        image_key: str = IMAGE_KEY,
-        label_key: str = LABEL_KEY,
-        cache: bool = False,
-        shuffle_buffer_size: int = 1024,
-        cycle_length: int = 64,
-        read_buffer_bytes: int = 8 * 1024 * 1024,
-        deterministic: bool = False,
-        seed: int | None = None,
-        strict: bool = False,
-        max_bad_fraction: float = 0.001,
-        pad_last_batch: bool = False,
-        data_service_address: str | None = None,
-        data_service_job_name: str | None = None,
-        threadpool_size: int | None = None,
-        resize_method: str = "bilinear",
-        scaled_decode: bool = False,
-        crop_area_range: tuple[float, float] | None = image_ops.AREA_RANGE,
-        random_flip: bool = True,
-        center_crop_fraction: float = image_ops.CENTER_CROP_FRACTION,
-        _source: Any = None,
+        config: InputConfig | None = None,
+        **moved,
     ):
+        if moved:
+            raise TypeError(_moved_keywords_message(moved, config))
+        config = InputConfig() if config is None else config
+        if not isinstance(config, InputConfig):
+            raise TypeError(f"config must be an InputConfig, got {type(config).__name__}.")
         if global_batch_size < 1:
             raise ValueError(f"global_batch_size must be at least 1, got {global_batch_size}.")
         if image_size < 1:
@@ -180,43 +129,15 @@ class ImageNetInput:
         self.dtype = tf.dtypes.as_dtype(dtype)
         if self.dtype not in (tf.float32, tf.bfloat16, tf.uint8):
             raise ValueError(f"dtype must be float32, bfloat16 (normalized images) or uint8 (raw pixels), got {self.dtype.name}.")
-        if pad_last_batch and is_training:
+        if config.pad_last_batch and is_training:
             raise ValueError("pad_last_batch=True is for evaluation: training batches are already full (drop_remainder=True). Pass is_training=False, or drop pad_last_batch.")
-        if not 0 <= max_bad_fraction <= 1:
-            raise ValueError(f"max_bad_fraction={max_bad_fraction} must be a fraction of the records read, in [0, 1] (0.001 stops a run when more than 0.1% of its records are bad).")
-        if deterministic and seed is None:
-            seed = 0
+        if config.deterministic and config.seed is None:
+            config = config.replace(seed=0)
+        self.config = config
         self.is_training = is_training
         self.global_batch_size = global_batch_size
         self.image_size = image_size
-        self.cache = cache
-        self.shuffle_buffer_size = shuffle_buffer_size
-        self.deterministic = deterministic
-        self.seed = seed
-        self.strict = strict
-        self.max_bad_fraction = max_bad_fraction
-        self.pad_last_batch = pad_last_batch
-        self.data_service_address = data_service_address
-        self.data_service_job_name = data_service_job_name
-        self.threadpool_size = threadpool_size
-        self.resize_method = resize_method
-        self.scaled_decode = scaled_decode
-        if crop_area_range is not None and not 0 < crop_area_range[0] <= crop_area_range[1] <= 1:
-            raise ValueError(f"crop_area_range={crop_area_range!r} must be (min, max) with 0 < min <= max <= 1, e.g. (0.08, 1.0) for ImageNet; None trains on the whole image.")
-        if not 0 < center_crop_fraction <= 1:
-            raise ValueError(f"center_crop_fraction={center_crop_fraction} must be in (0, 1]: 0.875 is the reference, 1.0 keeps the whole (square) image.")
-        self.crop_area_range = None if crop_area_range is None else tuple(crop_area_range)
-        self.random_flip = random_flip
-        self.center_crop_fraction = center_crop_fraction
-        self.label_map = read_label_map(expand_patterns(file_pattern)) if _source is None else None
-        self.source = _source or TFRecordSource(
-            file_pattern,
-            image_key,
-            label_key,
-            read_buffer_bytes,
-            cycle_length,
-            record_counts=self.label_map and self.label_map.record_counts_by_path(),
-        )
+        self.source, self.label_map = _source_and_label_map(data, config)
         self.label_offset, self.num_classes = _resolve_labels(
             self.label_map, label_offset, num_classes
         )
@@ -228,29 +149,22 @@ class ImageNetInput:
                 self.label_offset,
                 self.num_classes,
             ),
-            strict=strict,
-            max_bad_fraction=max_bad_fraction,
-            on_service=bool(data_service_address),
+            strict=config.strict,
+            max_bad_fraction=config.max_bad_fraction,
+            on_service=bool(config.data_service_address),
         )
 
     @classmethod
     def from_tfds(
-        cls,
-        name: str,
-        split: str,
-        data_dir: str | None = None,
-        *,
-        label_offset: int = 0,
-        image_key: str = "image",
-        label_key: str = "label",
-        cycle_length: int = 16,
-        **kwargs,
+        cls, name: str, split: str, data_dir: str | None = None, *, label_offset: int = 0, **kwargs
     ) -> "ImageNetInput":
         """An input over a TFDS dataset (for example `imagenet2012`), with TFDS's image decoding
         skipped.
 
         TFDS yields the raw JPEG bytes and this pipeline's fused decode-and-crop runs on them. TFDS
-        labels are 0-based, hence `label_offset=0`.
+        labels are 0-based, hence `label_offset=0`. The features read are `config.image_key` and
+        `config.label_key` ("image" and "label" by default); `config.cycle_length` files are read
+        at once (16 by default).
 
         Args:
           name: the TFDS dataset name.
@@ -258,16 +172,23 @@ class ImageNetInput:
             works).
           data_dir: the TFDS data directory (TFDS's default when None).
           label_offset: subtracted from every label.
-          image_key: the feature holding the image.
-          label_key: the feature holding the class label.
-          cycle_length: files TFDS reads at once.
-          **kwargs: the other `ImageNetInput` arguments (`is_training`, `global_batch_size`, ...).
+          **kwargs: the other `ImageNetInput` arguments (`is_training`, `global_batch_size`,
+            `image_size`, `config`, ...).
 
         Returns:
           An `ImageNetInput`.
         """
-        source = TFDSSource(name, split, data_dir, image_key, label_key, cycle_length)
-        return cls(None, label_offset=label_offset, _source=source, **kwargs)
+        return cls(TFDSSplit(name, split, data_dir), label_offset=label_offset, **kwargs)
+
+    @property
+    def pad_last_batch(self) -> bool:
+        """`config.pad_last_batch`; setting it replaces the configuration (on a copy of an
+        evaluation input, as `exact_evaluation` pads one for static shapes)."""
+        return self.config.pad_last_batch
+
+    @pad_last_batch.setter
+    def pad_last_batch(self, value):
+        self.config = self.config.replace(pad_last_batch=bool(value))
 
     @property
     def skipped_records(self) -> int:
@@ -303,7 +224,7 @@ class ImageNetInput:
     @property
     def _threads(self):
         """The threads of the pipeline's pool: the decode's parallelism."""
-        return self.threadpool_size or os.cpu_count() or 1
+        return self.config.threadpool_size or os.cpu_count() or 1
 
     def dataset(self, input_context: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
         """Builds the dataset of `(images, labels)` batches for one input pipeline.
@@ -325,33 +246,33 @@ class ImageNetInput:
         else:
             shard = Shard(input_context.input_pipeline_id, input_context.num_input_pipelines)
             batch_size = input_context.get_per_replica_batch_size(self.global_batch_size)
-        deterministic = self.deterministic or not self.is_training
+        deterministic = self.config.deterministic or not self.is_training
         # Different pipelines must draw different crops and shuffles even from one user seed.
-        seed = None if self.seed is None else self.seed * 1_000_003 + shard.index
+        seed = None if self.config.seed is None else self.config.seed * 1_000_003 + shard.index
 
         records, record_level = self.source.records(
             shard,
             # A cache must see one finite pass, so the repeat then comes after it.
-            repeat=self.is_training and not self.cache,
+            repeat=self.is_training and not self.config.cache,
             shuffle_files=self.is_training,
             deterministic=deterministic,
             seed=seed,
-            strict=self.strict or bool(self.data_service_address),
+            strict=self.config.strict or bool(self.config.data_service_address),
         )
         if record_level:
             records = records.shard(shard.count, shard.index)
-        if self.cache:
+        if self.config.cache:
             records = records.cache()
-        if self.is_training and self.cache and deterministic:
-            records = shuffle_each_epoch(records, self.shuffle_buffer_size, seed)
+        if self.is_training and self.config.cache and deterministic:
+            records = shuffle_each_epoch(records, self.config.shuffle_buffer_size, seed)
         elif self.is_training:
             # Deterministic: the same stream from every new iterator (without a cache the buffer
             # runs over the repeated records, so the order still changes from one pass over the data
             # to the next).
             records = records.shuffle(
-                self.shuffle_buffer_size, seed=seed, reshuffle_each_iteration=not deterministic
+                self.config.shuffle_buffer_size, seed=seed, reshuffle_each_iteration=not deterministic
             )
-            if self.cache:
+            if self.config.cache:
                 records = records.repeat()
 
         stage = DecodeStage(
@@ -377,12 +298,12 @@ class ImageNetInput:
             )
         options = _pipeline_options(deterministic=deterministic, threadpool_size=self._threads)
         examples = examples.with_options(options)
-        if self.data_service_address:
+        if self.config.data_service_address:
             examples = examples.apply(
                 tf.data.experimental.service.distribute(
                     processing_mode=tf.data.experimental.service.ShardingPolicy.DYNAMIC,
-                    service=self.data_service_address,
-                    job_name=self.data_service_job_name,
+                    service=self.config.data_service_address,
+                    job_name=self.config.data_service_job_name,
                 )
             )
         return examples.prefetch(AUTOTUNE)
@@ -397,20 +318,20 @@ class ImageNetInput:
                 image_bytes,
                 self.image_size,
                 crop_seed,
-                resize_method=self.resize_method,
-                scaled_decode=self.scaled_decode,
+                resize_method=self.config.resize_method,
+                scaled_decode=self.config.scaled_decode,
                 dtype=pixels,
-                area_range=self.crop_area_range,
-                flip=self.random_flip,
+                area_range=self.config.crop_area_range,
+                flip=self.config.random_flip,
             )
         else:
             image = image_ops.decode_and_center_crop(
                 image_bytes,
                 self.image_size,
-                resize_method=self.resize_method,
-                scaled_decode=self.scaled_decode,
+                resize_method=self.config.resize_method,
+                scaled_decode=self.config.scaled_decode,
                 dtype=pixels,
-                crop_fraction=self.center_crop_fraction,
+                crop_fraction=self.config.center_crop_fraction,
             )
         return image if self.dtype == tf.uint8 else image_ops.normalize_image(image, self.dtype)
 
@@ -538,6 +459,45 @@ def _pad_batch(images, labels, batch_size):
     weights = tf.pad(tf.ones([count], tf.float32), [[0, padding]])
     images = tf.ensure_shape(images, [batch_size] + images.shape[1:].as_list())
     return images, tf.ensure_shape(labels, [batch_size]), tf.ensure_shape(weights, [batch_size])
+
+
+def _source_and_label_map(data, config):
+    """The input's source of records, and the label map next to its files (None for TFDS or
+    files without one)."""
+    if isinstance(data, TFDSSplit):
+        source = TFDSSource(
+            data.name,
+            data.split,
+            data.data_dir,
+            config.image_key or "image",
+            config.label_key or "label",
+            config.cycle_length or 16,
+        )
+        return source, None
+    label_map = read_label_map(expand_patterns(data))
+    source = TFRecordSource(
+        data,
+        config.image_key or IMAGE_KEY,
+        config.label_key or LABEL_KEY,
+        config.read_buffer_bytes,
+        config.cycle_length or 64,
+        record_counts=label_map and label_map.record_counts_by_path(),
+    )
+    return source, label_map
+
+
+def _moved_keywords_message(moved, config):
+    """The `TypeError` message for keywords `ImageNetInput` no longer takes: those that are
+    `InputConfig` fields, with where they go now; any other, as Python says it."""
+    unknown = sorted(set(moved) - FIELDS)
+    if unknown:
+        return f"ImageNetInput() got an unexpected keyword argument {unknown[0]!r}."
+    fields = ", ".join(f"{name}={value!r}" for name, value in moved.items())
+    home = "config.replace" if config is not None else "InputConfig"
+    return (
+        f"ImageNetInput() no longer takes {', '.join(moved)}: the pipeline's settings are fields "
+        f"of its configuration. Pass config={home}({fields})."
+    )
 
 
 def _resolve_labels(label_map, label_offset, num_classes):

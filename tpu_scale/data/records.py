@@ -16,6 +16,7 @@ import tensorflow as tf
 from absl import logging
 
 from tpu_scale.data.image_folder import IMAGE_EXTENSIONS
+from tpu_scale.data.input_config import FIELDS, InputConfig
 from tpu_scale.data.input_pipeline import ImageNetInput
 from tpu_scale.data.schema import read_label_map
 
@@ -46,7 +47,8 @@ class RecordInputs:
     arguments: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def with_input_arguments(self, **input_kwargs):
-        """The same data with other `ImageNetInput` arguments, e.g. `**recipe.input_arguments`.
+        """The same data with other `ImageNetInput` arguments or `InputConfig` fields, e.g.
+        `**recipe.input_arguments`.
 
         The recipe's augmentation depends on the dataset's size, known only once the records are
         found: this rebuilds both inputs with the arguments added, the counts kept.
@@ -111,9 +113,9 @@ def records_inputs(
         Defaults to the label map's, else 1 (the classic ImageNet files).
       train_examples: overrides the training count (e.g. a partial epoch).
       validation_examples: overrides the validation count.
-      **input_kwargs: other `ImageNetInput` arguments, passed to both inputs: `dtype`,
-        `deterministic`, `seed`, `crop_area_range`, `random_flip`, `center_crop_fraction`
-        (e.g. `**recipe.input_arguments`), `strict`, `max_bad_fraction`, ...
+      **input_kwargs: other `ImageNetInput` arguments, passed to both inputs: `dtype`, `config`
+        (an `InputConfig`); and `InputConfig` fields (`deterministic`, `seed`, `strict`, the
+        augmentation of `**recipe.input_arguments`, ...), which replace those of `config`.
 
     Returns:
       A `RecordInputs`: `train`, `validation`, `num_classes`, `train_examples`,
@@ -147,7 +149,10 @@ def _records_inputs(arguments, log):
     num_classes, label_offset = arguments.pop("num_classes"), arguments.pop("label_offset")
     train_examples = arguments.pop("train_examples")
     validation_examples = arguments.pop("validation_examples")
-    common = arguments  # image_size, global_batch_size and the other ImageNetInput arguments
+    # image_size, global_batch_size, dtype and config; InputConfig fields given here go into it.
+    common = {k: v for k, v in arguments.items() if k not in FIELDS}
+    settings = {k: v for k, v in arguments.items() if k in FIELDS}
+    common["config"] = (common.get("config") or InputConfig()).replace(**settings)
     if (data_dir is None) == (tfds_name is None):
         raise ValueError("Give data_dir (a folder of TFRecords) or tfds_name, exactly one of them.")
     if tfds_name is not None:
