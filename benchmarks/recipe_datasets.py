@@ -71,7 +71,7 @@ def records_of(name, workdir):
         images = os.path.join(workdir, f"images_{name}")
         datasets.write_folder(name, images)
         subprocess.run(
-            [sys.executable, "-m", "tpu_scale.data.write_tfrecords", "--image_dir", images]
+            [sys.executable, "-m", "tpu_scale.data.convert", "--image_dir", images]
             + ["--output_dir", records, "--overwrite"],
             check=True,
             capture_output=True,

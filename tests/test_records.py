@@ -75,7 +75,7 @@ def test_mistakes_name_the_fix(synthetic, tmp_path, monkeypatch):
     images = tmp_path / "photos"
     (images / "cat").mkdir(parents=True)
     (images / "cat" / "a.JPG").write_bytes(b"")
-    with pytest.raises(ValueError, match="holds folders of images.*write_tfrecords --image_dir"):
+    with pytest.raises(ValueError, match="holds folders of images.*convert --image_dir"):
         data.records_inputs(str(images), **common)
 
 
@@ -84,5 +84,5 @@ def test_records_without_a_validation_split_name_the_command_that_makes_one(tmp_
 
     write_digits_folder(str(tmp_path / "digits"))
     data.write_tfrecords(str(tmp_path / "digits"), str(tmp_path / "records"), validation_fraction=0)
-    with pytest.raises(ValueError, match="hold no validation split.*write_tfrecords --image_dir"):
+    with pytest.raises(ValueError, match="hold no validation split.*convert --image_dir"):
         data.records_inputs(str(tmp_path / "records"), image_size=16, global_batch_size=32)

@@ -190,7 +190,7 @@ def test_data_dir_mistakes_name_the_fix(tmp_path):
     images = tmp_path / "photos"
     (images / "cat").mkdir(parents=True)
     (images / "cat" / "a.JPG").write_bytes(b"")
-    with pytest.raises(ValueError, match="holds folders of images.*write_tfrecords --image_dir"):
+    with pytest.raises(ValueError, match="holds folders of images.*convert --image_dir"):
         train_imagenet.train(tiny_config(data_dir=str(images)))
 
 

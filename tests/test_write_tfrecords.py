@@ -1,4 +1,4 @@
-"""Tests of the writer (`tpu_scale.data.write_tfrecords`) on real images.
+"""Tests of the writer (`data.write_tfrecords`, `python -m tpu_scale.data.convert`) on real images.
 
 The images are scikit-learn's digits (1797 greyscale 8x8 scans of handwritten digits, 10 classes,
 shipped inside the package), upscaled to 32x32 and saved as JPEG and PNG files in one folder per
@@ -19,10 +19,10 @@ import tensorflow as tf
 from PIL import Image  # noqa: E402  (pillow is a test requirement)
 
 from tpu_scale.data import ImageNetInput, write_tfrecords
+from tpu_scale.data import convert as write_module
 from tpu_scale.data.schema import read_label_map
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-write_module = sys.modules["tpu_scale.data.write_tfrecords"]
 
 BAD_FILES = {
     "truncated or corrupt JPEG": ["3/cut_in_half.jpg"],
@@ -388,7 +388,7 @@ def test_command_line(tmp_path):
     command = [
         sys.executable,
         "-m",
-        "tpu_scale.data.write_tfrecords",
+        "tpu_scale.data.convert",
         "--image_dir",
         str(image_dir),
     ]

@@ -4,6 +4,7 @@ ImageNetInput            the train / eval pipeline (`.dataset(input_context)`, `
 InputConfig              its settings: augmentation, reading, order, tf.data service, bad records
 SyntheticImageNetInput   random batches with no I/O (the input-free bound of a step)
 write_tfrecords          class folders of images -> train/validation TFRecords + labels.json
+                         (the command: python -m tpu_scale.data.convert)
 image_folder_records     the same, converted on a training script's first start, reused after
 read_label_map           the label map next to the shards: classes, label offset, counts
 records_inputs           a folder of records (or TFDS) -> train / validation inputs and counts
@@ -17,10 +18,9 @@ image_folder             which files of a folder of class folders the writer con
 from tpu_scale import _lazy
 
 # Each public name and the module that defines it, imported on first use: `python -m
-# tpu_scale.data.write_tfrecords` then reaches its own module before anything imports TensorFlow
-# (so that the command line can quiet TensorFlow's start-up lines), and a module that `-m` runs is
-# not already imported. The public name `write_tfrecords` stays the function, though importing the
-# submodule of that name binds the module to it (`_lazy` binds the function after the import).
+# tpu_scale.data.convert` then reaches its own module before anything imports TensorFlow (so that
+# the command line can quiet TensorFlow's start-up lines), and a module that `-m` runs is not
+# already imported.
 _PUBLIC = {
     "ImageNetInput": "tpu_scale.data.input_pipeline",
     "InputConfig": "tpu_scale.data.input_config",
@@ -28,8 +28,8 @@ _PUBLIC = {
     "read_label_map": "tpu_scale.data.schema",
     "SyntheticImageNetInput": "tpu_scale.data.synthetic",
     "make_synthetic_imagenet": "tpu_scale.data.synthetic",
-    "write_tfrecords": "tpu_scale.data.write_tfrecords",
-    "image_folder_records": "tpu_scale.data.write_tfrecords",
+    "write_tfrecords": "tpu_scale.data.convert",
+    "image_folder_records": "tpu_scale.data.convert",
     "TFRecordSummary": "tpu_scale.data.conversion",
     "SkippedRecordsLogger": "tpu_scale.data.bad_records",
     "RecordInputs": "tpu_scale.data.records",

@@ -31,7 +31,7 @@ MIN_BAD_RECORDS_TO_STOP = 10
 # Bad records an error message names.
 _NAMES_IN_ERROR = 5
 # The command that rewrites a folder of class folders as records, named in the fixes.
-CONVERT_COMMAND = "python -m tpu_scale.data.write_tfrecords"
+CONVERT_COMMAND = "python -m tpu_scale.data.convert"
 
 
 class BadRecords:

@@ -508,7 +508,7 @@ def _resolve_labels(label_map, label_offset, num_classes):
             ("num_classes", num_classes, label_map.num_classes),
         ):
             if given is not None and given != mapped:
-                raise ValueError(f"{name}={given} disagrees with the label map {label_map.path!r}, written with the files: it says {name}={mapped}. Drop {name}= (the label map is read automatically) or pass {name}={mapped}; if the label map is wrong, rewrite the files with tpu_scale.data.write_tfrecords.")
+                raise ValueError(f"{name}={given} disagrees with the label map {label_map.path!r}, written with the files: it says {name}={mapped}. Drop {name}= (the label map is read automatically) or pass {name}={mapped}; if the label map is wrong, rewrite the files with tpu_scale.data.convert.")
         return label_map.label_offset, label_map.num_classes
     if num_classes is not None and num_classes < 1:
         raise ValueError(f"num_classes must be at least 1, got {num_classes}.")

@@ -179,12 +179,12 @@ def _records_inputs(arguments, log):
             validation_examples or counts.get("validation") or _count_records(validation_pattern)
         )
         if validation_examples == 0:
-            raise ValueError(f"The records in {data_dir} hold no validation split (its label map counts 0 validation images). Write them again with a validation set: python -m tpu_scale.data.write_tfrecords --image_dir IMAGES --output_dir {data_dir} --overwrite (it keeps at least one image of every class with two or more for validation).")
+            raise ValueError(f"The records in {data_dir} hold no validation split (its label map counts 0 validation images). Write them again with a validation set: python -m tpu_scale.data.convert --image_dir IMAGES --output_dir {data_dir} --overwrite (it keeps at least one image of every class with two or more for validation).")
     else:
         imagenet = _is_classic_imagenet(train_pattern)
         if num_classes is None:
             if not imagenet:
-                raise ValueError(f"{data_dir} has no label map (labels.json) and is not the classic ImageNet layout, so the number of classes is unknown. Write the records with python -m tpu_scale.data.write_tfrecords (it writes the label map), or pass num_classes.")
+                raise ValueError(f"{data_dir} has no label map (labels.json) and is not the classic ImageNet layout, so the number of classes is unknown. Write the records with python -m tpu_scale.data.convert (it writes the label map), or pass num_classes.")
             num_classes = IMAGENET_CLASSES
         imagenet = imagenet and num_classes == IMAGENET_CLASSES
         if label_offset is None:
@@ -198,7 +198,7 @@ def _records_inputs(arguments, log):
     if train_examples == 0:
         raise ValueError(f"No training records match {train_pattern}.")
     if validation_examples == 0:
-        raise ValueError(f"No validation records match {validation_pattern}. Write them with python -m tpu_scale.data.write_tfrecords (it splits off a validation set by default).")
+        raise ValueError(f"No validation records match {validation_pattern}. Write them with python -m tpu_scale.data.convert (it splits off a validation set by default).")
     labels = dict(label_offset=label_offset, num_classes=num_classes)
     train = ImageNetInput(train_pattern, is_training=True, **labels, **common)
     validation = ImageNetInput(validation_pattern, is_training=False, **labels, **common)
@@ -270,4 +270,4 @@ def _refuse_image_folder(data_dir, train_pattern):
             entry.lower().endswith(IMAGE_EXTENSIONS) for entry in tf.io.gfile.listdir(folder)
         ):
             records = data_dir.rstrip("/") + "_records"
-            raise ValueError(f"data_dir {data_dir} holds folders of images (e.g. {name.rstrip('/')}/), not TFRecords. Train on them as they are (examples/train_imagenet.py --image_dir {data_dir}; data.image_folder_records in a script), or convert them once: python -m tpu_scale.data.write_tfrecords --image_dir {data_dir} --output_dir {records}, then train on {records}.")
+            raise ValueError(f"data_dir {data_dir} holds folders of images (e.g. {name.rstrip('/')}/), not TFRecords. Train on them as they are (examples/train_imagenet.py --image_dir {data_dir}; data.image_folder_records in a script), or convert them once: python -m tpu_scale.data.convert --image_dir {data_dir} --output_dir {records}, then train on {records}.")

@@ -1,7 +1,7 @@
 """Turns a folder of class sub-folders of images into TFRecord shards in the classic ImageNet
-layout.
+layout: the function `write_tfrecords` (`tpu_scale.data.write_tfrecords`) and its command line,
 
-    python -m tpu_scale.data.write_tfrecords --image_dir photos --output_dir records
+    python -m tpu_scale.data.convert --image_dir photos --output_dir records
 
 `photos/<class name>/<image>` becomes `records/train-00000-of-00008` ... and
 `records/validation-00000-of-00002` ...: a seeded split, stratified by class
@@ -21,7 +21,7 @@ and `num_classes` come from the writer. `labels.txt` lists the class names in id
 For folders too big for one machine (millions of images in a bucket), the same conversion runs as
 an Apache Beam pipeline on any Beam runner (Dataflow, Flink, Spark; `pip install -e ".[beam]"`):
 
-    python -m tpu_scale.data.write_tfrecords --image_dir gs://bucket/photos \
+    python -m tpu_scale.data.convert --image_dir gs://bucket/photos \
         --output_dir gs://bucket/records \
         --beam_pipeline_options "runner=DataflowRunner,project=P,region=R,temp_location=gs://bucket/tmp"
 
@@ -352,7 +352,7 @@ def image_folder_records(
 def main(argv: Sequence[str] | None = None) -> TFRecordSummary:
     """The command line: converts, prints the summary; errors exit with status 1 and one message."""
     parser = argparse.ArgumentParser(
-        prog="python -m tpu_scale.data.write_tfrecords",
+        prog="python -m tpu_scale.data.convert",
         description=__doc__.split("\n\n")[0],
     )
     parser.add_argument(
