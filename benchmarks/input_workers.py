@@ -14,8 +14,9 @@ Workers (`python benchmarks/input_workers.py --worker NAME ...`, started by `spa
   ours_uint8_one_core
                 the uint8 path pinned to one core, with one tf.data thread and one thread in each
                 of TensorFlow's op pools: the floor's conditions.
-  baseline_uint8_one_core
-                the same, with `ImageNetInput` as it was at `--baseline_rev` (loaded from git).
+  baseline_uint8_one_core, baseline_uint8
+                ours_uint8_one_core and ours_uint8 with `ImageNetInput` as it was at
+                `--baseline_rev` (loaded from git).
   tfm           tf-models-official's ImageNet classification input (`classification_input.Decoder`
                 and `Parser` under its `InputReader`, as its classification task builds them); it
                 pins its own TensorFlow, so it runs with another environment's python.
@@ -337,6 +338,7 @@ WORKERS = {
     "baseline_uint8_one_core": lambda args: worker_ours(
         args, "uint8", one_core=True, baseline=True
     ),
+    "baseline_uint8": lambda args: worker_ours(args, "uint8", baseline=True),
     "floor": worker_floor,
     "naive": worker_naive,
     "decode_one_core": worker_decode_one_core,
