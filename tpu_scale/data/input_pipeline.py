@@ -5,7 +5,7 @@ tf.data service.
 
     files (sharded per input pipeline, shuffled) -> parallel interleave with a large read buffer
     -> [cache raw records] -> shuffle -> repeat
-    -> the decode stage (`DecodeStage`), in parallel calls of 32 records each: parse, check, crop
+    -> the decode stage (`DecodeStage`), in parallel calls of 64 records each: parse, check, crop
        seeds, fused JPEG decode-and-crop, resize, flip, normalize; bad records dropped, named and
        counted
     -> batches (`drop_remainder=True` in training) -> prefetch
@@ -44,7 +44,7 @@ from tpu_scale.data.sources import (
 
 AUTOTUNE = tf.data.AUTOTUNE
 # Records one call of the decode stage parses, checks and decodes (on one thread of the pool).
-RECORDS_PER_CALL = 32
+RECORDS_PER_CALL = 64
 
 
 def _pipeline_options(*, deterministic, threadpool_size):
