@@ -181,16 +181,6 @@ class ImageNetInput:
         return cls(TFDSSplit(name, split, data_dir), label_offset=label_offset, **kwargs)
 
     @property
-    def pad_last_batch(self) -> bool:
-        """`config.pad_last_batch`; setting it replaces the configuration (on a copy of an
-        evaluation input, as `exact_evaluation` pads one for static shapes)."""
-        return self.config.pad_last_batch
-
-    @pad_last_batch.setter
-    def pad_last_batch(self, value):
-        self.config = self.config.replace(pad_last_batch=bool(value))
-
-    @property
     def skipped_records(self) -> int:
         """How many bad records this input's datasets skipped (since `reset_counts`): those they
         read, including read-ahead; after an evaluation pass, the records it left out."""
@@ -292,7 +282,7 @@ class ImageNetInput:
             deterministic=deterministic,
             seed=seed,
         )
-        if self.pad_last_batch:
+        if self.config.pad_last_batch:
             examples = examples.map(
                 graph_function(lambda images, labels: _pad_batch(images, labels, batch_size))
             )
