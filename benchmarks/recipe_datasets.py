@@ -154,10 +154,9 @@ def train_variants(name, records, batch, variants, seeds, lr_factors, trained_we
             swept = variant_recipe(recipe, variant)
             trained = None  # the weights as trained, evaluated every epoch (--trained_weights_too)
             if by_hand:
-                arguments = recipe_lib.AUGMENTATIONS["none"]
+                config = data.InputConfig(**recipe_lib.AUGMENTATIONS["none"])
             else:
-                arguments = swept.input_arguments
-            config = data.InputConfig(**arguments)
+                config = swept.input_config()
             inputs = dict(global_batch_size=batch, image_size=size)
             pattern = os.path.join(records, "{}-*")
             train = data.ImageNetInput(

@@ -546,22 +546,29 @@ def test_jpeg_headers_are_read_as_pillow_reads_them_and_xmp_turns_a_photo_too():
     assert reencoded and (height, width) == (80, 64)
 
 
-def test_image_folder_records_converts_once_and_names_the_skipped_files(tmp_path, caplog):
+def test_a_folder_of_images_is_converted_once_and_the_skipped_files_named(tmp_path, caplog):
     from tpu_scale import data
 
     image_dir = tmp_path / "images"
     write_digit_folders(str(image_dir), indices=range(30))
     records = str(tmp_path / "run" / "records")
+    common = dict(image_size=16, global_batch_size=8, records_dir=records)
     with caplog.at_level("INFO"):
-        assert data.image_folder_records(str(image_dir), records) == records
+        inputs = data.inputs(str(image_dir), **common)
+    assert inputs.train_data == os.path.join(records, "train-*")
+    assert inputs.num_classes == 10 and inputs.label_map.path == os.path.join(records, "labels.json")
     assert "cut_in_half.jpg" in caplog.text  # the conversion's report, in the run's log
     label_map = os.path.join(records, "labels.json")
     written = os.stat(label_map).st_mtime_ns
     caplog.clear()
     with caplog.at_level("INFO"):
-        assert data.image_folder_records(str(image_dir), records) == records
+        again = data.inputs(str(image_dir), **common)
     assert os.stat(label_map).st_mtime_ns == written  # a resumed run reads the first records
     assert "written earlier" in caplog.text and "cut_in_half.jpg" not in caplog.text
+    assert (again.train_examples, again.validation_examples) == (
+        inputs.train_examples,
+        inputs.validation_examples,
+    )
 
 
 def test_the_decoding_pipeline_stores_what_the_per_image_path_stores(tmp_path, monkeypatch):

@@ -136,18 +136,11 @@ class Recipe:
             + (f"averaged (EMA {self.ema_momentum:g})" if self.ema_momentum else "as trained")
         )
 
-    @property
-    def input_config(self) -> InputConfig:
+    def input_config(self, config: InputConfig | None = None) -> InputConfig:
         """The inputs' configuration with the recipe's augmentation (training crop and flip,
-        evaluation crop), the other fields at their defaults: give it to both the training and
-        the evaluation input, or add the augmentation to another configuration with
-        `config.replace(**recipe.input_arguments)`."""
-        return InputConfig(**AUGMENTATIONS[self.augmentation])
-
-    @property
-    def input_arguments(self):
-        """The `InputConfig` fields of the recipe's augmentation, as a dict (`input_config`'s)."""
-        return dict(AUGMENTATIONS[self.augmentation])
+        evaluation crop): `config` (default `InputConfig()`) with those three fields replaced. Give
+        it to both the training and the evaluation input (`Inputs.with_config`)."""
+        return (config or InputConfig()).replace(**AUGMENTATIONS[self.augmentation])
 
     def callbacks(self):
         """The `fit` callbacks the recipe's optimizer needs: with a moving average, Keras's

@@ -1,14 +1,15 @@
 """The input builder: ImageNet TFRecords / TFDS on tf.data with fused JPEG decode-and-crop.
 
+inputs                   a run's data, the one way in: a folder of records, a folder of class
+                         folders of images (converted on first use) or a TFDS dataset -> `Inputs`:
+                         training and validation inputs, counts, label map, exact evaluation
 ImageNetInput            the train / eval pipeline (`.dataset(input_context)`, `.from_tfds`)
 InputConfig              its settings: augmentation, reading, order, tf.data service, bad records
 SyntheticImageNetInput   random batches with no I/O (the input-free bound of a step)
 write_tfrecords          class folders of images -> train/validation TFRecords + labels.json
                          (the command: python -m tpu_scale.data.convert)
-image_folder_records     the same, converted on a training script's first start, reused after
 read_label_map           the label map next to the shards: classes, label offset, counts
-records_inputs           a folder of records (or TFDS) -> train / validation inputs and counts
-exact_evaluation         the distributed evaluation that counts every example once
+exact_evaluation         the distributed evaluation that counts every example once (of any input)
 make_synthetic_imagenet  a small, learnable dataset of real JPEGs in that layout
 image_ops                fused decode-and-crop, scaled decode, center crop, normalization
 bad_records              skipped records named and counted; `SkippedRecordsLogger` logs the counts
@@ -29,11 +30,10 @@ _PUBLIC = {
     "SyntheticImageNetInput": "tpu_scale.data.synthetic",
     "make_synthetic_imagenet": "tpu_scale.data.synthetic",
     "write_tfrecords": "tpu_scale.data.convert",
-    "image_folder_records": "tpu_scale.data.convert",
     "TFRecordSummary": "tpu_scale.data.conversion",
     "SkippedRecordsLogger": "tpu_scale.data.bad_records",
-    "RecordInputs": "tpu_scale.data.records",
-    "records_inputs": "tpu_scale.data.records",
+    "Inputs": "tpu_scale.data.records",
+    "inputs": "tpu_scale.data.records",
     "ExactEvaluation": "tpu_scale.data.evaluation",
     "evaluation_steps": "tpu_scale.data.evaluation",
     "exact_evaluation": "tpu_scale.data.evaluation",
@@ -47,16 +47,15 @@ __all__ = [
     "ImageNetInput",
     "InputConfig",
     "LabelMap",
-    "RecordInputs",
+    "Inputs",
     "SkippedRecordsLogger",
     "SyntheticImageNetInput",
     "TFRecordSummary",
     "evaluation_steps",
     "exact_evaluation",
-    "image_folder_records",
     "image_ops",
     "make_synthetic_imagenet",
     "read_label_map",
-    "records_inputs",
+    "inputs",
     "write_tfrecords",
 ]

@@ -317,7 +317,7 @@ def image_folder_records(
 ) -> str:
     """The records of a folder of class folders of images, converted on first use.
 
-    The training script's path from a user's own images: `write_tfrecords` with its defaults
+    `data.inputs`' path from a folder of images: `write_tfrecords` with its defaults
     (a stratified 10% validation split) into `records_dir`, its report logged (every skipped file
     named); a `records_dir` that already holds a finished conversion (its `labels.json` written) is
     used as it is, so a resumed run reads the records its first start wrote. Delete `records_dir`
@@ -330,7 +330,7 @@ def image_folder_records(
       strict: fail, naming them, instead of skipping files that are not usable images.
 
     Returns:
-      `records_dir`, for `records_inputs(records_dir, ...)` or `ImageNetInput`.
+      `records_dir`.
 
     Raises:
       ValueError: as `write_tfrecords` does (no class folders, no usable image, ...).

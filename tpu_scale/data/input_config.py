@@ -92,6 +92,9 @@ class InputConfig:
       pad_last_batch: evaluation only: pad the last batch to full size so every batch has a static
         shape; the dataset then yields `(images, labels, weights)` with weight 0 for padding, which
         Keras uses as sample weights so that padding does not count.
+      cache_evaluation: the run's exact evaluation (`Inputs.evaluation`) keeps its first pass in
+        host memory: True, False, or None for when one pass takes at most
+        `evaluation.CACHE_LIMIT_BYTES` per input pipeline (`exact_evaluation`'s `cache`).
     """
 
     crop_area_range: tuple[float, float] | None = AREA_RANGE
@@ -113,6 +116,7 @@ class InputConfig:
     image_key: str | None = None
     label_key: str | None = None
     pad_last_batch: bool = False
+    cache_evaluation: bool | None = None
 
     def __post_init__(self):
         area = self.crop_area_range
