@@ -236,33 +236,34 @@ class ImageNetInput:
         else:
             shard = Shard(input_context.input_pipeline_id, input_context.num_input_pipelines)
             batch_size = input_context.get_per_replica_batch_size(self.global_batch_size)
-        deterministic = self.config.deterministic or not self.is_training
+        config = self.config
+        deterministic = config.deterministic or not self.is_training
         # Different pipelines must draw different crops and shuffles even from one user seed.
-        seed = None if self.config.seed is None else self.config.seed * 1_000_003 + shard.index
+        seed = None if config.seed is None else config.seed * 1_000_003 + shard.index
 
         records, record_level = self.source.records(
             shard,
             # A cache must see one finite pass, so the repeat then comes after it.
-            repeat=self.is_training and not self.config.cache,
+            repeat=self.is_training and not config.cache,
             shuffle_files=self.is_training,
             deterministic=deterministic,
             seed=seed,
-            strict=self.config.strict or bool(self.config.data_service_address),
+            strict=config.strict or bool(config.data_service_address),
         )
         if record_level:
             records = records.shard(shard.count, shard.index)
-        if self.config.cache:
+        if config.cache:
             records = records.cache()
-        if self.is_training and self.config.cache and deterministic:
-            records = shuffle_each_epoch(records, self.config.shuffle_buffer_size, seed)
+        if self.is_training and config.cache and deterministic:
+            records = shuffle_each_epoch(records, config.shuffle_buffer_size, seed)
         elif self.is_training:
             # Deterministic: the same stream from every new iterator (without a cache the buffer
             # runs over the repeated records, so the order still changes from one pass over the data
             # to the next).
             records = records.shuffle(
-                self.config.shuffle_buffer_size, seed=seed, reshuffle_each_iteration=not deterministic
+                config.shuffle_buffer_size, seed=seed, reshuffle_each_iteration=not deterministic
             )
-            if self.config.cache:
+            if config.cache:
                 records = records.repeat()
 
         stage = DecodeStage(
@@ -282,18 +283,18 @@ class ImageNetInput:
             deterministic=deterministic,
             seed=seed,
         )
-        if self.config.pad_last_batch:
+        if config.pad_last_batch:
             examples = examples.map(
                 graph_function(lambda images, labels: _pad_batch(images, labels, batch_size))
             )
         options = _pipeline_options(deterministic=deterministic, threadpool_size=self._threads)
         examples = examples.with_options(options)
-        if self.config.data_service_address:
+        if config.data_service_address:
             examples = examples.apply(
                 tf.data.experimental.service.distribute(
                     processing_mode=tf.data.experimental.service.ShardingPolicy.DYNAMIC,
-                    service=self.config.data_service_address,
-                    job_name=self.config.data_service_job_name,
+                    service=config.data_service_address,
+                    job_name=config.data_service_job_name,
                 )
             )
         return examples.prefetch(AUTOTUNE)
@@ -350,7 +351,9 @@ class DecodeStage:
       random_crops: draw crop seeds (training); zeros otherwise (the center crop needs none).
     """
 
-    def __init__(self, *, parse, decode_image, bad_records, label_offset, num_classes, random_crops):
+    def __init__(
+        self, *, parse, decode_image, bad_records, label_offset, num_classes, random_crops
+    ):
         self.parse = parse
         self.decode_image = decode_image
         self.bad_records = bad_records
