@@ -367,6 +367,7 @@ def train(config, extra_callbacks=()):
         outputs = None
         if config.model_dir:
             record = dict(summary, config=dataclasses.asdict(config))
+            record["input_config"] = inputs.config.to_dict()  # data.InputConfig.from_dict reads it
             outputs = training.save_run(model_dir, model, record, strategy)
         return dict(summary, model=model, model_dir=config.model_dir, outputs=outputs)
 

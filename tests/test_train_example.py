@@ -101,6 +101,11 @@ def test_uint8_input_and_one_step_epochs_learn_and_report_a_rate(tmp_path):
     with open(tmp_path / "run" / "run.json") as f:
         record = json.loads(f.read(), parse_constant=lambda name: pytest.fail(f"{name} in JSON"))
     assert record["images_per_second"] > 0 and record["wall_seconds"] > 0
+    # The input pipeline's settings, the recipe's augmentation among them, read back.
+    from tpu_scale import data
+
+    input_config = data.InputConfig.from_dict(record["input_config"])
+    assert input_config.seed == record["config"]["seed"] and input_config.random_flip is False
     # 5 validation images, a global batch of 64 on 2 replicas: one replica gets them all, the
     # other an empty batch; the evaluation counts the 5.
     # A caller that keeps Python's cycle collector off keeps it off: only the command line's own

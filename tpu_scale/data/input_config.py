@@ -3,9 +3,10 @@
 Everything that tunes how records become batches, and nothing about which data they are: the
 augmentation (crops, flip, resize, scaled decode), the reading (interleave, buffers, cache,
 threads), the order (determinism, seed), the tf.data service, the bad-record policy and the
-evaluation's last batch. `ImageNetInput(data, is_training=..., image_size=..., global_batch_size=...,
-config=InputConfig(...))` takes it; `Recipe.input_config` is the recipe's augmentation as one;
-`to_dict` / `from_dict` put it in a run's `settings.json` and read it back.
+evaluation's batches. `ImageNetInput(data, is_training=..., image_size=...,
+global_batch_size=..., config=InputConfig(...))` and `data.inputs(..., config=...)` take it;
+`Recipe.input_config(config)` puts the recipe's augmentation in one; `to_dict` / `from_dict` write
+it as JSON in a run's record (the example's `run.json`) and read it back.
 """
 
 import dataclasses
@@ -32,7 +33,7 @@ class InputConfig:
         config = data.InputConfig(cache=True, deterministic=True, seed=0)
         train = data.ImageNetInput("/data/train-*", is_training=True, image_size=224,
                                    global_batch_size=1024, config=config)
-        json.dump({"input": config.to_dict()}, f)    # InputConfig.from_dict reads it back
+        json.dump({"input_config": config.to_dict()}, f)   # InputConfig.from_dict reads it back
 
     Augmentation:
       crop_area_range: training: (min, max) fraction of the image area the Inception random box
