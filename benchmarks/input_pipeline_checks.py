@@ -19,7 +19,8 @@ Usage (timing: hold the machine-wide lock; needs 2 cores and the git history):
     flock /tmp/tpu_scale_timing.lock nice -n 5 python benchmarks/input_pipeline_checks.py \
         [--quick] [--images photos] [--baseline_rev REV] [--every_core]
 
-Writes `benchmarks/results/input_pipeline_checks.json` (`_photos` with photos).
+Writes `benchmarks/results/input_pipeline_checks.json` (`_photos` with photos, `_REV` with
+`--baseline_rev REV`).
 """
 
 import argparse
@@ -100,7 +101,8 @@ def main(argv=None):
         ),
         "seconds": round(time.time() - started, 1),
     }
-    path = os.path.join(RESULTS, f"input_pipeline_checks{run.suffix()}.json")
+    rev = f"_{args.baseline_rev}" if args.baseline_rev != workers.BASELINE_REV else ""
+    path = os.path.join(RESULTS, f"input_pipeline_checks{run.suffix()}{rev}.json")
     workers.write(result, path)
     print(
         f"checked {checked['cpu_ms_per_image']:.3f} CPU ms/image, {args.baseline_rev} "
