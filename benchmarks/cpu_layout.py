@@ -63,7 +63,7 @@ def main():
         images, records = os.path.join(workdir, "images"), os.path.join(workdir, "records")
         datasets.write_folder("mnist5k", images)
         subprocess.run(
-            [sys.executable, "-m", "tpu_scale.data.write_tfrecords", "--image_dir", images]
+            [sys.executable, "-m", "tpu_scale.data.convert", "--image_dir", images]
             + ["--output_dir", records],
             check=True,
             capture_output=True,

@@ -14,8 +14,9 @@ Workers (`python benchmarks/input_workers.py --worker NAME ...`, started by `spa
   ours_uint8_one_core
                 the uint8 path pinned to one core, with one tf.data thread and one thread in each
                 of TensorFlow's op pools: the floor's conditions.
-  baseline_uint8_one_core
-                the same, with `ImageNetInput` as it was at `--baseline_rev` (loaded from git).
+  baseline_uint8_one_core, baseline_uint8
+                ours_uint8_one_core and ours_uint8 with `ImageNetInput` as it was at
+                `--baseline_rev` (loaded from git).
   tfm           tf-models-official's ImageNet classification input (`classification_input.Decoder`
                 and `Parser` under its `InputReader`, as its classification task builds them); it
                 pins its own TensorFlow, so it runs with another environment's python.
@@ -34,6 +35,7 @@ wait at a barrier, so their timed windows start at the same time.
 
 import argparse
 import dataclasses
+import inspect
 import json
 import os
 import resource
@@ -101,25 +103,35 @@ def _pin_to_one_core(core):
 BASELINE_REV = "ebd1ce2"
 
 
+# The modules of `tpu_scale.data` that make up the pipeline, loaded from git for a baseline when
+# the commit has them (the rest of `tpu_scale.data` is shared).
+_PIPELINE_MODULES = ("input_pipeline", "sources", "image_ops", "bad_records", "input_config")
+
+
 def baseline_input_class(rev):
-    """`ImageNetInput` as it was at commit `rev`: its input_pipeline, sources and image_ops modules
-    read from git into a package of their own (the rest of `tpu_scale.data` is shared)."""
+    """`ImageNetInput` as it was at commit `rev`: its pipeline modules read from git into a
+    package of their own."""
     import importlib
 
     package = os.path.join(tempfile.mkdtemp(), "baseline_data")
     os.makedirs(package)
     open(os.path.join(package, "__init__.py"), "w").close()
-    for module in ("input_pipeline", "sources", "image_ops"):
-        text = subprocess.run(
+    texts = {}
+    for module in _PIPELINE_MODULES:
+        shown = subprocess.run(
             ["git", "-C", ROOT, "show", f"{rev}:tpu_scale/data/{module}.py"],
             capture_output=True,
             text=True,
-            check=True,
-        ).stdout
+        )
+        if shown.returncode == 0:
+            texts[module] = shown.stdout
+    for module, text in texts.items():
         text = text.replace(
             "from tpu_scale.data import image_ops, sources",
             "from baseline_data import image_ops, sources",
-        ).replace("from tpu_scale.data.sources import", "from baseline_data.sources import")
+        )
+        for other in texts:
+            text = text.replace(f"from tpu_scale.data.{other} import", f"from baseline_data.{other} import")
         with open(os.path.join(package, f"{module}.py"), "w") as f:
             f.write(text)
     sys.path.insert(0, os.path.dirname(package))
@@ -137,13 +149,20 @@ def worker_ours(args, dtype="float32", one_core=False, baseline=False):
     else:
         from tpu_scale.data import ImageNetInput
 
+    threads = 1 if one_core else None
+    if "config" in inspect.signature(ImageNetInput).parameters:
+        from tpu_scale.data import InputConfig
+
+        settings = dict(config=InputConfig(threadpool_size=threads))
+    else:  # a baseline from before the configuration
+        settings = dict(threadpool_size=threads)
     inp = ImageNetInput(
         args.pattern,
         is_training=True,
         global_batch_size=args.batch_size,
         image_size=IMAGE_SIZE,
         dtype=dtype,
-        threadpool_size=1 if one_core else None,
+        **settings,
     )
     return _time_windows(
         _iterate(inp.dataset()),
@@ -319,6 +338,7 @@ WORKERS = {
     "baseline_uint8_one_core": lambda args: worker_ours(
         args, "uint8", one_core=True, baseline=True
     ),
+    "baseline_uint8": lambda args: worker_ours(args, "uint8", baseline=True),
     "floor": worker_floor,
     "naive": worker_naive,
     "decode_one_core": worker_decode_one_core,

@@ -71,7 +71,7 @@ def records_of(name, workdir):
         images = os.path.join(workdir, f"images_{name}")
         datasets.write_folder(name, images)
         subprocess.run(
-            [sys.executable, "-m", "tpu_scale.data.write_tfrecords", "--image_dir", images]
+            [sys.executable, "-m", "tpu_scale.data.convert", "--image_dir", images]
             + ["--output_dir", records, "--overwrite"],
             check=True,
             capture_output=True,
@@ -154,16 +154,19 @@ def train_variants(name, records, batch, variants, seeds, lr_factors, trained_we
             swept = variant_recipe(recipe, variant)
             trained = None  # the weights as trained, evaluated every epoch (--trained_weights_too)
             if by_hand:
-                arguments = recipe_lib.AUGMENTATIONS["none"]
+                config = data.InputConfig(**recipe_lib.AUGMENTATIONS["none"])
             else:
-                arguments = swept.input_arguments
-            inputs = dict(global_batch_size=batch, image_size=size, **arguments)
+                config = swept.input_config()
+            inputs = dict(global_batch_size=batch, image_size=size)
             pattern = os.path.join(records, "{}-*")
             train = data.ImageNetInput(
-                pattern.format("train"), is_training=True, seed=seed, **inputs
+                pattern.format("train"),
+                is_training=True,
+                config=config.replace(seed=seed),
+                **inputs,
             )
             validation = data.ImageNetInput(
-                pattern.format("validation"), is_training=False, **inputs
+                pattern.format("validation"), is_training=False, config=config, **inputs
             )
             if by_hand:
                 model = models.small_resnet(label_map.num_classes, input_shape=(size, size, 3))

@@ -1,6 +1,6 @@
 """Scaled JPEG decode: how often it applies, how close it stays, and what it saves.
 
-`ImageNetInput(scaled_decode=True)` decodes a crop window at least r times the output size (r = 2,
+`InputConfig(scaled_decode=True)` decodes a crop window at least r times the output size (r = 2,
 4 or 8, in both dimensions) at libjpeg's DCT-domain ratio r before the resize. This script measures,
 in one run:
 

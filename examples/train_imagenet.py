@@ -117,7 +117,7 @@ TRAINING_SETTINGS = (
 ).split()
 
 
-IMAGE_DIR_ON_ONE_HOST = "--image_dir converts the images on this host; for a TPU or several workers convert them once (python -m tpu_scale.data.write_tfrecords) and pass --data_dir."
+IMAGE_DIR_ON_ONE_HOST = "--image_dir converts the images on this host; for a TPU or several workers convert them once (python -m tpu_scale.data.convert) and pass --data_dir."
 
 
 class TrainingDiverged(RuntimeError):
@@ -192,30 +192,38 @@ def train(config, extra_callbacks=()):
         if not config.model_dir:
             cleanup.callback(shutil.rmtree, model_dir, ignore_errors=True)
 
-        # ---- data: the records (a user's images, converted once, or generated), exact evaluation
-        data_dir = config.data_dir
-        if config.image_dir:
-            records = os.path.join(model_dir, "records")
-            data_dir = data.image_folder_records(config.image_dir, records, seed=config.seed, strict=config.strict)
+        # ---- data: records, a user's images (converted once, into the run's folder), a TFDS
+        # dataset, or generated; with their counts and the exact evaluation
+        source = config.image_dir or config.data_dir or f"tfds:{config.tfds_name}"
         if synthetic:
-            data_dir = tempfile.mkdtemp(prefix="tpu_scale_synthetic_")
-            cleanup.callback(shutil.rmtree, data_dir, ignore_errors=True)
+            source = tempfile.mkdtemp(prefix="tpu_scale_synthetic_")
+            cleanup.callback(shutil.rmtree, source, ignore_errors=True)
             data.make_synthetic_imagenet(
-                data_dir,
+                source,
                 num_classes=config.num_classes or 10,
                 train_examples=config.synthetic_train_examples,
                 eval_examples=config.synthetic_eval_examples,
                 image_shape=(config.image_size, config.image_size),
                 seed=config.seed,
             )
-        names = "tfds_name tfds_data_dir image_size global_batch_size num_classes label_offset"
-        names += " train_examples deterministic seed strict max_bad_fraction"
-        source = {name: getattr(config, name) for name in names.split()}
         # The host sends raw pixels (uint8), or images normalized in the model's precision.
         dtype = "bfloat16" if config.mixed_precision == "bfloat16" else "float32"
         dtype = "uint8" if config.input_dtype == "uint8" else dtype
-        source.update(data_dir=data_dir, dtype=dtype, validation_examples=config.eval_examples)
-        inputs = data.records_inputs(**source)
+        settings = "deterministic seed strict max_bad_fraction".split()
+        input_config = data.InputConfig(
+            **{name: getattr(config, name) for name in settings},
+            cache_evaluation={"auto": None, "yes": True, "no": False}[config.cache_evaluation],
+        )
+        given = "image_size global_batch_size num_classes label_offset train_examples tfds_data_dir"
+        inputs = data.inputs(
+            source,
+            strategy=strategy,
+            config=input_config,
+            dtype=dtype,
+            validation_examples=config.eval_examples,
+            records_dir=os.path.join(model_dir, "records"),
+            **{name: getattr(config, name) for name in given.split()},
+        )
         steps = inputs.steps_per_epoch()
         if not synthetic and (hint := training.short_run_hint(steps, config.epochs)):
             logging.warning(hint)
@@ -237,15 +245,10 @@ def train(config, extra_callbacks=()):
         if accumulate > 1 and config.ema_momentum is None:
             # Keras keeps no moving average of the weights with accumulation under a strategy.
             recipe = recipe.with_settings(ema_momentum=0.0)
-        inputs = inputs.with_input_arguments(**recipe.input_arguments)  # its crops and flips
+        inputs = inputs.with_config(recipe.input_config(input_config))  # its crops and flips
         # Raises, with the fix, if the global batch does not divide over the replicas. A small
-        # validation set is decoded once and kept in memory (exact_evaluation's rule).
-        validation = data.exact_evaluation(
-            inputs.validation,
-            strategy,
-            inputs.validation_examples,
-            cache={"auto": None, "yes": True, "no": False}[config.cache_evaluation],
-        )
+        # validation set is decoded once and kept in memory (data.exact_evaluation's rule).
+        validation = inputs.evaluation
 
         # ---- model: grouped batch norm, compiled with the recipe
         with strategy.scope():
@@ -324,6 +327,7 @@ def train(config, extra_callbacks=()):
         outputs = None
         if config.model_dir:
             record = dict(summary, config=dataclasses.asdict(config))
+            record["input_config"] = inputs.config.to_dict()  # data.InputConfig.from_dict reads it
             outputs = training.save_run(model_dir, model, record, strategy)
         return dict(summary, model=model, model_dir=config.model_dir, outputs=outputs)
 

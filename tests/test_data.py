@@ -6,6 +6,7 @@ resizing, so every output image can be traced back to its record, and counts, pa
 and sharding are checked exactly.
 """
 
+import dataclasses
 import os
 
 import numpy as np
@@ -13,8 +14,15 @@ import pytest
 import tensorflow as tf
 
 import tpu_scale.strategy  # its MirroredStrategy has private collective keys: tests share a process
-from tpu_scale.data import ImageNetInput, SyntheticImageNetInput, image_ops, make_synthetic_imagenet
-from tpu_scale.data.bad_records import PARSE_BATCH
+from tpu_scale.data import (
+    ImageNetInput,
+    InputConfig,
+    SyntheticImageNetInput,
+    image_ops,
+    make_synthetic_imagenet,
+)
+from tpu_scale.data.input_config import FIELDS
+from tpu_scale.data.input_pipeline import RECORDS_PER_CALL
 from tpu_scale.data.schema import make_example, read_label_map
 
 NUM_CLASSES = 5
@@ -92,8 +100,55 @@ def records(tmp_path_factory):
 
 
 def make_input(pattern, **kwargs):
+    """An `ImageNetInput`, given its arguments and its configuration's fields together."""
     kwargs.setdefault("image_size", IMAGE_SIZE)
-    return ImageNetInput(pattern, **kwargs)
+    settings = {name: kwargs.pop(name) for name in list(kwargs) if name in FIELDS}
+    return ImageNetInput(pattern, config=InputConfig(**settings), **kwargs)
+
+
+def test_a_setting_passed_as_before_names_its_new_home(records):
+    with pytest.raises(TypeError, match=r"Pass config=InputConfig\(cache=True, seed=3\)\."):
+        ImageNetInput(records[0], is_training=True, global_batch_size=4, cache=True, seed=3)
+    config = InputConfig(deterministic=True)
+    with pytest.raises(TypeError, match=r"Pass config=config\.replace\(strict=True\)\."):
+        ImageNetInput(records[0], is_training=True, global_batch_size=4, config=config, strict=True)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'shuffle'"):
+        ImageNetInput(records[0], is_training=True, global_batch_size=4, shuffle=True)
+    with pytest.raises(TypeError, match="must be an InputConfig"):
+        ImageNetInput(records[0], is_training=True, global_batch_size=4, config={"seed": 1})
+    # The calls of before that are not settings run as they did.
+    inp = ImageNetInput(
+        records[0], is_training=False, image_size=8, global_batch_size=4, label_offset=1,
+        dtype="uint8",
+    )
+    images, labels = next(iter(inp.dataset()))
+    assert images.dtype == tf.uint8 and inp.config == InputConfig()
+
+
+def test_the_configuration_goes_to_json_and_back():
+    import json
+
+    config = InputConfig(crop_area_range=[0.5, 1], seed=4, data_service_address="grpc://d:1")
+    assert config.crop_area_range == (0.5, 1.0)  # a list from JSON becomes the tuple
+    text = json.dumps(config.to_dict())
+    assert InputConfig.from_dict(json.loads(text)) == config
+    assert InputConfig.from_dict({}) == InputConfig()
+    assert json.loads(json.dumps(InputConfig(crop_area_range=None).to_dict()))["crop_area_range"] is None
+    with pytest.raises(ValueError, match="Not InputConfig fields: bogus"):
+        InputConfig.from_dict({"bogus": 1, "seed": 0})
+    for bad, words in [
+        (dict(crop_area_range=(0.5, 0.2)), "crop_area_range"),
+        (dict(center_crop_fraction=0), "center_crop_fraction"),
+        (dict(resize_method="cubic"), "resize_method"),
+        (dict(max_bad_fraction=2), "max_bad_fraction"),
+        (dict(cycle_length=0), "cycle_length"),
+        (dict(shuffle_buffer_size=0), "shuffle_buffer_size"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            InputConfig(**bad)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.seed = 5
+    assert config.replace(seed=5).seed == 5 and config.seed == 4
 
 
 # --------------------------------------------------------------------------------------------------
@@ -245,29 +300,25 @@ def test_options_are_set(records):
     inp = make_input(records[0], is_training=True, global_batch_size=4, threadpool_size=3)
     options = inp.dataset().options()
     assert options.threading.private_threadpool_size == 3
-    assert options.experimental_optimization.map_and_batch_fusion
     assert options.autotune.enabled is False and options.deterministic is False
 
 
 def test_the_decode_runs_on_every_thread_of_the_pool(records):
     # Autotuning is off, so an AUTOTUNE parallelism would stay at its start value (at most 16): a
-    # host with more cores than that must still decode on all of them (4 records in flight per
-    # thread, see `bad_records.DECODES_IN_FLIGHT`).
+    # host with more cores than that must still decode on all of them (one call of the decode
+    # stage per thread, see `input_pipeline.DecodeStage`).
     from tensorflow.core.framework import graph_pb2
 
     inp = make_input(records[0], is_training=True, global_batch_size=4, threadpool_size=37)
     graph = graph_pb2.GraphDef.FromString(inp.dataset()._as_serialized_graph().numpy())
-    # The decode sits in the function that builds each iterator's stream (see
-    # `bad_records.decode_skipping_bad`); a function's inputs read "node:output:index".
-    bodies = [list(graph.node)] + [list(f.node_def) for f in graph.library.function]
+    nodes = {node.name: node for node in graph.node}
+    # The stage's calls are the pipeline's one parallel map; its last input is the parallelism.
     (parallelism,) = [
-        nodes[decode.input[1].split(":")[0]].attr["value"].tensor.int64_val
-        for nodes in ({node.name: node for node in body} for body in bodies)
-        for decode in nodes.values()
-        if decode.op == "ParallelMapDatasetV2"
-        and nodes[decode.input[0].split(":")[0]].op == "UnbatchDataset"
+        nodes[stage.input[-1]].attr["value"].tensor.int64_val
+        for stage in nodes.values()
+        if stage.op == "ParallelMapDatasetV2"
     ]
-    assert list(parallelism) == [4 * 37]
+    assert list(parallelism) == [37]
 
 
 def test_record_level_sharding_with_fewer_files_than_pipelines(tmp_path):
@@ -684,14 +735,14 @@ def test_an_iterator_left_behind_makes_no_false_reports(tmp_path, caplog):
     behind = iter(dataset)
     next(behind)
     ahead = iter(dataset)
-    for _ in range(PARSE_BATCH):
+    for _ in range(RECORDS_PER_CALL):
         next(ahead)
     # `behind` lists records that `ahead` has long taken out (parsing ahead of its decode), then
     # is dropped.
-    for _ in range(PARSE_BATCH // 4):
+    for _ in range(RECORDS_PER_CALL // 4):
         next(behind)
     del behind
-    for _ in range(PARSE_BATCH):
+    for _ in range(RECORDS_PER_CALL):
         next(ahead)
     named = {r.getMessage().split(":")[0] for r in caplog.records if "Skipped" in r.getMessage()}
     assert named == {f"Skipped record 5 of {tmp_path}/train-00000-of-00002"}
@@ -1089,14 +1140,21 @@ def test_data_service_eval_gives_each_example_once(records, data_service):
     assert sorted(ids) == sorted(expected)
 
 
-def test_data_service_fails_at_a_bad_record_naming_it(tmp_path, data_service):
-    # The service's workers cannot report skipped records: the first bad record stops the run.
-    pattern, _ = write_coded_records(str(tmp_path), 2, 6, bad={8: truncated})
+@pytest.mark.parametrize(
+    "breakage,words",
+    [("truncated", "is not a complete JPEG"), ("frame height 0", "holds an image the decoder")],
+)
+def test_data_service_fails_at_a_bad_record_naming_it(tmp_path, data_service, breakage, words):
+    # The service's workers cannot report skipped records: the first bad record stops the run,
+    # named like a skipped one, the decoder's rejects included.
+    pattern, _ = write_coded_records(str(tmp_path), 2, 6, bad={8: BREAKAGES[breakage]})
     inp = make_input(
         pattern, is_training=False, global_batch_size=4, data_service_address=data_service
     )
     with pytest.raises(
-        tf.errors.InvalidArgumentError, match=r"(?s)Record.*2.*train-00001-of-00002.*JPEG"
+        tf.errors.InvalidArgumentError,
+        match=r"(?s)service the first bad record stops the run.*record 2 of \S*train-00001-of-00002 "
+        + words,
     ):
         list(inp.dataset())
 
@@ -1141,7 +1199,7 @@ def test_synthetic_imagenet_is_deterministic_and_learnable(tmp_path):
             is_training=is_training,
             global_batch_size=40,
             image_size=16,
-            deterministic=True,
+            config=InputConfig(deterministic=True),
         )
         images, labels = next(iter(inp.dataset()))
         return images.numpy().mean(axis=(1, 2)), labels.numpy()
@@ -1241,9 +1299,7 @@ def test_real_digits_training_epoch_holds_every_label_once(digits):
         global_batch_size=64,
         image_size=32,
         dtype="uint8",
-        cache=True,
-        deterministic=True,
-        seed=1,
+        config=InputConfig(cache=True, deterministic=True, seed=1),
     )
     count = len(order["train"])
     labels = np.concatenate([labels.numpy() for _, labels in inp.dataset().take(count // 64 + 1)])[

@@ -38,7 +38,9 @@ def _passes(strategy, evaluation, count):
 @pytest.mark.parametrize("pad", [False, True], ids=["partial", "padded"])
 def test_every_pass_sees_every_example_once(strategy, records, pad):
     common = dict(is_training=False, global_batch_size=128, image_size=16)
-    validation = data.ImageNetInput(f"{records}/validation-*", pad_last_batch=pad, **common)
+    validation = data.ImageNetInput(
+        f"{records}/validation-*", config=data.InputConfig(pad_last_batch=pad), **common
+    )
     evaluation = data.exact_evaluation(validation, strategy, 179)
     # 179 examples in per-replica batches of 16: 12 batches, over 8 replicas: 2 steps.
     assert evaluation.steps == data.evaluation_steps(179, 128, 8) == 2

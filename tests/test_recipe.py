@@ -120,20 +120,19 @@ def test_recipe_augmentation_fits_the_data():
     # Unknown data: the ImageNet recipe's.
     assert recipe_for_batch(1024).augmentation == "imagenet"
     assert recipe_for_batch(64, train_examples=1617, augmentation="light").augmentation == "light"
-    assert recipe_for_batch(64, train_examples=1617).input_arguments == {
-        "crop_area_range": None,
-        "random_flip": False,
-        "center_crop_fraction": 1.0,
-    }
-    assert recipe_for_batch(64, 60, train_examples=1617).input_arguments == {
-        "crop_area_range": (0.5, 1.0),
-        "random_flip": False,
-        "center_crop_fraction": 1.0,
-    }
-    shift = recipe_for_batch(64, 15, train_examples=1617, augmentation="shift").input_arguments
-    assert shift["crop_area_range"] == (0.75, 1.0) and not shift["random_flip"]
-    imagenet = recipe_for_batch(4096).input_arguments
-    assert imagenet["crop_area_range"] == (0.08, 1.0) and imagenet["random_flip"]
+    from tpu_scale.data import InputConfig
+
+    assert recipe_for_batch(64, train_examples=1617).input_config() == InputConfig(
+        crop_area_range=None, random_flip=False, center_crop_fraction=1.0
+    )
+    assert recipe_for_batch(64, 60, train_examples=1617).input_config() == InputConfig(
+        crop_area_range=(0.5, 1.0), random_flip=False, center_crop_fraction=1.0
+    )
+    shift = recipe_for_batch(64, 15, train_examples=1617, augmentation="shift").input_config()
+    assert shift.crop_area_range == (0.75, 1.0) and not shift.random_flip
+    # The ImageNet recipe's augmentation is the configuration's default; other fields are kept.
+    given = InputConfig(crop_area_range=None, seed=7, strict=True)
+    assert recipe_for_batch(4096).input_config(given) == InputConfig(seed=7, strict=True)
     with pytest.raises(ValueError, match="augmentation"):
         recipe_for_batch(64, augmentation="strong")
 
@@ -342,12 +341,18 @@ def test_recipe_trains_real_digits_well_above_chance(tmp_path):
     steps_per_epoch = train_examples // batch
     recipe = recipe_for_batch(batch, epochs, train_examples=train_examples, num_classes=10)
     assert (recipe.optimizer, recipe.augmentation, recipe.weight_decay) == ("sgd", "none", 5e-4)
-    inputs = dict(global_batch_size=batch, image_size=32, **recipe.input_arguments)
+    inputs = dict(global_batch_size=batch, image_size=32)
     train = data.ImageNetInput(
-        str(tmp_path / "records" / "train-*"), is_training=True, seed=0, **inputs
+        str(tmp_path / "records" / "train-*"),
+        is_training=True,
+        config=recipe.input_config(data.InputConfig(seed=0)),
+        **inputs,
     )
     validation = data.ImageNetInput(
-        str(tmp_path / "records" / "validation-*"), is_training=False, **inputs
+        str(tmp_path / "records" / "validation-*"),
+        is_training=False,
+        config=recipe.input_config(),
+        **inputs,
     )
     keras.utils.set_random_seed(0)
     model = models.small_resnet(10, input_shape=(32, 32, 3))

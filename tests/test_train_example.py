@@ -98,6 +98,11 @@ def test_uint8_input_and_one_step_epochs_learn_and_report_a_rate(tmp_path):
     with open(tmp_path / "run" / "run.json") as f:
         record = json.loads(f.read(), parse_constant=lambda name: pytest.fail(f"{name} in JSON"))
     assert record["images_per_second"] > 0 and record["wall_seconds"] > 0
+    # The input pipeline's settings, the recipe's augmentation among them, read back.
+    from tpu_scale import data
+
+    input_config = data.InputConfig.from_dict(record["input_config"])
+    assert input_config.seed == record["config"]["seed"] and input_config.random_flip is False
     # 5 validation images, a global batch of 64 on 2 replicas: one replica's batch holds them,
     # both are filled with zero-weight examples; the evaluation counts the 5.
     small = train_imagenet.train(tiny_config(epochs=1, synthetic_eval_examples=5))
@@ -180,5 +185,7 @@ def test_data_dir_mistakes_name_the_fix(tmp_path):
     images = tmp_path / "photos"
     (images / "cat").mkdir(parents=True)
     (images / "cat" / "a.JPG").write_bytes(b"")
-    with pytest.raises(ValueError, match="holds folders of images.*write_tfrecords --image_dir"):
+    # A folder of images given as --data_dir is converted as --image_dir's is (data.inputs), and
+    # the conversion says what is wrong with it.
+    with pytest.raises(ValueError, match="one class folder only.*at least two classes"):
         train_imagenet.train(tiny_config(data_dir=str(images)))

@@ -1,4 +1,4 @@
-"""A user's own `fit` script on the public API: `records_inputs`, `exact_evaluation`,
+"""A user's own `fit` script on the public API: `data.inputs` and its exact evaluation,
 `run_callbacks`. Killed after its first epoch and run again, it ends on the weights of the run that
 was not killed, and its evaluation counts every validation example once."""
 
@@ -41,11 +41,15 @@ class Interrupt(keras.callbacks.Callback):
 def user_script(records, strategy, model_dir, settings, extra_callbacks=()):
     """What a user writes: inputs, exact evaluation, model, the run's callbacks, `fit`."""
     keras.utils.set_random_seed(3)
-    inputs = data.records_inputs(
-        records, image_size=SIZE, global_batch_size=BATCH, deterministic=True, seed=3
+    inputs = data.inputs(
+        records,
+        image_size=SIZE,
+        global_batch_size=BATCH,
+        strategy=strategy,
+        config=data.InputConfig(deterministic=True, seed=3),
     )
     steps = inputs.steps_per_epoch()
-    validation = data.exact_evaluation(inputs.validation, strategy, inputs.validation_examples)
+    validation = inputs.evaluation
     training.record_settings(model_dir, settings, strategy)
     top_1 = keras.metrics.SparseCategoricalAccuracy(name="top_1")
     with strategy.scope():

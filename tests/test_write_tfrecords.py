@@ -1,4 +1,4 @@
-"""Tests of the writer (`tpu_scale.data.write_tfrecords`) on real images.
+"""Tests of the writer (`data.write_tfrecords`, `python -m tpu_scale.data.convert`) on real images.
 
 The images are scikit-learn's digits (1797 greyscale 8x8 scans of handwritten digits, 10 classes,
 shipped inside the package), upscaled to 32x32 and saved as JPEG and PNG files in one folder per
@@ -19,10 +19,10 @@ import tensorflow as tf
 from PIL import Image  # noqa: E402  (pillow is a test requirement)
 
 from tpu_scale.data import ImageNetInput, write_tfrecords
+from tpu_scale.data import convert as write_module
 from tpu_scale.data.schema import read_label_map
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-write_module = sys.modules["tpu_scale.data.write_tfrecords"]
 
 BAD_FILES = {
     "truncated or corrupt JPEG": ["3/cut_in_half.jpg"],
@@ -388,7 +388,7 @@ def test_command_line(tmp_path):
     command = [
         sys.executable,
         "-m",
-        "tpu_scale.data.write_tfrecords",
+        "tpu_scale.data.convert",
         "--image_dir",
         str(image_dir),
     ]
@@ -546,22 +546,29 @@ def test_jpeg_headers_are_read_as_pillow_reads_them_and_xmp_turns_a_photo_too():
     assert reencoded and (height, width) == (80, 64)
 
 
-def test_image_folder_records_converts_once_and_names_the_skipped_files(tmp_path, caplog):
+def test_a_folder_of_images_is_converted_once_and_the_skipped_files_named(tmp_path, caplog):
     from tpu_scale import data
 
     image_dir = tmp_path / "images"
     write_digit_folders(str(image_dir), indices=range(30))
     records = str(tmp_path / "run" / "records")
+    common = dict(image_size=16, global_batch_size=8, records_dir=records)
     with caplog.at_level("INFO"):
-        assert data.image_folder_records(str(image_dir), records) == records
+        inputs = data.inputs(str(image_dir), **common)
+    assert inputs.train_data == os.path.join(records, "train-*")
+    assert inputs.num_classes == 10 and inputs.label_map.path == os.path.join(records, "labels.json")
     assert "cut_in_half.jpg" in caplog.text  # the conversion's report, in the run's log
     label_map = os.path.join(records, "labels.json")
     written = os.stat(label_map).st_mtime_ns
     caplog.clear()
     with caplog.at_level("INFO"):
-        assert data.image_folder_records(str(image_dir), records) == records
+        again = data.inputs(str(image_dir), **common)
     assert os.stat(label_map).st_mtime_ns == written  # a resumed run reads the first records
     assert "written earlier" in caplog.text and "cut_in_half.jpg" not in caplog.text
+    assert (again.train_examples, again.validation_examples) == (
+        inputs.train_examples,
+        inputs.validation_examples,
+    )
 
 
 def test_the_decoding_pipeline_stores_what_the_per_image_path_stores(tmp_path, monkeypatch):

@@ -17,10 +17,9 @@ import pytest
 import tensorflow as tf
 from PIL import Image
 
+from tpu_scale.data import convert as write_module
 from tpu_scale.data import write_tfrecords
 from tpu_scale.testing.digits import write_digits_folder
-
-write_module = sys.modules["tpu_scale.data.write_tfrecords"]
 
 IN_MEMORY = "runner=DirectRunner,direct_running_mode=in_memory"
 TWO_PROCESSES = "runner=DirectRunner,direct_num_workers=2,direct_running_mode=multi_processing"

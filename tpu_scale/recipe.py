@@ -2,13 +2,14 @@
 augmentation, chosen from what the run knows (batch size, length, data).
 
 `recipe_for_batch` returns a `Recipe`; `Recipe.build_optimizer` puts the optimizer on its schedule
-(`tpu_scale.schedules`) and `Recipe.input_arguments` are the inputs' augmentation.
+(`tpu_scale.schedules`) and `Recipe.input_config` is the inputs' augmentation.
 """
 
 import dataclasses
 import math
 import numbers
 
+from tpu_scale.data.input_config import InputConfig
 from tpu_scale.schedules import WarmupPolynomialDecay, reference_lars_hparams
 
 # From this global batch on the recipe is LARS with the reference settings; below it, momentum SGD.
@@ -37,7 +38,7 @@ MIN_WARMUP_STEPS = 50
 MAX_WARMUP_FRACTION = 0.4
 OPTIMIZERS = ("sgd", "lars")
 
-# Augmentation levels: `ImageNetInput` arguments for the training crop, the flip and the eval crop.
+# Augmentation levels: the `InputConfig` fields of the training crop, the flip and the eval crop.
 AUGMENTATIONS = {
     # The whole image, unmirrored, in training and evaluation.
     "none": dict(crop_area_range=None, random_flip=False, center_crop_fraction=1.0),
@@ -135,11 +136,11 @@ class Recipe:
             + (f"averaged (EMA {self.ema_momentum:g})" if self.ema_momentum else "as trained")
         )
 
-    @property
-    def input_arguments(self):
-        """The `ImageNetInput` keyword arguments of the recipe's augmentation (training crop and
-        flip, evaluation crop): pass them to both the training and the evaluation input."""
-        return dict(AUGMENTATIONS[self.augmentation])
+    def input_config(self, config: InputConfig | None = None) -> InputConfig:
+        """The inputs' configuration with the recipe's augmentation (training crop and flip,
+        evaluation crop): `config` (default `InputConfig()`) with those three fields replaced. Give
+        it to both the training and the evaluation input (`Inputs.with_config`)."""
+        return (config or InputConfig()).replace(**AUGMENTATIONS[self.augmentation])
 
     def callbacks(self):
         """The `fit` callbacks the recipe's optimizer needs: with a moving average, Keras's
@@ -307,7 +308,7 @@ def recipe_for_batch(
 
     Returns:
         A frozen `Recipe`: its `build_optimizer(steps_per_epoch, total_epochs)` makes the
-        optimizer on its schedule and `input_arguments` are the inputs' augmentation.
+        optimizer on its schedule and `input_config` is the inputs' augmentation.
 
     Reference:
         - [Ying et al., 2018](https://arxiv.org/abs/1811.06992)

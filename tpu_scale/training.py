@@ -109,10 +109,10 @@ def run_callbacks(model_dir, strategy, *, keep_checkpoints=3, loss_guard=True, t
 def train_dataset(strategy, train_input, model_dir=None, steps_per_epoch=None):
     """The distributed training dataset of `train_input`, placed where a resumed run continues.
 
-    With a deterministic input (`deterministic=True`) and a backup in `model_dir`, the batches of
-    the epochs the backup finished are skipped, so the resumed run trains on the same batches the
-    uninterrupted run would (`BackupAndRestore` skips those of a part-done epoch itself). Otherwise
-    it is `strategy.distribute_datasets_from_function(train_input.dataset)`.
+    With a deterministic input (`InputConfig(deterministic=True)`) and a backup in `model_dir`, the
+    batches of the epochs the backup finished are skipped, so the resumed run trains on the same
+    batches the uninterrupted run would (`BackupAndRestore` skips those of a part-done epoch
+    itself). Otherwise it is `strategy.distribute_datasets_from_function(train_input.dataset)`.
 
     Args:
       strategy: the `tf.distribute` strategy.
@@ -124,7 +124,8 @@ def train_dataset(strategy, train_input, model_dir=None, steps_per_epoch=None):
       A distributed dataset for `model.fit`.
     """
     steps_done = 0
-    if model_dir and steps_per_epoch and getattr(train_input, "deterministic", False):
+    deterministic = getattr(getattr(train_input, "config", train_input), "deterministic", False)
+    if model_dir and steps_per_epoch and deterministic:
         backup = checkpointing.latest_backup(os.path.join(_expand(model_dir), BACKUP_DIR))
         steps_done = backup.epoch * steps_per_epoch if backup else 0
 

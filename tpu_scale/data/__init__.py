@@ -1,12 +1,15 @@
 """The input builder: ImageNet TFRecords / TFDS on tf.data with fused JPEG decode-and-crop.
 
+inputs                   a run's data, the one way in: a folder of records, a folder of class
+                         folders of images (converted on first use) or a TFDS dataset -> `Inputs`:
+                         training and validation inputs, counts, label map, exact evaluation
 ImageNetInput            the train / eval pipeline (`.dataset(input_context)`, `.from_tfds`)
+InputConfig              its settings: augmentation, reading, order, tf.data service, bad records
 SyntheticImageNetInput   random batches with no I/O (the input-free bound of a step)
 write_tfrecords          class folders of images -> train/validation TFRecords + labels.json
-image_folder_records     the same, converted on a training script's first start, reused after
+                         (the command: python -m tpu_scale.data.convert)
 read_label_map           the label map next to the shards: classes, label offset, counts
-records_inputs           a folder of records (or TFDS) -> train / validation inputs and counts
-exact_evaluation         the distributed evaluation that counts every example once
+exact_evaluation         the distributed evaluation that counts every example once (of any input)
 make_synthetic_imagenet  a small, learnable dataset of real JPEGs in that layout
 image_ops                fused decode-and-crop, scaled decode, center crop, normalization
 bad_records              skipped records named and counted; `SkippedRecordsLogger` logs the counts
@@ -16,22 +19,21 @@ image_folder             which files of a folder of class folders the writer con
 from tpu_scale import _lazy
 
 # Each public name and the module that defines it, imported on first use: `python -m
-# tpu_scale.data.write_tfrecords` then reaches its own module before anything imports TensorFlow
-# (so that the command line can quiet TensorFlow's start-up lines), and a module that `-m` runs is
-# not already imported. The public name `write_tfrecords` stays the function, though importing the
-# submodule of that name binds the module to it (`_lazy` binds the function after the import).
+# tpu_scale.data.convert` then reaches its own module before anything imports TensorFlow (so that
+# the command line can quiet TensorFlow's start-up lines), and a module that `-m` runs is not
+# already imported.
 _PUBLIC = {
     "ImageNetInput": "tpu_scale.data.input_pipeline",
+    "InputConfig": "tpu_scale.data.input_config",
     "LabelMap": "tpu_scale.data.schema",
     "read_label_map": "tpu_scale.data.schema",
     "SyntheticImageNetInput": "tpu_scale.data.synthetic",
     "make_synthetic_imagenet": "tpu_scale.data.synthetic",
-    "write_tfrecords": "tpu_scale.data.write_tfrecords",
-    "image_folder_records": "tpu_scale.data.write_tfrecords",
+    "write_tfrecords": "tpu_scale.data.convert",
     "TFRecordSummary": "tpu_scale.data.conversion",
     "SkippedRecordsLogger": "tpu_scale.data.bad_records",
-    "RecordInputs": "tpu_scale.data.records",
-    "records_inputs": "tpu_scale.data.records",
+    "Inputs": "tpu_scale.data.records",
+    "inputs": "tpu_scale.data.records",
     "ExactEvaluation": "tpu_scale.data.evaluation",
     "evaluation_steps": "tpu_scale.data.evaluation",
     "exact_evaluation": "tpu_scale.data.evaluation",
@@ -43,17 +45,17 @@ __getattr__ = _lazy.attributes(__name__, _PUBLIC, submodules=_SUBMODULES)
 __all__ = [
     "ExactEvaluation",
     "ImageNetInput",
+    "InputConfig",
     "LabelMap",
-    "RecordInputs",
+    "Inputs",
     "SkippedRecordsLogger",
     "SyntheticImageNetInput",
     "TFRecordSummary",
     "evaluation_steps",
     "exact_evaluation",
-    "image_folder_records",
     "image_ops",
     "make_synthetic_imagenet",
     "read_label_map",
-    "records_inputs",
+    "inputs",
     "write_tfrecords",
 ]

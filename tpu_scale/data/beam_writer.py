@@ -1,6 +1,6 @@
 """The writer's shards written by an Apache Beam pipeline, on any Beam runner.
 
-    python -m tpu_scale.data.write_tfrecords --image_dir photos --output_dir records \\
+    python -m tpu_scale.data.convert --image_dir photos --output_dir records \\
         --beam_pipeline_options \\
         "runner=DirectRunner,direct_num_workers=2,direct_running_mode=multi_processing"
 

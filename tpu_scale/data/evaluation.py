@@ -103,7 +103,7 @@ def exact_evaluation(eval_input, strategy, num_examples, *, cache=None):
         `dataset(input_context)` yields `(images, labels)` or `(images, labels, weights)` batches
         of the per-replica size, the last possibly smaller).
       strategy: the `tf.distribute` strategy the model runs under.
-      num_examples: the examples in one pass (e.g. `RecordInputs.validation_examples`).
+      num_examples: the examples in one pass (e.g. `Inputs.validation_examples`).
       cache: True keeps the first pass in host memory, False reads every pass from the input, None
         (the default) caches a pass of at most `CACHE_LIMIT_BYTES` (see above). Only with `steps`
         known (a pass that runs to the end of its data is not cached).

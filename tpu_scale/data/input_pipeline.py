@@ -5,18 +5,17 @@ tf.data service.
 
     files (sharded per input pipeline, shuffled) -> parallel interleave with a large read buffer
     -> [cache raw records] -> shuffle -> repeat
-    -> batches of 128 records: parse, check, drop and name bad ones, crop seeds (one draw)
-    -> unbatch -> parallel map: fused JPEG decode-and-crop, resize, flip, normalize
-    -> records the decoder rejects dropped -> batch(drop_remainder=True)
-    -> per batch: name the records the decoder rejected, stop if there are too many bad ones
-    -> prefetch
+    -> the decode stage (`DecodeStage`), in parallel calls of 64 records each: parse, check, crop
+       seeds, fused JPEG decode-and-crop, resize, flip, normalize; bad records dropped, named and
+       counted
+    -> batches (`drop_remainder=True` in training) -> prefetch
 
 A bad record does not stop the run: it is skipped, named once in the log (warnings of the
 "tpu_scale" logger: its file, its index in the file, the reason) and counted
 (`ImageNetInput.skipped_records`, `skipped_by_reason`, against `records_read`); the run stops with
 an error naming the first bad records when they are more than `max_bad_fraction` of the records
 read (see `bad_records`). `strict=True` stops at the first one. With the tf.data service, whose
-workers cannot report to this process, the first bad record that the checks find stops the run.
+workers cannot report to this process, the first bad record stops the run.
 
 Every stage runs on the host CPU. `dataset(input_context)` is meant to be given to
 `strategy.distribute_datasets_from_function`, which calls it once per input pipeline with the
@@ -30,17 +29,13 @@ from typing import Any
 import tensorflow as tf
 
 from tpu_scale.data import image_ops, sources
-from tpu_scale.data.bad_records import (
-    PARSE_BATCH,
-    BadRecordLog,
-    decode_skipping_bad,
-    explanations,
-    record_faults,
-)
+from tpu_scale.data.bad_records import BadRecords, explanations, record_faults
+from tpu_scale.data.input_config import FIELDS, InputConfig
 from tpu_scale.data.schema import IMAGE_KEY, LABEL_KEY, read_label_map
 from tpu_scale.data.sources import (
     Shard,
     TFDSSource,
+    TFDSSplit,
     TFRecordSource,
     expand_patterns,
     graph_function,
@@ -48,11 +43,13 @@ from tpu_scale.data.sources import (
 )
 
 AUTOTUNE = tf.data.AUTOTUNE
+# Records one call of the decode stage parses, checks and decodes (on one thread of the pool).
+RECORDS_PER_CALL = 64
 
 
 def _pipeline_options(*, deterministic, threadpool_size):
     options = tf.data.Options()
-    # No autotuning: the decode runs on every thread of the pool (`_decode`), which is what
+    # No autotuning: the decode runs on every thread of the pool (`DecodeStage`), which is what
     # autotuning settles on for a CPU-bound map, and the model that autotuning keeps (a clock read
     # and a bookkeeping step around every element of every stage, and its own thread) costs the
     # training path CPU per image.
@@ -62,7 +59,6 @@ def _pipeline_options(*, deterministic, threadpool_size):
     options.threading.private_threadpool_size = threadpool_size
     # Parallelism comes from many examples in flight, not from splitting one resize across threads.
     options.threading.max_intra_op_parallelism = 1
-    options.experimental_optimization.map_and_batch_fusion = True
     options.deterministic = deterministic
     return options
 
@@ -71,7 +67,8 @@ class ImageNetInput:
     """Builds the ImageNet input pipeline for training or evaluation.
 
     Example:
-        train = ImageNetInput("/data/imagenet/train-*", is_training=True, global_batch_size=1024)
+        train = ImageNetInput("/data/imagenet/train-*", is_training=True, image_size=224,
+                              global_batch_size=1024, config=InputConfig(seed=0))
         dataset = strategy.distribute_datasets_from_function(train.dataset)
         model.fit(dataset, steps_per_epoch=1251, epochs=90)
 
@@ -79,11 +76,12 @@ class ImageNetInput:
     cache of the raw records, shuffle, repeat, fused decode-and-crop (Inception random box), flip,
     normalize, batches with `drop_remainder=True` (static shapes), prefetch.
     Evaluation: every example exactly once in file order, center crop, no shuffle, no repeat; the
-    last batch is smaller unless `pad_last_batch=True`.
+    last batch is smaller unless `config.pad_last_batch`.
 
     Args:
-      file_pattern: a glob (or list of globs) of TFRecord files holding `tf.train.Example`s with
-        JPEG bytes under `image_key` and an int64 label under `label_key`.
+      data: a glob (or list of globs) of TFRecord files holding `tf.train.Example`s with an
+        encoded image and an int64 label (`InputConfig.image_key` and `label_key`); or a TFDS split
+        (`ImageNetInput.from_tfds`).
       is_training: selects the training path (random crops, shuffling, infinite repeat) or the eval
         path.
       global_batch_size: the batch size over all replicas; each pipeline produces
@@ -93,64 +91,22 @@ class ImageNetInput:
         `labels.json` that `write_tfrecords` puts next to the files), else 1, for the classic
         1-based ImageNet files. A value that disagrees with the label map is an error.
       num_classes: labels (after `label_offset`) must lie in `[0, num_classes)`; a record outside
-        is skipped and named (see `strict`). None: the label map's, else unchecked above. A value
-        that disagrees with the label map is an error.
+        is skipped and named (see `InputConfig.strict`). None: the label map's, else unchecked
+        above. A value that disagrees with the label map is an error.
       dtype: the images' dtype: `"float32"` or `"bfloat16"`, normalized with ImageNet's mean and
         stddev; or `"uint8"`, the cropped, resized and flipped pixels rounded to 0-255 with no
         normalization, a quarter of float32's bytes per image, for a model that normalizes on the
         device (`tpu_scale.layers.ImageNormalization`, `models.resnet50(normalize_inputs=True)`).
         Labels are always int32.
-      image_key: the feature holding the encoded JPEG.
-      label_key: the feature holding the integer label.
-      cache: keep the raw (encoded) records in host memory after the first epoch (training only
-        needs about 150 GB for full ImageNet; use it for datasets that fit).
-      shuffle_buffer_size: raw records in the shuffle buffer (training). The file shuffle and the
-        interleave over `cycle_length` files already mix the data, so the reference recipe's 1024
-        (about 110 MB of ImageNet JPEGs) suffices.
-      cycle_length: files read at once by the interleave.
-      read_buffer_bytes: read buffer of each file reader (large buffers suit network file systems;
-        the readers hold `cycle_length x read_buffer_bytes` of host memory).
-      deterministic: reproducible order and crops (slower). With `seed`, two runs give the same
-        batches.
-      seed: the seed of the file shuffle, the shuffle buffer and the per-example crop seeds.
-      strict: stop at the first bad record, naming it. By default bad records (the truncated end
-        of a file, not an Example, a missing feature or one of another type, a label out of range,
-        bytes that are no complete JPEG, PNG, GIF, BMP or WebP file, an image the decoder rejects
-        such as a JPEG whose frame header says height 0) are skipped, named once each in the log
-        (warnings of the "tpu_scale" logger) and counted in `skipped_records` and
-        `skipped_by_reason`, out of `records_read`. The counts cover what the pipeline read,
-        including what it read ahead of the batches handed out.
-      max_bad_fraction: the run stops, with an error naming the first bad records and the fix, when
-        the bad records are more than this fraction of the records read and at least
-        `bad_records.MIN_BAD_RECORDS_TO_STOP` (10): a wrong or badly damaged dataset is not trained
-        on silently, and one broken file does not stop a small dataset.
-      pad_last_batch: evaluation only: pad the last batch to full size so every batch has a static
-        shape; the dataset then yields `(images, labels, weights)` with weight 0 for padding, which
-        Keras `evaluate` uses as sample weights so padding does not count.
-      data_service_address: a tf.data service dispatcher (`grpc://host:port`); the pipeline then
-        runs on the service's workers, each file handed out once (dynamic sharding), and this host
-        only receives batches. The service's workers cannot report bad records to this process:
-        with the service, the first bad record the checks find stops the run, as with `strict`.
-      data_service_job_name: share one service job between consumers (otherwise each `dataset()`
-        call gets its own job).
-      threadpool_size: size of the private tf.data thread pool (default: the host's CPU count).
-      resize_method: a `tf.image.ResizeMethod` name.
-      crop_area_range: training: (min, max) fraction of the image area the Inception random box
-        covers; `(0.08, 1.0)` is the ImageNet recipe's, a larger minimum augments less (small
-        datasets, short runs); None trains on the whole image. `recipe.recipe_for_batch` gives
-        one that fits the run.
-      random_flip: training: mirror half of the images left to right.
-      center_crop_fraction: evaluation: the side of the center crop as a fraction of the short
-        side (224 / 256 by default; 1.0 keeps a square image whole).
-      scaled_decode: decode a crop window at least twice the output size (in both dimensions) at a
-        libjpeg downscaling ratio of 2, 4 or 8 before the resize (`image_ops.decode_window`): less
-        decode work for large photos, a measured PSNR bound against full-size decode + resize (see
-        benchmarks/README.md). Off by default.
+      config: an `InputConfig`: the augmentation, the reading, the order and seed, the tf.data
+        service, the bad-record policy and the evaluation's last batch (None: the defaults). A
+        keyword that used to be an argument here and is a field there (`cache=True`, ...) fails
+        with a `TypeError` that says so.
     """
 
     def __init__(
         self,
-        file_pattern: str | Sequence[str] | None,
+        data: "str | Sequence[str] | TFDSSplit",
         *,
         is_training: bool,
         global_batch_size: int,
@@ -158,27 +114,14 @@ class ImageNetInput:
         label_offset: int | None = None,
         num_classes: int | None = None,
         dtype: Any = tf.float32,
-        image_key: str = IMAGE_KEY,
-        label_key: str = LABEL_KEY,
-        cache: bool = False,
-        shuffle_buffer_size: int = 1024,
-        cycle_length: int = 64,
-        read_buffer_bytes: int = 8 * 1024 * 1024,
-        deterministic: bool = False,
-        seed: int | None = None,
-        strict: bool = False,
-        max_bad_fraction: float = 0.001,
-        pad_last_batch: bool = False,
-        data_service_address: str | None = None,
-        data_service_job_name: str | None = None,
-        threadpool_size: int | None = None,
-        resize_method: str = "bilinear",
-        scaled_decode: bool = False,
-        crop_area_range: tuple[float, float] | None = image_ops.AREA_RANGE,
-        random_flip: bool = True,
-        center_crop_fraction: float = image_ops.CENTER_CROP_FRACTION,
-        _source: Any = None,
+        config: InputConfig | None = None,
+        **moved,
     ):
+        if moved:
+            raise TypeError(_moved_keywords_message(moved, config))
+        config = InputConfig() if config is None else config
+        if not isinstance(config, InputConfig):
+            raise TypeError(f"config must be an InputConfig, got {type(config).__name__}.")
         if global_batch_size < 1:
             raise ValueError(f"global_batch_size must be at least 1, got {global_batch_size}.")
         if image_size < 1:
@@ -186,80 +129,42 @@ class ImageNetInput:
         self.dtype = tf.dtypes.as_dtype(dtype)
         if self.dtype not in (tf.float32, tf.bfloat16, tf.uint8):
             raise ValueError(f"dtype must be float32, bfloat16 (normalized images) or uint8 (raw pixels), got {self.dtype.name}.")
-        if pad_last_batch and is_training:
+        if config.pad_last_batch and is_training:
             raise ValueError("pad_last_batch=True is for evaluation: training batches are already full (drop_remainder=True). Pass is_training=False, or drop pad_last_batch.")
-        if not 0 <= max_bad_fraction <= 1:
-            raise ValueError(f"max_bad_fraction={max_bad_fraction} must be a fraction of the records read, in [0, 1] (0.001 stops a run when more than 0.1% of its records are bad).")
-        if deterministic and seed is None:
-            seed = 0
+        if config.deterministic and config.seed is None:
+            config = config.replace(seed=0)
+        self.config = config
         self.is_training = is_training
         self.global_batch_size = global_batch_size
         self.image_size = image_size
-        self.cache = cache
-        self.shuffle_buffer_size = shuffle_buffer_size
-        self.deterministic = deterministic
-        self.seed = seed
-        self.strict = strict
-        self.max_bad_fraction = max_bad_fraction
-        self.pad_last_batch = pad_last_batch
-        self.data_service_address = data_service_address
-        self.data_service_job_name = data_service_job_name
-        self.threadpool_size = threadpool_size
-        self.resize_method = resize_method
-        self.scaled_decode = scaled_decode
-        if crop_area_range is not None and not 0 < crop_area_range[0] <= crop_area_range[1] <= 1:
-            raise ValueError(f"crop_area_range={crop_area_range!r} must be (min, max) with 0 < min <= max <= 1, e.g. (0.08, 1.0) for ImageNet; None trains on the whole image.")
-        if not 0 < center_crop_fraction <= 1:
-            raise ValueError(f"center_crop_fraction={center_crop_fraction} must be in (0, 1]: 0.875 is the reference, 1.0 keeps the whole (square) image.")
-        self.crop_area_range = None if crop_area_range is None else tuple(crop_area_range)
-        self.random_flip = random_flip
-        self.center_crop_fraction = center_crop_fraction
-        self.label_map = read_label_map(expand_patterns(file_pattern)) if _source is None else None
-        self.source = _source or TFRecordSource(
-            file_pattern,
-            image_key,
-            label_key,
-            read_buffer_bytes,
-            cycle_length,
-            record_counts=self.label_map and self.label_map.record_counts_by_path(),
-        )
+        self.source, self.label_map = _source_and_label_map(data, config)
         self.label_offset, self.num_classes = _resolve_labels(
             self.label_map, label_offset, num_classes
         )
-        meanings = explanations(
-            self.label_map,
-            self.source.image_key,
-            self.source.label_key,
-            self.label_offset,
-            self.num_classes,
+        self._bad_records = BadRecords(
+            explanations(
+                self.label_map,
+                self.source.image_key,
+                self.source.label_key,
+                self.label_offset,
+                self.num_classes,
+            ),
+            strict=config.strict,
+            max_bad_fraction=config.max_bad_fraction,
+            on_service=bool(config.data_service_address),
         )
-        self.bad_records = BadRecordLog(meanings, strict=strict, max_bad_fraction=max_bad_fraction)
-        with tf.init_scope():
-            self._records_read = tf.Variable(
-                tf.constant(0, tf.int64), trainable=False, name="records_read"
-            )
-            self._iterators_started = tf.Variable(
-                tf.constant(0, tf.int64), trainable=False, name="iterators_started"
-            )
 
     @classmethod
     def from_tfds(
-        cls,
-        name: str,
-        split: str,
-        data_dir: str | None = None,
-        *,
-        label_offset: int = 0,
-        image_key: str = "image",
-        label_key: str = "label",
-        cycle_length: int = 16,
-        **kwargs,
+        cls, name: str, split: str, data_dir: str | None = None, *, label_offset: int = 0, **kwargs
     ) -> "ImageNetInput":
         """An input over a TFDS dataset (for example `imagenet2012`), with TFDS's image decoding
         skipped.
 
         TFDS yields the raw JPEG bytes and this pipeline's fused decode-and-crop runs on them. TFDS
-        labels are 0-based, hence `label_offset=0`.
+        labels are 0-based, hence `label_offset=0`. The features read are `config.image_key` and
+        `config.label_key` ("image" and "label" by default); `config.cycle_length` files are read
+        at once (16 by default).
 
         Args:
           name: the TFDS dataset name.
@@ -267,53 +172,49 @@ class ImageNetInput:
             works).
           data_dir: the TFDS data directory (TFDS's default when None).
           label_offset: subtracted from every label.
-          image_key: the feature holding the image.
-          label_key: the feature holding the class label.
-          cycle_length: files TFDS reads at once.
-          **kwargs: the other `ImageNetInput` arguments (`is_training`, `global_batch_size`, ...).
+          **kwargs: the other `ImageNetInput` arguments (`is_training`, `global_batch_size`,
+            `image_size`, `config`, ...).
 
         Returns:
           An `ImageNetInput`.
         """
-        source = TFDSSource(name, split, data_dir, image_key, label_key, cycle_length)
-        return cls(None, label_offset=label_offset, _source=source, **kwargs)
+        return cls(TFDSSplit(name, split, data_dir), label_offset=label_offset, **kwargs)
 
     @property
     def skipped_records(self) -> int:
         """How many bad records this input's datasets skipped (since `reset_counts`): those they
         read, including read-ahead; after an evaluation pass, the records it left out."""
-        return self.bad_records.total
+        return self._bad_records.skipped
 
     @property
     def distinct_skipped_records(self) -> int:
         """How many different bad records this input's datasets skipped since it was built, each
         counted once however often it was read (e.g. by a cached evaluation's first pass and the
         batch Keras reads ahead of it); `reset_counts` leaves it."""
-        return self.bad_records.distinct
+        return self._bad_records.distinct
 
     @property
     def skipped_by_reason(self) -> dict:
         """`skipped_records` by reason, e.g. `{"not a complete image": 2, "undecodable image":
         1}`."""
-        return self.bad_records.by_reason()
+        return self._bad_records.by_reason()
 
     @property
     def records_read(self) -> int:
         """How many records this input's datasets read (since `reset_counts`), bad ones included:
         after an evaluation pass, `records_read - skipped_records` examples were evaluated."""
-        return int(self._records_read.numpy())
+        return self._bad_records.records_read
 
     def reset_counts(self):
         """Starts `skipped_records`, `skipped_by_reason` and `records_read` again from zero (e.g.
         before an evaluation pass); the threshold of `max_bad_fraction` then applies to the new
         counts."""
-        self._records_read.assign(0)
-        self.bad_records.reset()
+        self._bad_records.reset()
 
     @property
     def _threads(self):
         """The threads of the pipeline's pool: the decode's parallelism."""
-        return self.threadpool_size or os.cpu_count() or 1
+        return self.config.threadpool_size or os.cpu_count() or 1
 
     def dataset(self, input_context: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
         """Builds the dataset of `(images, labels)` batches for one input pipeline.
@@ -335,75 +236,204 @@ class ImageNetInput:
         else:
             shard = Shard(input_context.input_pipeline_id, input_context.num_input_pipelines)
             batch_size = input_context.get_per_replica_batch_size(self.global_batch_size)
-        deterministic = self.deterministic or not self.is_training
+        config = self.config
+        deterministic = config.deterministic or not self.is_training
         # Different pipelines must draw different crops and shuffles even from one user seed.
-        seed = None if self.seed is None else self.seed * 1_000_003 + shard.index
+        seed = None if config.seed is None else config.seed * 1_000_003 + shard.index
 
         records, record_level = self.source.records(
             shard,
             # A cache must see one finite pass, so the repeat then comes after it.
-            repeat=self.is_training and not self.cache,
+            repeat=self.is_training and not config.cache,
             shuffle_files=self.is_training,
             deterministic=deterministic,
             seed=seed,
-            strict=self.strict or bool(self.data_service_address),
+            strict=config.strict or bool(config.data_service_address),
         )
         if record_level:
             records = records.shard(shard.count, shard.index)
-        if self.cache:
+        if config.cache:
             records = records.cache()
-        if self.is_training and self.cache and deterministic:
-            records = shuffle_each_epoch(records, self.shuffle_buffer_size, seed)
+        if self.is_training and config.cache and deterministic:
+            records = shuffle_each_epoch(records, config.shuffle_buffer_size, seed)
         elif self.is_training:
             # Deterministic: the same stream from every new iterator (without a cache the buffer
             # runs over the repeated records, so the order still changes from one pass over the data
             # to the next).
             records = records.shuffle(
-                self.shuffle_buffer_size, seed=seed, reshuffle_each_iteration=not deterministic
+                config.shuffle_buffer_size, seed=seed, reshuffle_each_iteration=not deterministic
             )
-            if self.cache:
+            if config.cache:
                 records = records.repeat()
 
-        if self.data_service_address:
-            examples = self._decode_failing_fast(records, seed).batch(
-                batch_size, drop_remainder=self.is_training
-            )
-        else:
-            examples = decode_skipping_bad(
-                records,
-                self.bad_records,
-                parse=self.source.parse,
-                label_offset=self.label_offset,
-                num_classes=self.num_classes,
-                make_crop_seeds=self._crop_seeds,
-                decode_example=self._decode_example,
-                records_read=self._records_read,
-                iterators_started=self._iterators_started,
-                is_training=self.is_training,
-                seed=seed,
-                batch_size=batch_size,
-                threads=self._threads,
-                image_size=self.image_size,
-            )
-        if self.pad_last_batch:
+        stage = DecodeStage(
+            parse=self.source.parse,
+            decode_image=self._decode_image,
+            bad_records=self._bad_records,
+            label_offset=self.label_offset,
+            num_classes=self.num_classes,
+            random_crops=self.is_training,
+        )
+        examples = stage(
+            records,
+            batch_size=batch_size,
+            # Training shapes must be static for the accelerator; evaluation keeps every example.
+            drop_remainder=self.is_training,
+            parallel_calls=self._threads,
+            deterministic=deterministic,
+            seed=seed,
+        )
+        if config.pad_last_batch:
             examples = examples.map(
                 graph_function(lambda images, labels: _pad_batch(images, labels, batch_size))
             )
         options = _pipeline_options(deterministic=deterministic, threadpool_size=self._threads)
         examples = examples.with_options(options)
-        if self.data_service_address:
+        if config.data_service_address:
             examples = examples.apply(
                 tf.data.experimental.service.distribute(
                     processing_mode=tf.data.experimental.service.ShardingPolicy.DYNAMIC,
-                    service=self.data_service_address,
-                    job_name=self.data_service_job_name,
+                    service=config.data_service_address,
+                    job_name=config.data_service_job_name,
                 )
             )
         return examples.prefetch(AUTOTUNE)
 
+    def _decode_image(self, image_bytes, crop_seed):
+        """One record's image: the fused decode-and-crop (random box in training, center crop in
+        evaluation), resized, flipped, in the input's dtype (uint8 straight from the decode, rounded
+        before the flip; the other dtypes normalized from their float32 pixels)."""
+        pixels = tf.uint8 if self.dtype == tf.uint8 else tf.float32
+        if self.is_training:
+            image = image_ops.decode_and_random_crop(
+                image_bytes,
+                self.image_size,
+                crop_seed,
+                resize_method=self.config.resize_method,
+                scaled_decode=self.config.scaled_decode,
+                dtype=pixels,
+                area_range=self.config.crop_area_range,
+                flip=self.config.random_flip,
+            )
+        else:
+            image = image_ops.decode_and_center_crop(
+                image_bytes,
+                self.image_size,
+                resize_method=self.config.resize_method,
+                scaled_decode=self.config.scaled_decode,
+                dtype=pixels,
+                crop_fraction=self.config.center_crop_fraction,
+            )
+        return image if self.dtype == tf.uint8 else image_ops.normalize_image(image, self.dtype)
+
+
+class DecodeStage:
+    """The pipeline's decode stage: records in, batches of `(images, labels)` out, bad records
+    named and counted; the same for the local pipeline and the tf.data service.
+
+    Each call of the stage takes `RECORDS_PER_CALL` records, on one thread of the pipeline's pool,
+    and in one linear chain: parses them (`parse`, one parser call for all), checks them
+    (`record_faults`: the source's faults, the image's structure, the label's range), gives each a
+    crop seed (one draw per call), decodes the good ones one by one (`decode_image`), and hands
+    the bad ones by name to `bad_records`, which counts and names them and stops the run when it
+    must. An image the decoder rejects (a JPEG whose frame header says height 0, a broken Huffman
+    table) fails inside a dataset of the call's records whose errors are ignored: it is missing
+    from the call's results, and named by its place among the call's records. Nothing is kept
+    between calls, so any number of iterators, left early or not, read the same dataset.
+
+    Args:
+      parse: the source's `parse`: a batch of its records -> `(origin, index, image_bytes,
+        stored_label, fault)`.
+      decode_image: `(image_bytes, crop_seed)` -> one image.
+      bad_records: the input's `bad_records.BadRecords`.
+      label_offset: subtracted from the stored labels.
+      num_classes: labels must lie below it (None: unchecked).
+      random_crops: draw crop seeds (training); zeros otherwise (the center crop needs none).
+    """
+
+    def __init__(
+        self, *, parse, decode_image, bad_records, label_offset, num_classes, random_crops
+    ):
+        self.parse = parse
+        self.decode_image = decode_image
+        self.bad_records = bad_records
+        self.label_offset = label_offset
+        self.num_classes = num_classes
+        self.random_crops = random_crops
+
+    def __call__(self, records, *, batch_size, drop_remainder, parallel_calls, deterministic, seed):
+        """Batches of `batch_size` examples of `records`.
+
+        Args:
+          records: the source's records (as `parse` takes them, batched).
+          batch_size: examples per batch.
+          drop_remainder: drop the last partial batch.
+          parallel_calls: calls at once: the threads of the pipeline's pool (autotuning is off,
+            see `_pipeline_options`, and AUTOTUNE would stay at its start value).
+          deterministic: hand out the calls' examples in the records' order.
+          seed: the seed of the per-call crop seed draws (with `random_crops`).
+        """
+        data = records.batch(RECORDS_PER_CALL)
+        if self.random_crops:
+            data = tf.data.Dataset.zip((data, tf.data.Dataset.random(seed=seed)))
+            call = self._decode_records
+        else:
+            call = lambda *batch: self._decode_records(batch)  # noqa: E731
+        data = data.map(
+            graph_function(call), num_parallel_calls=parallel_calls, deterministic=deterministic
+        )
+        return data.rebatch(batch_size, drop_remainder=drop_remainder)
+
+    def _decode_records(self, records, draw=None):
+        """`(images, labels)` of the good records of a batch, the bad ones counted and named."""
+        origin, index, image_bytes, stored_label, fault = self.parse(records)
+        size = tf.size(index)
+        counted = self.bad_records.count_read(size)
+        fault, labels = record_faults(
+            image_bytes, stored_label, fault, self.label_offset, self.num_classes
+        )
+        place = tf.range(size)
+        good = tf.equal(fault, sources.OK)
+        parts = (image_bytes, labels, self._crop_seeds(size, draw), place)
+        # Only a batch that holds a bad record is masked: masking copies every record.
+        parts = tf.cond(
+            tf.reduce_all(good),
+            lambda: parts,
+            lambda: tuple(tf.gather(part, tf.where(good)[:, 0]) for part in parts),
+        )
+        images, labels, decoded = self._decode_each(parts)
+        # The decoder's rejects: good records missing from its results.
+        came_out = tf.scatter_nd(decoded[:, tf.newaxis], tf.ones_like(decoded), [size]) > 0
+        fault = tf.where(good & tf.logical_not(came_out), sources.UNDECODABLE, fault)
+        bad = tf.not_equal(fault, sources.OK)
+
+        def report():
+            at = tf.where(bad)[:, 0]
+            at_index = tf.strings.as_string(tf.gather(index, at))
+            names = tf.strings.join(["record ", at_index, " of ", tf.gather(origin, at)])
+            with tf.control_dependencies([self.bad_records.report(names, tf.gather(fault, at))]):
+                return tf.constant(True)
+
+        with tf.control_dependencies([counted]):
+            reported = tf.cond(tf.reduce_any(bad), report, lambda: tf.constant(False))
+        with tf.control_dependencies([counted, reported]):
+            return tf.identity(images), tf.identity(labels)
+
+    def _decode_each(self, parts):
+        """`(images, labels, places)` of the records of `parts` that the decoder accepts."""
+
+        def decode(image_bytes, label, crop_seed, place):
+            return self.decode_image(image_bytes, crop_seed), label, place
+
+        decoded = tf.data.Dataset.from_tensor_slices(parts).map(graph_function(decode))
+        decoded = decoded.ignore_errors().batch(RECORDS_PER_CALL)
+        # Every record rejected, or none given: no batch, so an empty one stands in.
+        none = tuple(tf.zeros([0, *s.shape[1:]], s.dtype) for s in decoded.element_spec)
+        return decoded.concatenate(tf.data.Dataset.from_tensors(none)).take(1).get_single_element()
+
     def _crop_seeds(self, size, draw):
-        """The crop seeds of a batch of `size` records: from one random value `draw` (training),
-        zeros for the center crop (`draw` None)."""
+        """The crop seeds of `size` records: from one random value `draw` (training), zeros for the
+        center crop."""
         if draw is None:
             return tf.zeros([size, 2], tf.int64)
         # One stateless draw of the batch's seed pairs, from its random value.
@@ -411,101 +441,6 @@ class ImageNetInput:
         return tf.random.stateless_uniform(
             [size, 2], seed, minval=None, maxval=None, dtype=tf.int64
         )
-
-    def _decode_failing_fast(self, records, seed):
-        """Parses, checks and decodes every record, failing at the first bad one with its name.
-
-        The path of the tf.data service, whose workers cannot report skipped records to this
-        process. Parsing and the record checks run on batches of `PARSE_BATCH` records with one
-        assertion per batch; then the records go one by one to the decode, which is fused with the
-        batching that follows (map_and_batch_fusion). An image that passes the checks but that the
-        decoder rejects stops the run with the decoder's message.
-        """
-        data = records.batch(PARSE_BATCH)
-        if self.is_training:
-            data = tf.data.Dataset.zip((data, tf.data.Dataset.random(seed=seed)))
-            data = data.map(graph_function(self._parse_and_check), num_parallel_calls=AUTOTUNE)
-        else:
-            data = data.map(
-                graph_function(lambda *batch: self._parse_and_check(batch)),
-                num_parallel_calls=AUTOTUNE,
-            )
-        data = data.unbatch()
-        return data.map(graph_function(self._decode_example), num_parallel_calls=self._threads)
-
-    def _parse_and_check(self, records, draw=None):
-        """Parses a batch of records, fails on any record fault, and gives each record its crop
-        seed.
-
-        Args:
-          records: a batch of the source's records.
-          draw: one random int64 for the batch's crop seeds (training); None for the center crop.
-
-        Returns:
-          `(image_bytes, labels, crop_seeds)`, vectors of the batch's size (seeds `[size, 2]`).
-        """
-        image_bytes, labels = self._checked(*self.source.parse(records))
-        return image_bytes, labels, self._crop_seeds(tf.size(labels), draw)
-
-    def _checked(self, origin, index, image_bytes, stored_label, fault):
-        """Fails, naming the file, the record and the fix, on any fault of a batch of records;
-        returns their image bytes and labels.
-
-        One assertion for all checks of the batch, naming its first bad record, placed before the
-        decoder so that a broken record fails here, with its name, rather than inside libjpeg.
-        """
-        fault, label = record_faults(
-            image_bytes, stored_label, fault, self.label_offset, self.num_classes
-        )
-        bad = tf.not_equal(fault, sources.OK)
-        first = tf.argmax(tf.cast(bad, tf.int32), output_type=tf.int32)
-        meanings = self.bad_records.explanations
-        problem = tf.gather(
-            tf.constant([meanings[code] for code in range(len(sources.FAULT_NAMES))]),
-            fault[first],
-        )
-        check = tf.debugging.Assert(
-            tf.logical_not(tf.reduce_any(bad)),
-            [
-                "Record",
-                index[first],
-                "of",
-                origin[first],
-                problem,
-                "Its stored label:",
-                stored_label[first],
-            ],
-        )
-        with tf.control_dependencies([check]):
-            return tf.identity(image_bytes), label
-
-    def _decode_example(self, image_bytes, label, crop_seed):
-        # uint8 comes straight from the decode functions (rounded before the flip); the other
-        # dtypes are normalized from their float32 pixels.
-        pixels = tf.uint8 if self.dtype == tf.uint8 else tf.float32
-        if self.is_training:
-            image = image_ops.decode_and_random_crop(
-                image_bytes,
-                self.image_size,
-                crop_seed,
-                resize_method=self.resize_method,
-                scaled_decode=self.scaled_decode,
-                dtype=pixels,
-                area_range=self.crop_area_range,
-                flip=self.random_flip,
-            )
-        else:
-            image = image_ops.decode_and_center_crop(
-                image_bytes,
-                self.image_size,
-                resize_method=self.resize_method,
-                scaled_decode=self.scaled_decode,
-                dtype=pixels,
-                crop_fraction=self.center_crop_fraction,
-            )
-        if self.dtype == tf.uint8:
-            return image, label
-        return image_ops.normalize_image(image, self.dtype), label
 
 
 def _pad_batch(images, labels, batch_size):
@@ -519,6 +454,45 @@ def _pad_batch(images, labels, batch_size):
     return images, tf.ensure_shape(labels, [batch_size]), tf.ensure_shape(weights, [batch_size])
 
 
+def _source_and_label_map(data, config):
+    """The input's source of records, and the label map next to its files (None for TFDS or
+    files without one)."""
+    if isinstance(data, TFDSSplit):
+        source = TFDSSource(
+            data.name,
+            data.split,
+            data.data_dir,
+            config.image_key or "image",
+            config.label_key or "label",
+            config.cycle_length or 16,
+        )
+        return source, None
+    label_map = read_label_map(expand_patterns(data))
+    source = TFRecordSource(
+        data,
+        config.image_key or IMAGE_KEY,
+        config.label_key or LABEL_KEY,
+        config.read_buffer_bytes,
+        config.cycle_length or 64,
+        record_counts=label_map and label_map.record_counts_by_path(),
+    )
+    return source, label_map
+
+
+def _moved_keywords_message(moved, config):
+    """The `TypeError` message for keywords `ImageNetInput` no longer takes: those that are
+    `InputConfig` fields, with where they go now; any other, as Python says it."""
+    unknown = sorted(set(moved) - FIELDS)
+    if unknown:
+        return f"ImageNetInput() got an unexpected keyword argument {unknown[0]!r}."
+    fields = ", ".join(f"{name}={value!r}" for name, value in moved.items())
+    home = "config.replace" if config is not None else "InputConfig"
+    return (
+        f"ImageNetInput() no longer takes {', '.join(moved)}: the pipeline's settings are fields "
+        f"of its configuration. Pass config={home}({fields})."
+    )
+
+
 def _resolve_labels(label_map, label_offset, num_classes):
     """`(label_offset, num_classes)` from the arguments and the label map; refuses disagreements."""
     if label_map is not None:
@@ -527,7 +501,7 @@ def _resolve_labels(label_map, label_offset, num_classes):
             ("num_classes", num_classes, label_map.num_classes),
         ):
             if given is not None and given != mapped:
-                raise ValueError(f"{name}={given} disagrees with the label map {label_map.path!r}, written with the files: it says {name}={mapped}. Drop {name}= (the label map is read automatically) or pass {name}={mapped}; if the label map is wrong, rewrite the files with tpu_scale.data.write_tfrecords.")
+                raise ValueError(f"{name}={given} disagrees with the label map {label_map.path!r}, written with the files: it says {name}={mapped}. Drop {name}= (the label map is read automatically) or pass {name}={mapped}; if the label map is wrong, rewrite the files with tpu_scale.data.convert.")
         return label_map.label_offset, label_map.num_classes
     if num_classes is not None and num_classes < 1:
         raise ValueError(f"num_classes must be at least 1, got {num_classes}.")

@@ -1,23 +1,29 @@
-"""A dataset on disk -> the training and validation inputs of a run, with their sizes.
+"""A run's data, the one way in: `inputs(source, ...)` -> training and validation inputs, their
+counts, their label map and the evaluation that counts every example once.
 
-`records_inputs` takes what a user has: a folder of TFRecord shards written by `write_tfrecords`
-(its `labels.json` gives the classes, the label offset and the example counts), the classic
-ImageNet files (`train-00000-of-01024` ..., 1-based labels, 1000 classes), any other folder of
-`train-*` / `validation-*` shards with `num_classes` given, or a TFDS dataset. It returns the two
-`ImageNetInput`s and the counts a run needs for its steps per epoch and an exact evaluation, and it
-refuses, naming the fix, what cannot train: a folder of images not yet converted, a missing folder,
-records without a validation split.
+`source` is what a user has: a folder of TFRecord shards written by `write_tfrecords` (its
+`labels.json` gives the classes, the label offset and the counts), the classic ImageNet files
+(`train-00000-of-01024` ..., 1-based labels, 1000 classes), any other folder of `train-*` /
+`validation-*` shards with `num_classes` given, a folder of class folders of images (converted to
+records on first use and read from them after), or a TFDS dataset (`"tfds:imagenet2012"`). What
+cannot train is refused with the fix: a missing folder, records without a validation split, an
+unknown number of classes.
 """
 
 import dataclasses
+import functools
 import logging
 import os
 
 import tensorflow as tf
 
+from tpu_scale.data.convert import image_folder_records
+from tpu_scale.data.evaluation import exact_evaluation
 from tpu_scale.data.image_folder import IMAGE_EXTENSIONS
+from tpu_scale.data.input_config import InputConfig
 from tpu_scale.data.input_pipeline import ImageNetInput
-from tpu_scale.data.schema import read_label_map
+from tpu_scale.data.schema import LabelMap, read_label_map
+from tpu_scale.data.sources import TFDSSplit
 
 logger = logging.getLogger(__name__)
 
@@ -25,147 +31,169 @@ IMAGENET_TRAIN_EXAMPLES = 1_281_167
 IMAGENET_VALIDATION_EXAMPLES = 50_000
 IMAGENET_CLASSES = 1000
 _IMAGENET_TRAIN_FILES = 1024
+TFDS_PREFIX = "tfds:"
+CONVERT_COMMAND = "python -m tpu_scale.data.convert"
 
 
-@dataclasses.dataclass(frozen=True)
-class RecordInputs:
-    """The inputs of a run and the sizes that go with them, as `records_inputs` returns them.
+@dataclasses.dataclass(frozen=True, eq=False)
+class Inputs:
+    """A run's data, as `inputs` returns it. The pipelines are built on first use.
 
     Attributes:
       train: the training `ImageNetInput` (`is_training=True`).
       validation: the evaluation `ImageNetInput` (`is_training=False`), each example once.
+      evaluation: the `ExactEvaluation` of `validation` under `strategy`: `evaluation.dataset` and
+        `evaluation.steps` for `fit`'s `validation_data` / `validation_steps` and `evaluate`,
+        every example counted once whatever the replicas (`exact_evaluation`).
       num_classes: the number of classes (label ids are `0 .. num_classes - 1`).
       train_examples: training examples per epoch.
       validation_examples: examples in one pass over the validation split.
-      arguments: the `records_inputs` arguments these were built from.
+      label_map: the `LabelMap` next to the records (class names, counts), or None.
+      config: the `InputConfig` of both inputs (`with_config` gives the same data with another).
+      image_size, global_batch_size, dtype, strategy: as given to `inputs`.
     """
 
-    train: ImageNetInput
-    validation: ImageNetInput
+    train_data: "str | TFDSSplit"
+    validation_data: "str | TFDSSplit"
     num_classes: int
+    label_offset: int | None
     train_examples: int
     validation_examples: int
-    arguments: dict = dataclasses.field(default_factory=dict, repr=False)
+    label_map: LabelMap | None
+    image_size: int
+    global_batch_size: int
+    dtype: str
+    config: InputConfig
+    strategy: tf.distribute.Strategy
 
-    def with_input_arguments(self, **input_kwargs):
-        """The same data with other `ImageNetInput` arguments, e.g. `**recipe.input_arguments`.
+    @functools.cached_property
+    def train(self) -> ImageNetInput:
+        return self._input(self.train_data, is_training=True)
 
-        The recipe's augmentation depends on the dataset's size, known only once the records are
-        found: this rebuilds both inputs with the arguments added, the counts kept.
+    @functools.cached_property
+    def validation(self) -> ImageNetInput:
+        return self._input(self.validation_data, is_training=False)
 
-        Returns:
-          A new `RecordInputs`.
-        """
-        arguments = dict(self.arguments, **input_kwargs)
-        arguments.update(
-            train_examples=self.train_examples, validation_examples=self.validation_examples
+    @functools.cached_property
+    def evaluation(self):
+        return exact_evaluation(
+            self.validation,
+            self.strategy,
+            self.validation_examples,
+            cache=self.config.cache_evaluation,
         )
-        return _records_inputs(arguments, log=False)
 
-    def steps_per_epoch(self, global_batch_size=None):
+    def with_config(self, config: InputConfig) -> "Inputs":
+        """The same data with another configuration, e.g. the recipe's augmentation once the
+        counts have chosen the recipe (`recipe.input_config(inputs.config)`): the records are not
+        found and counted again."""
+        return dataclasses.replace(self, config=config)
+
+    def steps_per_epoch(self, global_batch_size: int | None = None) -> int:
         """Optimizer steps in one epoch: whole global batches of the training examples, at least 1.
 
         Args:
-          global_batch_size: the examples per step; defaults to the training input's.
+          global_batch_size: the examples per step; defaults to the inputs'.
         """
-        batch = global_batch_size or self.train.global_batch_size
-        return max(1, self.train_examples // batch)
+        return max(1, self.train_examples // (global_batch_size or self.global_batch_size))
+
+    def _input(self, data, is_training):
+        labels = dict(label_offset=self.label_offset, num_classes=self.num_classes)
+        common = dict(
+            is_training=is_training,
+            image_size=self.image_size,
+            global_batch_size=self.global_batch_size,
+            dtype=self.dtype,
+            config=self.config,
+        )
+        return ImageNetInput(data, **labels, **common)
 
 
-def records_inputs(
-    data_dir=None,
+def inputs(
+    source: str,
     *,
-    image_size,
-    global_batch_size,
-    tfds_name=None,
-    tfds_data_dir=None,
-    num_classes=None,
-    label_offset=None,
-    train_examples=None,
-    validation_examples=None,
-    **input_kwargs,
-):
-    """The training and validation inputs of a folder of records (or a TFDS dataset).
-
-    The folder holds `train-*` and `validation-*` TFRecord shards. With a label map (`labels.json`,
-    written by `write_tfrecords`) the classes, the label offset and the counts come from it; the
-    classic ImageNet files (1024 training shards) are 1000 classes with 1-based labels and the
-    known counts; any other folder needs `num_classes` and has its records counted. A TFDS dataset
-    reads its classes and split sizes from TFDS's metadata.
+    image_size: int,
+    global_batch_size: int,
+    strategy: tf.distribute.Strategy | None = None,
+    config: InputConfig | None = None,
+    dtype: str = "float32",
+    num_classes: int | None = None,
+    label_offset: int | None = None,
+    train_examples: int | None = None,
+    validation_examples: int | None = None,
+    records_dir: str | None = None,
+    tfds_data_dir: str | None = None,
+) -> Inputs:
+    """The training and validation inputs of a run, with their counts, label map and evaluation.
 
     Example:
 
     ```python
-    inputs = data.records_inputs("~/flowers_records", image_size=64, global_batch_size=128)
-    train = strategy.distribute_datasets_from_function(inputs.train.dataset)
-    steps_per_epoch = inputs.steps_per_epoch()
+    inputs = data.inputs("~/flowers", image_size=64, global_batch_size=128, strategy=strategy)
+    model.fit(strategy.distribute_datasets_from_function(inputs.train.dataset),
+              epochs=epochs, steps_per_epoch=inputs.steps_per_epoch(),
+              validation_data=inputs.evaluation.dataset,
+              validation_steps=inputs.evaluation.steps)
     ```
 
     Args:
-      data_dir: the folder of shards (local or `gs://`; a leading `~` is expanded). Give this or
-        `tfds_name`.
+      source: a folder of `train-*` and `validation-*` TFRecord shards (local or `gs://`; a
+        leading `~` is expanded); a folder of class folders of images, converted by
+        `write_tfrecords` (a stratified 10% validation split, `config.seed`, `config.strict`) into
+        `records_dir` on first use and read from there after; or `"tfds:NAME"`, a TFDS dataset
+        with `train` and `validation` splits.
       image_size: the height and width of the images the inputs produce.
       global_batch_size: examples per step over all replicas.
-      tfds_name: a TFDS dataset (e.g. `"imagenet2012"`) with `train` and `validation` splits.
-      tfds_data_dir: TFDS's data directory (TFDS's default when None).
-      num_classes: the number of classes; must agree with the label map if there is one.
+      strategy: the `tf.distribute` strategy of the evaluation (default: the current one).
+      config: the `InputConfig` of both inputs (default: `InputConfig()`).
+      dtype: the images' dtype (`ImageNetInput`'s `dtype`).
+      num_classes: the number of classes; must agree with the label map if there is one. Without
+        one: needed but for the classic ImageNet files (1000) and TFDS (its metadata).
       label_offset: the stored label of class 0; must agree with the label map if there is one.
-        Defaults to the label map's, else 1 (the classic ImageNet files).
+        Defaults to the label map's, else 1 (the classic ImageNet files), 0 for TFDS.
       train_examples: overrides the training count (e.g. a partial epoch).
       validation_examples: overrides the validation count.
-      **input_kwargs: other `ImageNetInput` arguments, passed to both inputs: `dtype`,
-        `deterministic`, `seed`, `crop_area_range`, `random_flip`, `center_crop_fraction`
-        (e.g. `**recipe.input_arguments`), `strict`, `max_bad_fraction`, ...
+      records_dir: where a folder of images is converted (default: the folder's path with
+        `_records` added).
+      tfds_data_dir: TFDS's data directory (TFDS's default when None).
 
     Returns:
-      A `RecordInputs`: `train`, `validation`, `num_classes`, `train_examples`,
-      `validation_examples`.
+      An `Inputs`: `train`, `validation`, `evaluation`, `num_classes`, `train_examples`,
+      `validation_examples`, `label_map`.
 
     Raises:
-      ValueError: with the fix, when both or neither source is given, the folder is missing or
-        holds images rather than records, the number of classes is unknown, or a split is empty.
+      ValueError: with the fix, when the folder is missing, the number of classes is unknown, or
+        a split is empty.
     """
-    arguments = dict(
-        data_dir=data_dir,
+    config = InputConfig() if config is None else config
+    common = dict(
         image_size=image_size,
         global_batch_size=global_batch_size,
-        tfds_name=tfds_name,
-        tfds_data_dir=tfds_data_dir,
-        num_classes=num_classes,
-        label_offset=label_offset,
-        train_examples=train_examples,
-        validation_examples=validation_examples,
-        **input_kwargs,
+        dtype=dtype,
+        config=config,
+        strategy=strategy or tf.distribute.get_strategy(),
     )
-    return _records_inputs(arguments, log=True)
+    counts = (num_classes, train_examples, validation_examples)
+    source = os.fspath(source)
+    if source.startswith(TFDS_PREFIX):
+        name = source[len(TFDS_PREFIX) :]
+        return Inputs(**_tfds(name, tfds_data_dir, label_offset, *counts), **common)
+    folder = os.path.expanduser(source) if source.startswith("~") else source
+    if not tf.io.gfile.isdir(folder):
+        raise ValueError(f"The data folder {folder} does not exist (or is not a folder).")
+    if _holds_class_folders(folder):
+        records = records_dir or folder.rstrip("/") + "_records"
+        folder = image_folder_records(folder, records, seed=config.seed or 0, strict=config.strict)
+    found = Inputs(**_records(folder, label_offset, *counts), **common)
+    _log(folder, found)
+    return found
 
 
-def _records_inputs(arguments, log):
-    """`records_inputs` on a dict of its arguments; logs what it found if `log`."""
-    given = arguments
-    arguments = dict(arguments)
-    data_dir, tfds_name = arguments.pop("data_dir"), arguments.pop("tfds_name")
-    tfds_data_dir = arguments.pop("tfds_data_dir")
-    num_classes, label_offset = arguments.pop("num_classes"), arguments.pop("label_offset")
-    train_examples = arguments.pop("train_examples")
-    validation_examples = arguments.pop("validation_examples")
-    common = arguments  # image_size, global_batch_size and the other ImageNetInput arguments
-    if (data_dir is None) == (tfds_name is None):
-        raise ValueError("Give data_dir (a folder of TFRecords) or tfds_name, exactly one of them.")
-    if tfds_name is not None:
-        inputs = _tfds_inputs(
-            tfds_name, tfds_data_dir, num_classes, train_examples, validation_examples, common
-        )
-        return dataclasses.replace(inputs, arguments=given)
-    data_dir = os.fspath(data_dir)
-    if data_dir.startswith("~"):
-        data_dir = os.path.expanduser(data_dir)
-    if not tf.io.gfile.isdir(data_dir):
-        raise ValueError(f"data_dir {data_dir} does not exist (or is not a folder).")
-    train_pattern = os.path.join(data_dir, "train-*")
-    validation_pattern = os.path.join(data_dir, "validation-*")
-    _refuse_image_folder(data_dir, train_pattern)
-    label_map = read_label_map(data_dir)
+def _records(folder, label_offset, num_classes, train_examples, validation_examples):
+    """The fields of `Inputs` that describe a folder of records."""
+    train_pattern = os.path.join(folder, "train-*")
+    validation_pattern = os.path.join(folder, "validation-*")
+    label_map = read_label_map(folder)
     if label_map is not None:
         if num_classes not in (None, label_map.num_classes):
             raise ValueError(f"num_classes={num_classes} but the label map {label_map.path} lists {label_map.num_classes} classes. Drop num_classes (the label map gives it).")
@@ -176,12 +204,12 @@ def _records_inputs(arguments, log):
             validation_examples or counts.get("validation") or _count_records(validation_pattern)
         )
         if validation_examples == 0:
-            raise ValueError(f"The records in {data_dir} hold no validation split (its label map counts 0 validation images). Write them again with a validation set: python -m tpu_scale.data.write_tfrecords --image_dir IMAGES --output_dir {data_dir} --overwrite (it keeps at least one image of every class with two or more for validation).")
+            raise ValueError(f"The records in {folder} hold no validation split (its label map counts 0 validation images). Write them again with a validation set: {CONVERT_COMMAND} --image_dir IMAGES --output_dir {folder} --overwrite (it keeps at least one image of every class with two or more for validation).")
     else:
         imagenet = _is_classic_imagenet(train_pattern)
         if num_classes is None:
             if not imagenet:
-                raise ValueError(f"{data_dir} has no label map (labels.json) and is not the classic ImageNet layout, so the number of classes is unknown. Write the records with python -m tpu_scale.data.write_tfrecords (it writes the label map), or pass num_classes.")
+                raise ValueError(f"{folder} has no label map (labels.json) and is not the classic ImageNet layout, so the number of classes is unknown. Write the records with {CONVERT_COMMAND} (it writes the label map), or pass num_classes.")
             num_classes = IMAGENET_CLASSES
         imagenet = imagenet and num_classes == IMAGENET_CLASSES
         if label_offset is None:
@@ -195,53 +223,49 @@ def _records_inputs(arguments, log):
     if train_examples == 0:
         raise ValueError(f"No training records match {train_pattern}.")
     if validation_examples == 0:
-        raise ValueError(f"No validation records match {validation_pattern}. Write them with python -m tpu_scale.data.write_tfrecords (it splits off a validation set by default).")
-    labels = dict(label_offset=label_offset, num_classes=num_classes)
-    train = ImageNetInput(train_pattern, is_training=True, **labels, **common)
-    validation = ImageNetInput(validation_pattern, is_training=False, **labels, **common)
-    inputs = RecordInputs(
-        train, validation, num_classes, train_examples, validation_examples, given
+        raise ValueError(f"No validation records match {validation_pattern}. Write them with {CONVERT_COMMAND} (it splits off a validation set by default).")
+    return dict(
+        train_data=train_pattern,
+        validation_data=validation_pattern,
+        num_classes=num_classes,
+        label_offset=label_offset,
+        train_examples=train_examples,
+        validation_examples=validation_examples,
+        label_map=label_map,
     )
-    if log:
-        _log(data_dir, label_map, inputs)
-    return inputs
 
 
-def _tfds_inputs(name, data_dir, num_classes, train_examples, validation_examples, common):
+def _tfds(name, data_dir, label_offset, num_classes, train_examples, validation_examples):
+    """The fields of `Inputs` that describe a TFDS dataset."""
     import tensorflow_datasets as tfds
 
     info = tfds.builder(name, data_dir=data_dir).info
-    num_classes = num_classes or info.features["label"].num_classes
-    train = ImageNetInput.from_tfds(
-        name, "train", data_dir, is_training=True, num_classes=num_classes, **common
-    )
-    validation = ImageNetInput.from_tfds(
-        name, "validation", data_dir, is_training=False, num_classes=num_classes, **common
-    )
-    return RecordInputs(
-        train,
-        validation,
-        num_classes,
-        train_examples or info.splits["train"].num_examples,
-        validation_examples or info.splits["validation"].num_examples,
+    return dict(
+        train_data=TFDSSplit(name, "train", data_dir),
+        validation_data=TFDSSplit(name, "validation", data_dir),
+        num_classes=num_classes or info.features["label"].num_classes,
+        label_offset=0 if label_offset is None else label_offset,
+        train_examples=train_examples or info.splits["train"].num_examples,
+        validation_examples=validation_examples or info.splits["validation"].num_examples,
+        label_map=None,
     )
 
 
-def _log(data_dir, label_map, inputs):
-    source = f"label map {label_map.path}" if label_map is not None else data_dir
+def _log(folder, found):
+    source = f"label map {found.label_map.path}" if found.label_map is not None else folder
     logger.info(
         "Records %s: %d classes, %d train / %d validation examples",
         source,
-        inputs.num_classes,
-        inputs.train_examples,
-        inputs.validation_examples,
+        found.num_classes,
+        found.train_examples,
+        found.validation_examples,
     )
-    if inputs.train_examples < inputs.train.global_batch_size:
+    if found.train_examples < found.global_batch_size:
         logger.warning(
             "The training set (%d images) is smaller than the global batch (%d): every epoch is "
             "one step that repeats images. A smaller global batch trains better here.",
-            inputs.train_examples,
-            inputs.train.global_batch_size,
+            found.train_examples,
+            found.global_batch_size,
         )
 
 
@@ -257,14 +281,14 @@ def _is_classic_imagenet(train_pattern):
     return len(files) == _IMAGENET_TRAIN_FILES and all(f.endswith(suffix) for f in files)
 
 
-def _refuse_image_folder(data_dir, train_pattern):
-    """Raises, naming the conversion command, when `data_dir` holds class folders of images."""
-    if tf.io.gfile.glob(train_pattern):
-        return
-    for name in sorted(tf.io.gfile.listdir(data_dir))[:50]:
-        folder = os.path.join(data_dir, name.rstrip("/"))
-        if tf.io.gfile.isdir(folder) and any(
-            entry.lower().endswith(IMAGE_EXTENSIONS) for entry in tf.io.gfile.listdir(folder)
+def _holds_class_folders(folder):
+    """Whether `folder` holds class folders of images rather than records."""
+    if tf.io.gfile.glob(os.path.join(folder, "train-*")):
+        return False
+    for name in sorted(tf.io.gfile.listdir(folder))[:50]:
+        path = os.path.join(folder, name.rstrip("/"))
+        if tf.io.gfile.isdir(path) and any(
+            entry.lower().endswith(IMAGE_EXTENSIONS) for entry in tf.io.gfile.listdir(path)
         ):
-            records = data_dir.rstrip("/") + "_records"
-            raise ValueError(f"data_dir {data_dir} holds folders of images (e.g. {name.rstrip('/')}/), not TFRecords. Train on them as they are (examples/train_imagenet.py --image_dir {data_dir}; data.image_folder_records in a script), or convert them once: python -m tpu_scale.data.write_tfrecords --image_dir {data_dir} --output_dir {records}, then train on {records}.")
+            return True
+    return False

@@ -211,7 +211,7 @@ def _parse_label_map(path, text):
         label_offset = int(content["label_offset"])
         class_names = tuple(str(entry["name"]) for entry in classes)
     except (KeyError, TypeError, ValueError) as error:
-        raise ValueError(f"The label map {path!r} is not a valid {LABEL_MAP_FILE} ({error}). Rewrite it with tpu_scale.data.write_tfrecords, or delete it and pass label_offset= and num_classes=.") from None
+        raise ValueError(f"The label map {path!r} is not a valid {LABEL_MAP_FILE} ({error}). Rewrite it with python -m tpu_scale.data.convert, or delete it and pass label_offset= and num_classes=.") from None
     counts = {str(k): int(v) for k, v in content.get("examples", {}).items()}
     class_counts = {
         str(k): tuple(int(n) for n in v) for k, v in content.get("examples_per_class", {}).items()

@@ -384,6 +384,15 @@ def _parse_features(serialized, spec):
     return attempt.concatenate(fallback).take(1).get_single_element()
 
 
+@dataclasses.dataclass(frozen=True)
+class TFDSSplit:
+    """A split of a TFDS dataset, as `ImageNetInput.from_tfds` names it."""
+
+    name: str
+    split: str
+    data_dir: str | None = None
+
+
 class TFDSSource:
     """A TFDS image classification dataset read with TFDS's own image decoding skipped."""
 

@@ -1,7 +1,7 @@
 """Turns a folder of class sub-folders of images into TFRecord shards in the classic ImageNet
-layout.
+layout: the function `write_tfrecords` (`tpu_scale.data.write_tfrecords`) and its command line,
 
-    python -m tpu_scale.data.write_tfrecords --image_dir photos --output_dir records
+    python -m tpu_scale.data.convert --image_dir photos --output_dir records
 
 `photos/<class name>/<image>` becomes `records/train-00000-of-00008` ... and
 `records/validation-00000-of-00002` ...: a seeded split, stratified by class
@@ -21,7 +21,7 @@ and `num_classes` come from the writer. `labels.txt` lists the class names in id
 For folders too big for one machine (millions of images in a bucket), the same conversion runs as
 an Apache Beam pipeline on any Beam runner (Dataflow, Flink, Spark; `pip install -e ".[beam]"`):
 
-    python -m tpu_scale.data.write_tfrecords --image_dir gs://bucket/photos \
+    python -m tpu_scale.data.convert --image_dir gs://bucket/photos \
         --output_dir gs://bucket/records \
         --beam_pipeline_options "runner=DataflowRunner,project=P,region=R,temp_location=gs://bucket/tmp"
 
@@ -320,7 +320,7 @@ def image_folder_records(
 ) -> str:
     """The records of a folder of class folders of images, converted on first use.
 
-    The training script's path from a user's own images: `write_tfrecords` with its defaults
+    `data.inputs`' path from a folder of images: `write_tfrecords` with its defaults
     (a stratified 10% validation split) into `records_dir`, its report logged (every skipped file
     named); a `records_dir` that already holds a finished conversion (its `labels.json` written) is
     used as it is, so a resumed run reads the records its first start wrote. Delete `records_dir`
@@ -333,7 +333,7 @@ def image_folder_records(
       strict: fail, naming them, instead of skipping files that are not usable images.
 
     Returns:
-      `records_dir`, for `records_inputs(records_dir, ...)` or `ImageNetInput`.
+      `records_dir`.
 
     Raises:
       ValueError: as `write_tfrecords` does (no class folders, no usable image, ...).
@@ -354,7 +354,7 @@ def image_folder_records(
 def main(argv: Sequence[str] | None = None) -> TFRecordSummary:
     """The command line: converts, prints the summary; errors exit with status 1 and one message."""
     parser = argparse.ArgumentParser(
-        prog="python -m tpu_scale.data.write_tfrecords",
+        prog="python -m tpu_scale.data.convert",
         description=__doc__.split("\n\n")[0],
     )
     parser.add_argument(
