@@ -5,11 +5,8 @@ The recipe that chooses among them for a run is `tpu_scale.recipe`."""
 
 import math
 import numbers
-import weakref
 
 import keras
-import numpy as np
-import tensorflow as tf
 from keras import ops
 
 # Reference LARS settings by global batch size: (global batch, peak learning rate, warmup
@@ -143,9 +140,6 @@ class WarmupPolynomialDecay(keras.optimizers.schedules.LearningRateSchedule):
         return cls(peak_learning_rate, warmup_steps, total_steps, end_learning_rate, power, name)
 
     def __call__(self, step):
-        return _once_per_graph(self, step, self._rate)
-
-    def _rate(self, step):
         with keras.name_scope(self.name):
             step = ops.cast(step, "float32")
             peak = ops.cast(self.peak_learning_rate, "float32")
@@ -195,7 +189,7 @@ class ScaledSchedule(keras.optimizers.schedules.LearningRateSchedule):
         return self.factor * self.schedule.peak_learning_rate
 
     def __call__(self, step):
-        return _once_per_graph(self, step, lambda step: self.factor * self.schedule(step))
+        return self.factor * self.schedule(step)
 
     def get_config(self):
         return {
@@ -208,33 +202,6 @@ class ScaledSchedule(keras.optimizers.schedules.LearningRateSchedule):
         config = dict(config)
         config["schedule"] = keras.saving.deserialize_keras_object(config["schedule"])
         return cls(**config)
-
-
-def _once_per_graph(schedule, step, rate):
-    """`rate(step)`, built once per traced graph and step variable.
-
-    Why: Keras's TensorFlow optimizer reads `learning_rate` again for each variable on each
-    replica in its weight decay, so a traced step built the schedule's ops anew every time, each
-    build about 8 ms of tracing: 240 times for `keras.optimizers.SGD(schedule, weight_decay=...)`
-    on `small_resnet` under 8 CPU replicas (30 decayed variables), whose first step took 27 s
-    against 21 s built once; 88 times in the example's default run (its recipe decays 11). Every
-    read of one step comes before the optimizer counts the step, so all of them are the same
-    value: in a graph, the rate built first for a step variable is handed back to the later
-    reads. A `tf.cond` branch or a loop body is a graph of its own and builds its own; eager calls
-    and a step given as a number compute every time. Only weak references are kept: no graph,
-    step or tensor is kept alive by the schedule, and it copies and serializes as before.
-    """
-    if tf.executing_eagerly() or isinstance(step, (numbers.Number, np.generic)):
-        return rate(step)  # eager, or a plain number (no reference to keep): nothing to share
-    graph = tf.compat.v1.get_default_graph()
-    last = getattr(schedule, "_last_rate", None)
-    if last is not None and last[0]() is graph and last[1]() is step:
-        built = last[2]()
-        if built is not None:
-            return built
-    built = rate(step)
-    schedule._last_rate = (weakref.ref(graph), weakref.ref(step), weakref.ref(built))
-    return built
 
 
 def reference_lars_hparams(global_batch_size):
