@@ -362,9 +362,9 @@ class AverageMovingStatistics(keras.callbacks.Callback):
     the end of every epoch and at the end of training. Place it ahead of the callbacks that save
     (`ModelCheckpoint`, `BackupAndRestore`): Keras calls callbacks in list order.
 
-    The cost is one all-reduce of the moving statistics at each of those points (ResNet-50: 53
-    layers, 106 vectors, 0.2 MB; and building its step once per model), none in the training
-    steps. On one replica it does nothing.
+    The cost is one all-reduce of the moving statistics at each of those points (two vectors a
+    batch-norm layer; and building its step once per model), none in the training steps. On one
+    replica it does nothing.
     """
 
     def on_test_begin(self, logs=None):

@@ -122,8 +122,7 @@ def _converted_images(plan, num_threads):
     paths = tf.constant([path for path, _ in images], dtype=tf.string)
     threads = num_threads or os.cpu_count() or 1
     # Fixed parallelism, autotuning off: with it on, the iterator's end (or its destruction, when
-    # left early) waited idle for 0.03-0.5 s in about one conversion in four (5,000 small images,
-    # 2 cores; none in 36 without it), a third of a small folder's conversion.
+    # left early) sometimes waits idle on the autotuner (`_workarounds.batch_scheduling`'s stall).
     options = tf.data.Options()
     options.autotune.enabled = False
     decoded = (

@@ -401,9 +401,9 @@ def normalize_image(image, dtype=tf.float32):
     """Subtracts the ImageNet mean and divides by the standard deviation, per channel.
 
     Computed as one multiply and one add, `image * (1 / std) + (-mean / std)`. When the image shape
-    is static, both factors are full-size constants: broadcasting a 3-vector over the channel axis
-    is about ten times slower on CPU than an element-wise operation of the same size, and this runs
-    once per image.
+    is static, both factors are full-size constants: on CPU, broadcasting a 3-vector over the
+    channel axis costs several times an element-wise operation of the same size, and this runs once
+    per image.
 
     Args:
       image: float tensor `[..., 3]` on the 0-255 scale.
