@@ -1,7 +1,8 @@
 """Public names of a package imported on first use: the one scheme every `__init__` uses.
 
-Importing TensorFlow takes seconds, and the mesh geometry, the planner and the writer's command
-line need none of it before they run: a package lists its public names and the modules that
+The mesh geometry and the pod-scale planner are pure Python and need no TensorFlow, and `python
+-m tpu_scale.data.convert` must reach its own module before its package imports it (else Python
+runs a module that is already imported): a package lists its public names and the modules that
 define them, and each is imported when first read.
 
     __getattr__ = _lazy.attributes(__name__, {"ImageNetInput": "tpu_scale.data.input_pipeline"},
