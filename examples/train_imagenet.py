@@ -16,8 +16,8 @@ folder with a validation split and a label map; on a CPU host it trains on one r
     python examples/train_imagenet.py --image_dir ~/flowers --model_dir ~/flowers_run
 
 --model_dir keeps the run (checkpoints, TensorBoard logs, backups, final.keras, run.json); the same
-command resumes it after an interruption, naming every setting that changed; a SIGTERM makes
-every worker save and exit with code 143. Without --model_dir nothing is written.
+command resumes it, naming every setting that changed; a SIGTERM makes every worker save and exit
+(code 143). Without --model_dir nothing is written.
 
 A Cloud TPU with ImageNet (train-* and validation-* files), the paper's v3-1024 setup: batch 32768
 = 16 per core, LARS (rate and warmup from the batch), BN groups of 4 cores = span 64; a v3-8 takes
@@ -27,9 +27,8 @@ A Cloud TPU with ImageNet (train-* and validation-* files), the paper's v3-1024 
         --model resnet50 --image_size 224 --global_batch_size 32768 --epochs 72 \
         --bn_group_size 4 --mixed_precision bfloat16 --model_dir gs://my-bucket/runs/v3-1024
 
-Several hosts: every host runs the same command, with a --model_dir they all read;
-create_strategy finds the cluster in TF_CONFIG (examples/kubernetes/) or a Slurm step
-(examples/slurm/), and the mesh's rows are the hosts. Two workers on this machine:
+Several hosts run the same command with a --model_dir they all read; create_strategy finds the
+cluster in TF_CONFIG (examples/kubernetes/) or a Slurm step (examples/slurm/). Two workers here:
 
     python -m tpu_scale.launch --num_workers 2 -- examples/train_imagenet.py \
         --num_cpu_replicas 2 --epochs 2 --model_dir /tmp/two_workers
@@ -37,6 +36,7 @@ create_strategy finds the cluster in TF_CONFIG (examples/kubernetes/) or a Slurm
 
 import contextlib
 import dataclasses
+import logging as python_logging
 import os
 import shutil
 import sys
@@ -259,18 +259,13 @@ def train(config, extra_callbacks=()):
                 bn_group_size=config.bn_group_size,
                 normalize_inputs=config.input_dtype == "uint8",  # uint8 pixels in, normalized here
             )
-            model.compile(
-                # The schedule counts fit steps (micro-batches), as Keras's accumulation does.
-                optimizer=recipe.build_optimizer(
-                    steps,
-                    config.epochs,
-                    gradient_accumulation_steps=accumulate if accumulate > 1 else None,
-                ),
-                loss=losses.SmoothedSparseCategoricalCrossentropy(
-                    recipe.label_smoothing, from_logits=True
-                ),
-                weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="top_1")],
+            # The schedule counts fit steps (micro-batches), as Keras's accumulation does.
+            optimizer = recipe.build_optimizer(
+                steps, config.epochs, gradient_accumulation_steps=accumulate if accumulate > 1 else None
             )
+            loss = losses.SmoothedSparseCategoricalCrossentropy(recipe.label_smoothing, from_logits=True)
+            top_1 = keras.metrics.SparseCategoricalAccuracy(name="top_1")
+            model.compile(optimizer=optimizer, loss=loss, weighted_metrics=[top_1])
         logging.info(f"{config.model}: {model.count_params()} parameters; {recipe.describe()}")
         if not config.weight_update_sharding and (advice := plan.sharding_advice(strategy, model)):
             logging.info(advice)
@@ -306,11 +301,9 @@ def train(config, extra_callbacks=()):
             )
         if guard.stopped:
             raise TrainingDiverged(guard.message)
-        if not validation.cached:
-            inputs.validation.reset_counts()  # the final evaluation's own count of bad records
         results = model.evaluate(validation.dataset, steps=validation.steps, return_dict=True, verbose=0)
-        # A cached evaluation read its records once, in fit's first validation.
-        eval_skipped = inputs.validation.distinct_skipped_records if validation.cached else inputs.validation.skipped_records
+        # Every pass reads every validation record: the bad ones, each counted once.
+        eval_skipped = inputs.validation.distinct_skipped_records
 
         # ---- report
         rate = logger.images_per_second
@@ -357,10 +350,7 @@ if __name__ == "__main__":
         kind = next((k for k in kinds if k.__name__ in str(field.type)), str)
         kinds.get(kind, flags.DEFINE_string)(field.name, field.default, field.metadata["help"])
     logging.set_verbosity(logging.INFO)
-    import logging as python_logging
-
-    # The package's progress lines (its loggers are Python's, under "tpu_scale"); TensorFlow's own
-    # INFO lines (one per reduction it traces) would drown them.
+    # The package's progress lines (Python loggers under "tpu_scale"), not TensorFlow's INFO lines.
     python_logging.getLogger("tpu_scale").setLevel(python_logging.INFO)
     python_logging.getLogger("tensorflow").setLevel(python_logging.WARNING)
     app.run(main)
