@@ -435,7 +435,7 @@ def to_uint8(image, resize_method=None):
       image: float tensor on the 0-255 scale.
       resize_method: the `tf.image.ResizeMethod` name that made `image` from uint8 pixels, if one
         did. After "bilinear", "nearest" or "area" the values cannot leave 0-255, and the
-        saturating clip (a pass over the image, about 4% of the training path's host time) is
+        saturating clip (one more pass over every pixel on the host) is
         skipped; otherwise (None, or a method that can overshoot) the values are clipped first.
 
     Returns:
