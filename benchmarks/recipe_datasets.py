@@ -55,7 +55,9 @@ from common import RESULTS, load_runs, record_run  # noqa: E402
 from time_to_accuracy import PRACTISED_PEAK, PRACTISED_WEIGHT_DECAY  # noqa: E402
 
 JSON_PATH = os.path.join(RESULTS, "recipe_datasets.json")
-IMAGE_SIZES = {"digits": 32, "animals": 28, "mnist5k": 32, "elpv": 64, "photodigits": 32}
+IMAGE_SIZES = {
+    "digits": 32, "animals": 28, "mnist5k": 32, "elpv": 64, "photodigits": 32, "photodigits22k": 32
+}
 BATCHES = (64, 256, 512, 1024)
 LR_FACTORS = (0.5, 2.0, 4.0)
 
