@@ -226,6 +226,7 @@ def train_variants(name, records, batch, variants, seeds, lr_factors, trained_we
                 "warmup_epochs": None if by_hand else swept.warmup_epochs,
                 "augmentation": "none" if by_hand else swept.augmentation,
                 "weight_decay": None if by_hand else swept.weight_decay,
+                "decay_power": None if by_hand else swept.decay_power,
                 "ema_momentum": None if by_hand else swept.ema_momentum,
                 "final_top_1": top_1[-1],
                 "top_1_by_epoch": top_1,
