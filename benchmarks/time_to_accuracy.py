@@ -442,15 +442,16 @@ def run_dataset(name, cfg, seeds, names, out):
                 ] + [{"contender": contender, "seed": seed, **run}]
                 if run["ended"] != "last epoch":
                     print(f"    ended: {run['ended']}:", *run["output_tail"][-8:], sep="\n")
-                summarize_dataset(out, names)
+                summarize_dataset(out)
                 yield
 
 
-def summarize_dataset(out, names):
+def summarize_dataset(out):
     """Puts the summaries of `out["runs"]` into `out`: time to the threshold and at the lower
     marks, the ratios, and the final top-1s (median, min, max)."""
     cfg = out["settings"]
-    present = [n for n in names if any(r["contender"] == n for r in out["runs"])]
+    # Every contender with runs, also those of earlier calls (--contenders runs some of them).
+    present = [n for n in NAMES if any(r["contender"] == n for r in out["runs"])]
     if len(present) < 2:
         return
     out["summary"] = summarize(out["runs"], present)
