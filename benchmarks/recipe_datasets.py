@@ -55,7 +55,9 @@ from common import RESULTS, load_runs, record_run  # noqa: E402
 from time_to_accuracy import PRACTISED_PEAK, PRACTISED_WEIGHT_DECAY  # noqa: E402
 
 JSON_PATH = os.path.join(RESULTS, "recipe_datasets.json")
-IMAGE_SIZES = {"digits": 32, "animals": 28, "mnist5k": 32, "elpv": 64, "photodigits": 32}
+IMAGE_SIZES = {
+    "digits": 32, "animals": 28, "mnist5k": 32, "elpv": 64, "photodigits": 32, "photodigits22k": 32
+}
 BATCHES = (64, 256, 512, 1024)
 LR_FACTORS = (0.5, 2.0, 4.0)
 
@@ -224,6 +226,7 @@ def train_variants(name, records, batch, variants, seeds, lr_factors, trained_we
                 "warmup_epochs": None if by_hand else swept.warmup_epochs,
                 "augmentation": "none" if by_hand else swept.augmentation,
                 "weight_decay": None if by_hand else swept.weight_decay,
+                "decay_power": None if by_hand else swept.decay_power,
                 "ema_momentum": None if by_hand else swept.ema_momentum,
                 "final_top_1": top_1[-1],
                 "top_1_by_epoch": top_1,

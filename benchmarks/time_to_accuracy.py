@@ -9,7 +9,9 @@ Data (`benchmarks/datasets.py`, real images shipped inside pip packages, written
 class folders of PNG and JPEG files), the held-out sets none of the recipe's defaults were chosen
 on: `mnist5k`, 5,000 handwritten digits at 28x28 (trained at 32 px), threshold 0.95; `elpv`, 2,624
 solar-cell scans at 300x300 in four defect grades (at 64 px), threshold 0.7; `photodigits`, 5,000
-colour MNIST-M-style digits on photo patches at 28x28 (at 32 px), threshold 0.8. The package's
+colour MNIST-M-style digits on photo patches at 28x28 (at 32 px), threshold 0.8; `photodigits22k`,
+22,500 more of them built from MNIST's training digits (at 32 px), threshold 0.9, also
+at batch 512 (`--batch 512 --contenders package practised`). The package's
 folder also holds a cut-off JPEG and a text file named .jpg; the writer skips and names them. The
 Keras contenders' folder has them removed (Keras's directory reader fails on them).
 
@@ -21,13 +23,21 @@ Contenders, each a fresh process started from here:
                (the run converts the folder to records before it trains; that time counts).
     keras      plain Keras by hand, this script's own child (`--_keras --optimizer adam`): the
                folder read with `keras.utils.image_dataset_from_directory(validation_split=0.1,
-               subset="both")`, a small ResNet of 3 stages (16, 32, 64 wide, about 80K
-               parameters, Keras `BatchNormalization`), `Adam()` with its defaults, `fit` on one
-               device, no strategy, no augmentation.
+               subset="both")`, the CIFAR-style ResNet a practised user writes for small images
+               (`keras_resnet`: a 3x3 stem that keeps 32x32, stride 1 at 32 px, then 3 stages of
+               one basic block, 16, 32, 64 wide, about 80K parameters, Keras
+               `BatchNormalization`), `Adam()` with its defaults, `fit` on one device, no
+               strategy, no augmentation.
     practised  the script a practised Keras user writes (`--optimizer practised`): the same
                folder, split, model and `fit`, with `AdamW(weight_decay=1e-4)` on one epoch of
-               linear warmup to 3e-3 and cosine decay to 0
-               (`keras.optimizers.schedules.CosineDecay(0.0, ..., warmup_target=3e-3)`).
+               linear warmup to 3e-3 (at batch 64; times sqrt(batch / 64) at other batches) and
+               cosine decay to 0 (`keras.optimizers.schedules.CosineDecay(0.0, ...,
+               warmup_target=...)`).
+
+Each contender's compute per image (`multiply_adds`: the multiply-adds of its convolutions and
+dense layers for one image, counted from the built model's layer shapes) is reported with it: the
+package's `small_resnet` has a stride-2 stem, so a time ratio says how much of it comes from a
+cheaper model.
 
 All print one line per epoch ending in `val top-1 X` (the example does so already); each line is
 stamped with its arrival time. Per run: the seconds and epoch at which the top-1 first reaches the
@@ -38,13 +48,17 @@ same ratio within each round (median [min, max]) and the final top-1s.
 
 Usage:
     nice -n 5 python benchmarks/time_to_accuracy.py                    # every dataset, 3 rounds
-    nice -n 5 python benchmarks/time_to_accuracy.py --datasets mnist5k --repeats 1
+    nice -n 5 python benchmarks/time_to_accuracy.py --datasets mnist5k --seeds 0
+    nice -n 5 python benchmarks/time_to_accuracy.py --datasets photodigits22k --batch 512 \
+        --contenders package practised
 
-Writes `benchmarks/results/time_to_accuracy.json`.
+Adds its runs to `benchmarks/results/time_to_accuracy.json` (or --out): a run of the same
+dataset, batch, contender and seed replaces the earlier one, so a matrix can be run in parts.
 """
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -72,11 +86,24 @@ SETTINGS = {
     "mnist5k": {"image_size": 32, "threshold": 0.95, "epochs": 15, "batch": 64},
     "elpv": {"image_size": 64, "threshold": 0.7, "epochs": 15, "batch": 64},
     "photodigits": {"image_size": 32, "threshold": 0.8, "epochs": 15, "batch": 64},
+    # 20,250 training images: batch 512 is 1/40 of them, as 32,768 is of ImageNet's 1.28M.
+    "photodigits22k": {"image_size": 32, "threshold": 0.9, "epochs": 15, "batch": 64},
+    # The tuning sets (`datasets.TUNING`), to compare rules on before any held-out set is run.
+    "digits": {"image_size": 32, "threshold": 0.9, "epochs": 15, "batch": 64},
+    "animals": {"image_size": 28, "threshold": 0.9, "epochs": 15, "batch": 64},
 }
+HELD_OUT = ("mnist5k", "elpv", "photodigits", "photodigits22k")
 TIMEOUT_S = 1800
-# The practised script's AdamW: its peak rate after one epoch of warmup, and its weight decay.
+# The practised script's AdamW: its peak rate after one epoch of warmup at PRACTISED_BATCH
+# (scaled by the square root of the batch ratio at other batches, as Adam users scale it), and its
+# weight decay.
 PRACTISED_PEAK = 3e-3
+PRACTISED_BATCH = 64
 PRACTISED_WEIGHT_DECAY = 1e-4
+# The Keras scripts' model keeps a 32x32 first stage, as CIFAR ResNets do at 32 pixels: its 3x3
+# stem has stride image_size // KERAS_STAGE_SIZE (1 at 32 px, 2 at 64 px).
+KERAS_STAGE_SIZE = 32
+NAMES = ("package", "keras", "practised")
 # Lower marks also reported, read off the same runs' epochs (a run stops at the threshold).
 MARKS = (0.5, 0.7, 0.8, 0.9)
 
@@ -200,23 +227,19 @@ def commands(images, clean, cfg, seed):
 # --------------------------------------------------------------------------- Keras by hand
 
 
-def keras_by_hand(args):
-    """The Keras script a user writes for a folder of images; prints `epoch N/E: ..., val top-1 X`
-    per epoch. `args.optimizer`: `adam` (Keras's defaults) or `practised` (AdamW, one epoch of
-    linear warmup to 3e-3, cosine decay to 0)."""
+def practised_peak(batch):
+    """The practised script's peak rate at `batch`: 3e-3 at 64, scaled by the square root of the
+    batch ratio."""
+    return PRACTISED_PEAK * math.sqrt(batch / PRACTISED_BATCH)
+
+
+def keras_resnet(image_size, num_classes):
+    """The model a practised Keras user writes for small images: a CIFAR-style ResNet whose 3x3
+    stem keeps a 32x32 first stage (stride 1 at 32 px), then three stages of one basic block (16,
+    32, 64 wide; the later two halve the resolution with a projection shortcut), global average
+    pooling and a dense layer; uint8-range pixels in."""
     import keras
     from keras import layers
-
-    keras.utils.set_random_seed(args.seed)
-    size = (args.image_size, args.image_size)
-    train, validation = keras.utils.image_dataset_from_directory(
-        args.image_dir,
-        validation_split=0.1,
-        subset="both",
-        seed=args.seed,
-        image_size=size,
-        batch_size=args.batch,
-    )
 
     def block(x, width, stride):
         shortcut = x
@@ -229,21 +252,78 @@ def keras_by_hand(args):
             shortcut = layers.BatchNormalization()(shortcut)
         return layers.ReLU()(x + shortcut)
 
-    inputs = keras.Input(size + (3,))
+    inputs = keras.Input((image_size, image_size, 3))
     x = layers.Rescaling(1 / 255)(inputs)
-    x = layers.Conv2D(16, 3, strides=2, padding="same", use_bias=False)(x)
+    stem_stride = max(1, image_size // KERAS_STAGE_SIZE)
+    x = layers.Conv2D(16, 3, strides=stem_stride, padding="same", use_bias=False)(x)
     x = layers.ReLU()(layers.BatchNormalization()(x))
     for width, stride in ((16, 1), (32, 2), (64, 2)):
         x = block(x, width, stride)
     x = layers.GlobalAveragePooling2D()(x)
-    model = keras.Model(inputs, layers.Dense(len(train.class_names))(x))
+    return keras.Model(inputs, layers.Dense(num_classes)(x))
+
+
+def multiply_adds(model):
+    """Multiply-adds of one image through `model`'s convolutions and dense layers (batch norm,
+    activations, pooling and additions, a few percent more, not counted): for a convolution,
+    output pixels x kernel area x input channels / groups x filters; for a dense layer, inputs x
+    units."""
+    import keras
+
+    total = 0
+    for layer in _layers(model):
+        if isinstance(layer, keras.layers.Conv2D):
+            _, height, width, filters = layer.output.shape
+            kernel = layer.kernel.shape  # (kh, kw, in / groups, filters)
+            total += height * width * kernel[0] * kernel[1] * kernel[2] * filters
+        elif isinstance(layer, keras.layers.Dense):
+            total += layer.kernel.shape[0] * layer.kernel.shape[1]
+    return int(total)
+
+
+def _layers(model):
+    for layer in model.layers:
+        if hasattr(layer, "layers"):
+            yield from _layers(layer)
+        else:
+            yield layer
+
+
+def compute_per_image(image_size, num_classes):
+    """Each contender's multiply-adds per training image at `image_size`: the package's
+    `small_resnet` (the one command's default model) and the Keras scripts' `keras_resnet`."""
+    from tpu_scale import models
+
+    package = models.small_resnet(num_classes, input_shape=(image_size, image_size, 3))
+    by_hand = multiply_adds(keras_resnet(image_size, num_classes))
+    return {"package": multiply_adds(package), "keras": by_hand, "practised": by_hand}
+
+
+def keras_by_hand(args):
+    """The Keras script a user writes for a folder of images; prints `epoch N/E: ..., val top-1 X`
+    per epoch. `args.optimizer`: `adam` (Keras's defaults) or `practised` (AdamW, one epoch of
+    linear warmup to `practised_peak(batch)`, cosine decay to 0)."""
+    import keras
+
+    keras.utils.set_random_seed(args.seed)
+    size = (args.image_size, args.image_size)
+    train, validation = keras.utils.image_dataset_from_directory(
+        args.image_dir,
+        validation_split=0.1,
+        subset="both",
+        seed=args.seed,
+        image_size=size,
+        batch_size=args.batch,
+    )
+
+    model = keras_resnet(args.image_size, len(train.class_names))
     if args.optimizer == "practised":
         steps = int(train.cardinality())
         optimizer = keras.optimizers.AdamW(
             keras.optimizers.schedules.CosineDecay(
                 0.0,
                 decay_steps=steps * (args.epochs - 1),
-                warmup_target=PRACTISED_PEAK,
+                warmup_target=practised_peak(args.batch),
                 warmup_steps=steps,
             ),
             weight_decay=PRACTISED_WEIGHT_DECAY,
@@ -341,9 +421,9 @@ def summarize_marks(runs, names, marks):
     return out
 
 
-def run_dataset(name, cfg, repeats, names):
-    """Both contenders on one dataset, interleaved; returns the runs and their summaries."""
-    out = {"settings": cfg, "runs": []}
+def run_dataset(name, cfg, seeds, names, out):
+    """The contenders on one dataset, interleaved, seed by seed; each run is added to `out["runs"]`
+    (replacing one of the same contender and seed) and `save()` is called after it."""
     with tempfile.TemporaryDirectory(prefix="tpu_scale_tta_") as workdir:
         images, clean = prepare_folders(workdir, name)
         shown = commands("IMAGES", "IMAGES_CLEAN", cfg, "K")
@@ -351,20 +431,34 @@ def run_dataset(name, cfg, repeats, names):
             n: " ".join(os.path.relpath(a, ROOT) if a.startswith(ROOT) else a for a in c[1:])
             for n, c in shown.items()
         }
-        for seed in range(repeats):
+        for seed in seeds:
             order = names[seed % len(names) :] + names[: seed % len(names)]
             for contender in order if seed % 2 == 0 else order[::-1]:
-                print(f"  {name}, {contender}, seed {seed}:", flush=True)
+                print(f"  {name} @ {cfg['batch']}, {contender}, seed {seed}:", flush=True)
                 command = commands(images, clean, cfg, seed)[contender]
                 run = timed_run(command, cfg["threshold"], TIMEOUT_S, _env(workdir))
-                out["runs"].append({"contender": contender, "seed": seed, **run})
+                out["runs"] = [
+                    r for r in out["runs"] if (r["contender"], r["seed"]) != (contender, seed)
+                ] + [{"contender": contender, "seed": seed, **run}]
                 if run["ended"] != "last epoch":
                     print(f"    ended: {run['ended']}:", *run["output_tail"][-8:], sep="\n")
-    out["summary"] = summarize(out["runs"], names)
+                summarize_dataset(out)
+                yield
+
+
+def summarize_dataset(out):
+    """Puts the summaries of `out["runs"]` into `out`: time to the threshold and at the lower
+    marks, the ratios, and the final top-1s (median, min, max)."""
+    cfg = out["settings"]
+    # Every contender with runs, also those of earlier calls (--contenders runs some of them).
+    present = [n for n in NAMES if any(r["contender"] == n for r in out["runs"])]
+    if len(present) < 2:
+        return
+    out["summary"] = summarize(out["runs"], present)
     out["summary_at_marks"] = summarize_marks(
-        out["runs"], names, [m for m in MARKS if m < cfg["threshold"]]
+        out["runs"], present, [m for m in MARKS if m < cfg["threshold"]]
     )
-    for contender in names:
+    for contender in present:
         finals = [r["final_top_1"] for r in out["runs"] if r["contender"] == contender]
         finals = [f for f in finals if f is not None]
         if finals:
@@ -373,12 +467,17 @@ def run_dataset(name, cfg, repeats, names):
                 "min": min(finals),
                 "max": max(finals),
             }
-    return out
+        out["summary"][contender]["multiply_adds_per_image"] = out["multiply_adds_per_image"][
+            contender
+        ]
 
 
-def report(name, out, names):
-    cfg, summary = out["settings"], out["summary"]
-    print(f"{name} (threshold {cfg['threshold']}):")
+def report(key, out):
+    cfg, summary = out["settings"], out.get("summary")
+    if not summary:
+        return
+    names = [n for n in NAMES if n in summary]
+    print(f"{key} (threshold {cfg['threshold']}, {cfg['epochs']} epochs):")
     for contender in names:
         s = summary[contender]
         final = s.get("final_top_1")
@@ -387,14 +486,15 @@ def report(name, out, names):
             if final
             else "no final top-1"
         )
+        flops = f"{s['multiply_adds_per_image'] / 1e6:.1f}M multiply-adds an image"
         if "seconds_to_threshold" in s:
             t, e = s["seconds_to_threshold"], s["reached_epoch"]
             print(
-                f"  {contender}: {t['median']:.1f} s [{t['min']:.1f}, {t['max']:.1f}], epoch "
-                f"{e['median']} ({s['reached']}/{s['runs']} runs reached it); {final_text}"
+                f"  {contender} ({flops}): {t['median']:.1f} s [{t['min']:.1f}, {t['max']:.1f}], "
+                f"epoch {e['median']} ({s['reached']}/{s['runs']} runs reached it); {final_text}"
             )
         else:
-            print(f"  {contender}: never reached it ({s['runs']} runs); {final_text}")
+            print(f"  {contender} ({flops}): never reached it ({s['runs']} runs); {final_text}")
     for other, ratio in summary["ratios"].items():
         rounds = summary["round_ratios"][other]
         print(
@@ -407,32 +507,44 @@ def report(name, out, names):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--datasets", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--datasets", nargs="+", default=list(HELD_OUT), choices=list(SETTINGS))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--contenders", nargs="+", default=list(NAMES), choices=list(NAMES))
     parser.add_argument("--epochs", type=int, help="instead of each dataset's")
+    parser.add_argument("--batch", type=int, help="global batch, instead of each dataset's")
     parser.add_argument("--out", default=JSON_PATH)
     parser.add_argument("--_keras", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--image_dir", help=argparse.SUPPRESS)
     parser.add_argument("--image_size", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--optimizer", default="adam", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._keras:
         return keras_by_hand(args)
 
-    names = ("package", "keras", "practised")
-    out = {"machine_at_start": machine_info(), "datasets": {}}
+    names = tuple(n for n in NAMES if n in args.contenders)
+    out = {"datasets": {}}
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            out = json.load(f)
+    out["machine_at_start"] = machine_info()
     for name in args.datasets:
         cfg = dict(SETTINGS[name])
-        if args.epochs:
-            cfg["epochs"] = args.epochs
-        out["datasets"][name] = run_dataset(name, cfg, args.repeats, names)
-        out["machine_at_end"] = machine_info()
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
-    for name, result in out["datasets"].items():
-        report(name, result, names)
+        cfg["epochs"] = args.epochs or cfg["epochs"]
+        cfg["batch"] = args.batch or cfg["batch"]
+        key = f"{name}@{cfg['batch']}"
+        entry = out["datasets"].setdefault(key, {"runs": []})
+        if entry.get("settings", cfg) != cfg:
+            entry["runs"] = []  # runs of other settings are not comparable
+        entry["settings"] = cfg
+        classes = len(set(datasets.load(name)[1].tolist()))
+        entry["multiply_adds_per_image"] = compute_per_image(cfg["image_size"], classes)
+        for _ in run_dataset(name, cfg, args.seeds, names, entry):
+            out["machine_at_end"] = machine_info()
+            with open(args.out, "w") as f:
+                json.dump(out, f, indent=1)
+    for key, result in out["datasets"].items():
+        report(key, result)
     return 0
 
 

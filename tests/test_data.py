@@ -139,6 +139,8 @@ def test_the_configuration_goes_to_json_and_back():
     for bad, words in [
         (dict(crop_area_range=(0.5, 0.2)), "crop_area_range"),
         (dict(center_crop_fraction=0), "center_crop_fraction"),
+        (dict(translate_fraction=0.5), "translate_fraction"),
+        (dict(translate_fraction=-0.1), "translate_fraction"),
         (dict(resize_method="cubic"), "resize_method"),
         (dict(max_bad_fraction=2), "max_bad_fraction"),
         (dict(cycle_length=0), "cycle_length"),
@@ -543,6 +545,66 @@ def _check_fused_decode(jpeg, seed):
         reference = reference[:, ::-1]
     np.testing.assert_allclose(fused.numpy(), reference.numpy(), atol=2.0)
     return flip
+
+
+def test_translation_moves_the_image_by_whole_pixels_within_its_range():
+    image = np.zeros((16, 16, 1), np.float32)
+    image[8, 5] = 1.0
+    shifts = set()
+    for i in range(200):
+        draws = tf.random.stateless_uniform([2], tf.constant([7, i], tf.int64))
+        moved = image_ops.random_translate(tf.constant(image), 0.125, draws).numpy()
+        assert moved.shape == image.shape
+        (y,), (x,), _ = np.nonzero(moved)  # the one bright pixel, moved, nothing resized
+        shifts.add((int(y) - 8, int(x) - 5))
+    # Up to round(0.125 * 16) = 2 pixels each way, every offset drawn.
+    assert shifts == {(dy, dx) for dy in range(-2, 3) for dx in range(-2, 3)}
+    same = image_ops.random_translate(tf.constant(image), 0.01, tf.constant([0.0, 0.9]))
+    np.testing.assert_array_equal(same.numpy(), image)  # rounds to no pixel: unchanged
+
+
+def test_translated_decode_is_the_whole_image_shifted_with_zeros_coming_in():
+    rng = np.random.default_rng(1)
+    pixels = rng.integers(1, 255, (32, 32, 3), dtype=np.uint8)  # no zero pixel of its own
+    png = tf.io.encode_png(pixels)
+    seen = set()
+    for i in range(20):
+        seed = tf.constant([3, i], tf.int64)
+        whole = image_ops.decode_and_random_crop(png, 32, seed, area_range=None, flip=False)
+        moved = image_ops.decode_and_random_crop(
+            png, 32, seed, area_range=None, flip=False, translate_fraction=0.125
+        ).numpy()
+        np.testing.assert_array_equal(whole.numpy(), pixels)
+        # The draws after the flip's give the offsets: pad 4, the square at (dy, dx) of the padded.
+        draws = tf.random.stateless_uniform([2 * image_ops.MAX_ATTEMPTS + 5], seed)[-2:]
+        dy, dx = np.minimum((draws.numpy() * 9).astype(int), 8)
+        padded = np.pad(pixels, [(4, 4), (4, 4), (0, 0)])
+        np.testing.assert_array_equal(moved, padded[dy : dy + 32, dx : dx + 32])
+        seen.add((dy, dx))
+    assert len(seen) > 5
+
+
+def test_the_pipeline_translates_training_images_only(records):
+    def zero_borders(**settings):
+        inp = make_input(
+            records[0], global_batch_size=15, crop_area_range=None, random_flip=False,
+            dtype=tf.uint8, **settings,
+        )
+        images, _ = next(iter(inp.dataset()))
+        images = images.numpy()
+        images = images[images.max(axis=(1, 2, 3)) > 0]  # not the one black record
+        rows = np.all(images == 0, axis=(2, 3)).sum(axis=1)
+        columns = np.all(images == 0, axis=(1, 3)).sum(axis=1)
+        return rows, columns
+
+    rows, columns = zero_borders(is_training=True, translate_fraction=0.25, seed=0)
+    assert rows.max() <= 2 and columns.max() <= 2  # round(0.25 * 8) pixels at most
+    assert (rows + columns).max() > 0
+    for flat in (
+        zero_borders(is_training=True, seed=0),
+        zero_borders(is_training=False, translate_fraction=0.25, center_crop_fraction=1.0),
+    ):
+        assert flat[0].max() == flat[1].max() == 0  # whole images
 
 
 # --------------------------------------------------------------------------------------------------

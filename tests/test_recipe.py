@@ -130,6 +130,18 @@ def test_recipe_augmentation_fits_the_data():
     )
     shift = recipe_for_batch(64, 15, train_examples=1617, augmentation="shift").input_config()
     assert shift.crop_area_range == (0.75, 1.0) and not shift.random_flip
+    # Translation: the whole image, shifted by up to an eighth of its side, never mirrored.
+    translate = recipe_for_batch(64, 15, train_examples=1617, augmentation="translate")
+    assert translate.input_config() == InputConfig(
+        crop_area_range=None, random_flip=False, translate_fraction=0.125, center_crop_fraction=1.0
+    )
+    # Every level sets the shift too: a level without one takes it away from the given config.
+    shifted = InputConfig(translate_fraction=0.25, seed=3)
+    assert recipe_for_batch(64, 15, train_examples=1617).input_config(shifted).translate_fraction == 0
+    # No level below ImageNet's mirrors: a folder cannot say whether a flip keeps its labels.
+    for level, fields in recipe_lib.AUGMENTATIONS.items():
+        assert set(fields) == {"crop_area_range", "random_flip", "translate_fraction", "center_crop_fraction"}
+        assert fields["random_flip"] == (level == "imagenet")
     # The ImageNet recipe's augmentation is the configuration's default; other fields are kept.
     given = InputConfig(crop_area_range=None, seed=7, strict=True)
     assert recipe_for_batch(4096).input_config(given) == InputConfig(seed=7, strict=True)
@@ -158,6 +170,28 @@ def test_recipe_weight_decay_by_data_size():
     assert small.with_settings(weight_decay=1e-4).weight_decay == 1e-4
     sgd = small.build_optimizer(steps_per_epoch=70, total_epochs=15)
     assert sgd.weight_decay == 5e-4
+
+
+def test_recipe_decay_is_slower_on_small_data():
+    # Below 1,000 examples a class, momentum SGD's rate decays linearly; quadratically from there,
+    # for unknown data and for LARS.
+    small = recipe_for_batch(64, 15, train_examples=4500, num_classes=10)
+    assert small.decay_power == 1.0
+    assert recipe_lib.default_decay_power(9_999, 10) == 1.0
+    assert recipe_lib.default_decay_power(10_000, 10) == 2.0
+    assert recipe_lib.default_decay_power(4500) == recipe_lib.default_decay_power() == 2.0
+    imagenet = recipe_for_batch(1024, 90, train_examples=1281167, num_classes=1000)
+    assert imagenet.decay_power == 2.0
+    lars = recipe_for_batch(32768, 72, train_examples=4500, num_classes=10)
+    assert lars.optimizer == "lars" and lars.decay_power == 2.0
+    # The schedule follows it: halfway through the decay, half the peak (a quarter when quadratic).
+    for recipe, fraction in ((small, 0.5), (imagenet, 0.25)):
+        schedule = recipe.schedule(steps_per_epoch=100, total_epochs=15)
+        assert schedule.power == recipe.decay_power
+        halfway = (schedule.warmup_steps + schedule.total_steps) // 2
+        rate = float(schedule(halfway))
+        assert rate == pytest.approx(fraction * recipe.peak_learning_rate, rel=0.02)
+    assert small.with_settings(decay_power=2.0).decay_power == 2.0
 
 
 def test_recipe_evaluates_momentum_sgds_moving_average():

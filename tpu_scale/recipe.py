@@ -38,17 +38,25 @@ MIN_WARMUP_STEPS = 50
 MAX_WARMUP_FRACTION = 0.4
 OPTIMIZERS = ("sgd", "lars")
 
-# Augmentation levels: the `InputConfig` fields of the training crop, the flip and the eval crop.
+# Augmentation levels: the `InputConfig` fields of the training crop, shift and flip, and of the
+# eval crop.
+_WHOLE = dict(crop_area_range=None, random_flip=False, translate_fraction=0.0)
 AUGMENTATIONS = {
     # The whole image, unmirrored, in training and evaluation.
-    "none": dict(crop_area_range=None, random_flip=False, center_crop_fraction=1.0),
+    "none": dict(_WHOLE, center_crop_fraction=1.0),
+    # The whole image shifted by up to an eighth of its side (CIFAR's 4 pixels at 32: zero
+    # padding, then a random square), unmirrored: every label stays true, as no stroke is
+    # resized, mirrored or cut by more than an eighth.
+    "translate": dict(_WHOLE, translate_fraction=0.125, center_crop_fraction=1.0),
     # Random boxes of three quarters of the image or more, unmirrored: small shifts and scales.
-    "shift": dict(crop_area_range=(0.75, 1.0), random_flip=False, center_crop_fraction=1.0),
+    "shift": dict(_WHOLE, crop_area_range=(0.75, 1.0), center_crop_fraction=1.0),
     # Random boxes of half the image or more, unmirrored; the whole image in evaluation.
-    "light": dict(crop_area_range=(0.5, 1.0), random_flip=False, center_crop_fraction=1.0),
+    "light": dict(_WHOLE, crop_area_range=(0.5, 1.0), center_crop_fraction=1.0),
     # The ImageNet recipe: Inception boxes of 8% of the image or more, mirrored half the time; the
     # 224 / 256 center crop in evaluation.
-    "imagenet": dict(crop_area_range=(0.08, 1.0), random_flip=True, center_crop_fraction=224 / 256),
+    "imagenet": dict(
+        _WHOLE, crop_area_range=(0.08, 1.0), random_flip=True, center_crop_fraction=224 / 256
+    ),
 }
 # From this many training examples on (ImageNet's scale), the default augmentation is ImageNet's;
 # below, none for runs of up to LIGHT_AUGMENTATION_MIN_EPOCHS epochs, light for longer ones.
@@ -60,6 +68,13 @@ LIGHT_AUGMENTATION_MIN_EPOCHS = 30
 WEIGHT_DECAY = 1e-4
 SMALL_DATA_WEIGHT_DECAY = 5e-4
 SMALL_DATA_EXAMPLES_PER_CLASS = 1_000
+# Momentum SGD's decay after warmup by data size: linear (power SMALL_DATA_DECAY_POWER) below
+# SMALL_DATA_EXAMPLES_PER_CLASS training examples a class, quadratic (DECAY_POWER, the reference
+# recipe's) from there on and when the data are unknown. The linear decay keeps the rate higher
+# through the run's second half, a slower finish: the weights keep moving, with the stronger
+# weight decay pulling them in, after a small dataset is learned by heart.
+DECAY_POWER = 2.0
+SMALL_DATA_DECAY_POWER = 1.0
 # Momentum SGD's weights are evaluated and saved as their moving average (Keras's `use_ema`) with
 # this momentum: the package's batch norm's moving-statistics momentum, so that the averaged
 # weights and the statistics they are evaluated with cover the same last ~10 steps.
@@ -87,7 +102,7 @@ class Recipe:
         eta: Float, the LARS trust coefficient.
         label_smoothing: Float, for `tpu_scale.losses.SmoothedSparseCategoricalCrossentropy`.
         augmentation: String, a key of `AUGMENTATIONS`: how strongly the training images are
-            cropped and mirrored.
+            cropped, shifted and mirrored.
         ema_momentum: Float, the momentum of the weights' moving average that is evaluated and
             saved (Keras's `use_ema=True, ema_momentum=...`); 0 evaluates the weights themselves.
             Evaluating in `fit` needs `keras.callbacks.SwapEMAWeights()` (`Recipe.callbacks`).
@@ -97,7 +112,7 @@ class Recipe:
     optimizer: str
     peak_learning_rate: float
     warmup_epochs: float
-    decay_power: float = 2.0
+    decay_power: float = DECAY_POWER
     end_learning_rate: float = 0.0
     weight_decay: float = WEIGHT_DECAY
     momentum: float = 0.9
@@ -137,8 +152,8 @@ class Recipe:
         )
 
     def input_config(self, config: InputConfig | None = None) -> InputConfig:
-        """The inputs' configuration with the recipe's augmentation (training crop and flip,
-        evaluation crop): `config` (default `InputConfig()`) with those three fields replaced. Give
+        """The inputs' configuration with the recipe's augmentation (training crop, shift and
+        flip, evaluation crop): `config` (default `InputConfig()`) with those four fields replaced. Give
         it to both the training and the evaluation input (`Inputs.with_config`)."""
         return (config or InputConfig()).replace(**AUGMENTATIONS[self.augmentation])
 
@@ -246,7 +261,9 @@ def recipe_for_batch(
     | | 16K, 32K, 64K, the paper's settings unchanged |
     | warmup | SGD 2 epochs from batch 256, scaled with the batch below (0.5 at 64); at least |
     | | 50 optimizer steps, scaled alike for SGD (12.5 at 64); at most 40% of the run |
-    | decay | quadratic to 0 (`WarmupPolynomialDecay`, power 2) |
+    | decay | to 0 (`WarmupPolynomialDecay`); SGD: `default_decay_power(train_examples, |
+    | | num_classes)`, linear below 1,000 training examples a class, else quadratic; LARS |
+    | | quadratic |
     | weight decay | SGD: `default_weight_decay(train_examples, num_classes)`, 5e-4 below |
     | | 1,000 training examples a class, else 1e-4; LARS 1e-4 (none on batch-norm parameters |
     | | and biases) |
@@ -256,8 +273,8 @@ def recipe_for_batch(
     | augmentation | `default_augmentation(train_examples, total_epochs)`: ImageNet's crop and |
     | | flip from 100,000 examples (or unknown data); none below, light crops past 30 epochs |
 
-    Small data (below 1,000 training examples a class) get SGD's stronger weight decay and keep
-    the rest: a short run on a few hundred images a class learns them by heart halfway through,
+    Small data (below 1,000 training examples a class) get SGD's stronger weight decay and a
+    linear decay of the rate (a slower finish), and keep the rest: a short run on a few hundred images a class learns them by heart halfway through,
     and of the candidates measured on the tuning sets (weight decay 5e-4, crops of 50-100% or
     75-100% of the image, AdamW at 3e-3, the practised Keras script) the stronger decay alone
     ended highest on average while keeping the fast start that augmentation slows (`--weight_decay`,
@@ -303,8 +320,8 @@ def recipe_for_batch(
         optimizer: Optional `"sgd"` or `"lars"`: that optimizer with its own rule at any
             batch size (LARS below 16384: the reference rate scaled by the square root of the
             batch ratio). None picks by batch size.
-        augmentation: `"auto"` or a key of `AUGMENTATIONS` (`"none"`, `"light"`,
-            `"imagenet"`).
+        augmentation: `"auto"` or a key of `AUGMENTATIONS` (`"none"`, `"translate"`,
+            `"shift"`, `"light"`, `"imagenet"`).
 
     Returns:
         A frozen `Recipe`: its `build_optimizer(steps_per_epoch, total_epochs)` makes the
@@ -367,14 +384,16 @@ def recipe_for_batch(
         warmup = min(warmup, MAX_WARMUP_FRACTION * total_epochs)
     if augmentation == "auto":
         augmentation = default_augmentation(train_examples, total_epochs)
-    weight_decay = WEIGHT_DECAY
+    weight_decay, decay_power = WEIGHT_DECAY, DECAY_POWER
     if optimizer == "sgd":
         weight_decay = default_weight_decay(train_examples, num_classes)
+        decay_power = default_decay_power(train_examples, num_classes)
     return Recipe(
         int(global_batch_size),
         optimizer,
         float(peak),
         float(warmup),
+        decay_power=decay_power,
         weight_decay=weight_decay,
         augmentation=augmentation,
         ema_momentum=EMA_MOMENTUM if optimizer == "sgd" else 0.0,
@@ -435,6 +454,31 @@ def default_weight_decay(train_examples=None, num_classes=None):
     if train_examples < SMALL_DATA_EXAMPLES_PER_CLASS * num_classes:
         return SMALL_DATA_WEIGHT_DECAY
     return WEIGHT_DECAY
+
+
+def default_decay_power(train_examples=None, num_classes=None):
+    """Momentum SGD's decay of the rate after warmup (the power of `WarmupPolynomialDecay`):
+    slower to finish on small data.
+
+    - `SMALL_DATA_DECAY_POWER` (1, linear) below `SMALL_DATA_EXAMPLES_PER_CLASS` (1,000)
+      training examples a class: halfway through the decay the rate is still half its peak (a
+      quarter with the quadratic decay), so the weights keep moving, under the small data's
+      stronger weight decay, once the training images are learned by heart.
+    - `DECAY_POWER` (2, the reference recipe's quadratic decay) from there on, and when the
+      number of examples or of classes is unknown.
+
+    Args:
+        train_examples: Optional integer, training examples per epoch.
+        num_classes: Optional integer, the number of classes.
+
+    Returns:
+        A float.
+    """
+    if train_examples is None or num_classes is None:
+        return DECAY_POWER
+    if train_examples < SMALL_DATA_EXAMPLES_PER_CLASS * num_classes:
+        return SMALL_DATA_DECAY_POWER
+    return DECAY_POWER
 
 
 def default_augmentation(train_examples=None, total_epochs=None):

@@ -315,9 +315,10 @@ def decode_and_random_crop(
     dtype=tf.float32,
     area_range=AREA_RANGE,
     flip=True,
+    translate_fraction=0.0,
 ):
     """Fused training decode: random Inception box from the header, decode only that window, resize,
-    flip.
+    translate, flip.
 
     A JPEG's window is decoded alone (`decode_and_crop_jpeg`); a PNG, GIF, BMP or WebP file is
     decoded in full (`tf.io.decode_image`) and then cut to the same window.
@@ -334,14 +335,18 @@ def decode_and_random_crop(
       area_range: (min, max) fraction of the image area the random box covers; None decodes the
         whole image (no crop).
       flip: whether half of the images are mirrored left to right.
+      translate_fraction: the largest shift, as a fraction of `image_size`, of a random
+        translation after the resize (`random_translate`: zero padding on every side, then a
+        random `image_size` square of the padded image); 0 shifts nothing.
 
     Returns:
       A `[image_size, image_size, 3]` tensor in `dtype` on the 0-255 scale.
     """
-    # One draw for the window and the flip: its first values are those `sample_crop_window(...,
-    # seed)` draws (counter-based generator), the last one decides the flip.
+    # One draw for the window, the flip and the shift: its first values are those
+    # `sample_crop_window(..., seed)` draws (counter-based generator), the next one decides the
+    # flip, the last two the shift.
     window_draws = _draws_per_window(MAX_ATTEMPTS)
-    draws = tf.random.stateless_uniform([window_draws + 1], seed)
+    draws = tf.random.stateless_uniform([window_draws + 3], seed)
 
     def window_of_shape(height, width):
         if area_range is None:
@@ -359,9 +364,35 @@ def decode_and_random_crop(
     image = tf.image.resize(image, [image_size, image_size], method=resize_method)
     if tf.as_dtype(dtype) == tf.uint8:
         image = to_uint8(image, resize_method)
+    if translate_fraction:
+        image = random_translate(image, translate_fraction, draws[window_draws + 1 :])
     if not flip:
         return image
     return tf.cond(draws[window_draws] < 0.5, lambda: tf.reverse(image, [1]), lambda: image)
+
+
+def random_translate(image, fraction, draws):
+    """Shifts a square image by up to `fraction` of its side in each direction, the pad-and-crop
+    translation of CIFAR training: `round(fraction * side)` pixels of zeros on every side, then
+    the square of the original side at a random offset (each offset uniform over its
+    `2 * pad + 1` values). No pixel is resized, so strokes keep their width, and the content moves
+    by whole pixels; what leaves one edge is lost and zeros come in at the other.
+
+    Args:
+      image: `[side, side, channels]` tensor with a static side.
+      fraction: Python float in [0, 0.5), the largest shift as a fraction of the side.
+      draws: `[2]` float tensor of uniform [0, 1) values: the vertical and horizontal offsets.
+
+    Returns:
+      The shifted image, of the same shape and dtype.
+    """
+    side = int(image.shape[0])
+    pad = int(round(fraction * side))
+    if pad == 0:
+        return image
+    offsets = tf.minimum(tf.cast(draws[:2] * (2 * pad + 1), tf.int32), 2 * pad)
+    padded = tf.pad(image, [[pad, pad], [pad, pad], [0, 0]])
+    return tf.slice(padded, [offsets[0], offsets[1], 0], [side, side, -1])
 
 
 def decode_and_center_crop(

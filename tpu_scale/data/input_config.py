@@ -41,6 +41,10 @@ class InputConfig:
         datasets, short runs); None trains on the whole image. `Recipe.input_config` gives one
         that fits the run.
       random_flip: training: mirror half of the images left to right.
+      translate_fraction: training: after the crop and resize, shift the image by up to this
+        fraction of its side in each direction (zero padding, then a random square of the
+        original side: the CIFAR pad-and-crop translation; `image_ops.random_translate`). 0
+        shifts nothing; 0.125 is CIFAR's 4 pixels at 32.
       center_crop_fraction: evaluation: the side of the center crop as a fraction of the short
         side (224 / 256 by default; 1.0 keeps a square image whole).
       resize_method: a `tf.image.ResizeMethod` name.
@@ -100,6 +104,7 @@ class InputConfig:
 
     crop_area_range: tuple[float, float] | None = AREA_RANGE
     random_flip: bool = True
+    translate_fraction: float = 0.0
     center_crop_fraction: float = CENTER_CROP_FRACTION
     resize_method: str = "bilinear"
     scaled_decode: bool = False
@@ -126,6 +131,8 @@ class InputConfig:
             if len(area) != 2 or not 0 < area[0] <= area[1] <= 1:
                 raise ValueError(f"crop_area_range={self.crop_area_range!r} must be (min, max) with 0 < min <= max <= 1, e.g. (0.08, 1.0) for ImageNet; None trains on the whole image.")
             object.__setattr__(self, "crop_area_range", area)
+        if not 0 <= self.translate_fraction < 0.5:
+            raise ValueError(f"translate_fraction={self.translate_fraction} must be in [0, 0.5): the largest shift as a fraction of the image side (0.125 is 4 pixels at 32); 0 shifts nothing.")
         if not 0 < self.center_crop_fraction <= 1:
             raise ValueError(f"center_crop_fraction={self.center_crop_fraction} must be in (0, 1]: 0.875 is the reference, 1.0 keeps the whole (square) image.")
         if self.resize_method not in RESIZE_METHODS:

@@ -314,6 +314,7 @@ class ImageNetInput:
                 dtype=pixels,
                 area_range=self.config.crop_area_range,
                 flip=self.config.random_flip,
+                translate_fraction=self.config.translate_fraction,
             )
         else:
             image = image_ops.decode_and_center_crop(
