@@ -88,7 +88,7 @@ class TrainConfig:
     mixed_precision: str = flag("float32", "float32, bfloat16 (TPU, CPU) or float16 (GPU).")
     input_dtype: str = flag("float", "float (host normalizes) or uint8 (the model normalizes).")
     optimizer: Optional[str] = flag(None, "lars or sgd. Default: the recipe's for the batch.")
-    augmentation: str = flag("auto", "auto, none, shift, light or imagenet. Default: by data size.")
+    augmentation: str = flag("auto", "auto, none, translate, shift, light or imagenet. Default: by data.")
     peak_learning_rate: Optional[float] = flag(None, "Peak learning rate. Default: the recipe's.")
     warmup_epochs: Optional[float] = flag(None, "Warmup epochs. Default: the recipe's.")
     weight_decay: Optional[float] = flag(None, "Weight decay. Default: the recipe's, by data size.")
