@@ -274,33 +274,22 @@ def recipe_for_batch(
     | | flip from 100,000 examples (or unknown data); none below, light crops past 30 epochs |
 
     Small data (below 1,000 training examples a class) get SGD's stronger weight decay and a
-    linear decay of the rate (a slower finish), and keep the rest: a short run on a few hundred images a class learns them by heart halfway through,
-    and of the candidates measured on the tuning sets (weight decay 5e-4, crops of 50-100% or
-    75-100% of the image, AdamW at 3e-3, the practised Keras script) the stronger decay alone
-    ended highest on average while keeping the fast start that augmentation slows (`--weight_decay`,
-    `--augmentation` and the other flags of `examples/train_imagenet.py` override each part).
-    Label smoothing stays 0.1 and no setting depends on the image size: the datasets the rule was
-    checked on (4 and 10 classes, 28 to 64 pixels, grey and colour) asked for no other value.
-    SGD's weights are evaluated as their moving average over the last ~10 steps, the window of the
-    batch norm's moving statistics (momentum 0.9): at the short-run rate the weights themselves
-    jump from step to step, and on the tuning sets the average, evaluated in the same runs, was
-    at 0.78-0.83 top-1 after 2 epochs where the weights were at 0.17-0.64, and ended equal (the
-    rate decays to 0, so the two meet); a longer window (0.95) lagged the statistics and sat near
-    chance for 2 epochs. Below batch 256 the warmup is shorter, and so is its floor of steps: on
-    animals at batch 64 (56 steps an epoch, seeds 0-2), the rule's 28 steps in place of the 50 of
-    a floor kept whole put the top-1 after the first epoch at 0.71-0.75 against 0.64-0.68 and
-    after the second at 0.85-0.89 against 0.85-0.87, and ended at 0.955-0.970 against 0.950-0.978
-    (with 2 epochs of warmup: 0.51-0.58, 0.81-0.83 and 0.965-0.978); on digits at batch 64, 12.5
-    steps in place of 50 gave 0.49-0.59 against 0.31-0.43 after the first epoch and ended equal
-    (0.989-0.994 both). The short-run rate, the warmup and its floor, the augmentation levels and
-    the weight decay were chosen on two real datasets (scikit-learn's digits and animal
-    silhouettes) and checked on three others the choice never saw (MNIST digits, solar-cell
-    scans, colour digits on photos), against a sweep around the default, against Adam with its
-    defaults and against a practised Keras script
-    (`benchmarks/recipe_datasets.py`, `benchmarks/time_to_accuracy.py`; figures in
-    `benchmarks/README.md`). LARS below 16K lost to momentum SGD there at every rate tried, which
-    is why the paper's LARS settings are kept for the batch sizes they were found at and nowhere
-    else.
+    linear decay of the rate (a slower finish) and keep the rest: a short run on a few hundred
+    images a class learns them by heart halfway through, and of the candidates measured on the
+    tuning sets (stronger decay, label-safe crops and translation, more label smoothing, AdamW)
+    these two lost on neither set while keeping the fast start that augmentation slows
+    (`--weight_decay`, `--augmentation` and the other flags of `examples/train_imagenet.py`
+    override each part). No setting depends on the image size. SGD's weights are evaluated as their
+    moving average over the last ~10 steps, the window of the batch norm's moving statistics
+    (momentum 0.9): at the short-run rate the weights themselves jump from step to step, and the
+    rate decays to 0, so the two meet at the end; a longer window lags the statistics. Below batch
+    256 the warmup is shorter, and so is its floor of steps: a small dataset's first epoch is then
+    already past chance. The rules were chosen on two real datasets (scikit-learn's digits and
+    animal silhouettes) and checked on others the choice never saw, against a sweep around the
+    default, Adam with its defaults and a practised Keras script (`benchmarks/recipe_datasets.py`,
+    `benchmarks/time_to_accuracy.py`; figures in `benchmarks/README.md`). LARS below 16K lost to
+    momentum SGD there at every rate tried, which is why the paper's LARS settings are kept for
+    the batch sizes they were found at and nowhere else.
 
     Args:
         global_batch_size: Integer > 0, examples per optimizer step over all replicas (with
