@@ -438,11 +438,7 @@ def default_weight_decay(train_examples=None, num_classes=None):
     Returns:
         A float.
     """
-    if train_examples is None or num_classes is None:
-        return WEIGHT_DECAY
-    if train_examples < SMALL_DATA_EXAMPLES_PER_CLASS * num_classes:
-        return SMALL_DATA_WEIGHT_DECAY
-    return WEIGHT_DECAY
+    return SMALL_DATA_WEIGHT_DECAY if is_small_data(train_examples, num_classes) else WEIGHT_DECAY
 
 
 def default_decay_power(train_examples=None, num_classes=None):
@@ -463,11 +459,15 @@ def default_decay_power(train_examples=None, num_classes=None):
     Returns:
         A float.
     """
+    return SMALL_DATA_DECAY_POWER if is_small_data(train_examples, num_classes) else DECAY_POWER
+
+
+def is_small_data(train_examples=None, num_classes=None):
+    """True below `SMALL_DATA_EXAMPLES_PER_CLASS` training examples a class: the data that get
+    momentum SGD's small-data settings. False when either count is unknown."""
     if train_examples is None or num_classes is None:
-        return DECAY_POWER
-    if train_examples < SMALL_DATA_EXAMPLES_PER_CLASS * num_classes:
-        return SMALL_DATA_DECAY_POWER
-    return DECAY_POWER
+        return False
+    return train_examples < SMALL_DATA_EXAMPLES_PER_CLASS * num_classes
 
 
 def default_augmentation(train_examples=None, total_epochs=None):
