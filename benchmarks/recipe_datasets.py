@@ -130,6 +130,7 @@ def train_variants(
     trained_weights_too=False,
     epochs=None,
     replicas=1,
+    bn_virtual_batch_size=None,
 ):
     """Trains every variant of one dataset and batch in this process; yields one run each."""
     import keras
@@ -201,7 +202,11 @@ def train_variants(
             else:
                 peak = swept.peak_learning_rate
                 with strategy.scope():
-                    model = models.small_resnet(label_map.num_classes, input_shape=(size, size, 3))
+                    model = models.small_resnet(
+                        label_map.num_classes,
+                        input_shape=(size, size, 3),
+                        bn_virtual_batch_size=bn_virtual_batch_size,
+                    )
                     model.compile(
                         swept.build_optimizer(steps, epochs),
                         losses.SmoothedSparseCategoricalCrossentropy(
@@ -229,6 +234,7 @@ def train_variants(
                 "image_size": size,
                 "batch": batch,
                 "replicas": replicas,
+                "bn_virtual_batch_size": bn_virtual_batch_size,
                 "epochs": epochs,
                 "steps_per_epoch": steps,
                 "variant": variant,
@@ -283,6 +289,9 @@ def main():
     parser.add_argument(
         "--replicas", type=int, default=1, help="virtual CPU replicas (batch norm over each's part)"
     )
+    parser.add_argument(
+        "--bn_virtual_batch_size", type=int, help="batch norm over runs of this many examples"
+    )
     parser.add_argument("--workdir", help="keep the records here between runs")
     parser.add_argument("--out", default=JSON_PATH)
     parser.add_argument(
@@ -304,6 +313,7 @@ def main():
             args.trained_weights_too,
             args.epochs,
             args.replicas,
+            args.bn_virtual_batch_size,
         )
         for run in runs:
             print("RUN " + json.dumps(run), flush=True)
@@ -319,6 +329,8 @@ def main():
             command += ["--workdir", workdir, "--seeds", *map(str, args.seeds)]
             command += ["--epochs", str(args.epochs)] * bool(args.epochs)
             command += ["--replicas", str(args.replicas)]
+            if args.bn_virtual_batch_size:
+                command += ["--bn_virtual_batch_size", str(args.bn_virtual_batch_size)]
             command += ["--variants", *variants] + ["--trained_weights_too"] * args.trained_weights_too
             child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
             for line in child.stdout:

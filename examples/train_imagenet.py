@@ -82,6 +82,7 @@ class TrainConfig:
     global_batch_size: int = flag(128, "Examples per step over all replicas.")
     epochs: int = flag(6, "Training epochs.")
     bn_group_size: Optional[int] = flag(None, "Replicas per BN group. Default: span 64 examples.")
+    bn_virtual_batch_size: int = flag(0, "Examples per BN virtual batch in a replica. 0: all.")
     gradient_accumulation_steps: int = flag(1, "Micro-batches per update (effective batch x k).")
     weight_update_sharding: bool = flag(False, "Each replica updates 1/N of the weights.")
     gradient_reduction: str = flag("torus", "torus (2-D torus sum) or native (TensorFlow's).")
@@ -111,7 +112,7 @@ class TrainConfig:
 # What decides how a run trains: a resumed run names each of these that changed.
 TRAINING_SETTINGS = (
     "image_dir data_dir tfds_name model image_size num_classes global_batch_size mixed_precision "
-    "input_dtype num_cpu_replicas mesh_shape bn_group_size optimizer augmentation "
+    "input_dtype num_cpu_replicas mesh_shape bn_group_size bn_virtual_batch_size optimizer augmentation "
     "gradient_accumulation_steps weight_update_sharding "
     "peak_learning_rate warmup_epochs weight_decay label_smoothing ema_momentum"
 ).split()
@@ -144,6 +145,8 @@ def check_flags(config):
     for name, value in ((name, getattr(config, name)) for name in counts):
         if value is not None and value < 1:
             raise ValueError(f"--{name}={value}: it must be at least 1.")
+    if config.bn_virtual_batch_size < 0:
+        raise ValueError(f"--bn_virtual_batch_size={config.bn_virtual_batch_size}: give 0 (the replica's whole batch) or the examples per virtual batch, e.g. 64.")
     if config.ema_momentum is not None and not 0 <= config.ema_momentum < 1:
         raise ValueError(f"--ema_momentum={config.ema_momentum}: give 0 (no average) or a momentum below 1, e.g. 0.9.")
 
@@ -173,10 +176,10 @@ def train(config, extra_callbacks=()):
     if config.image_dir and not isinstance(strategy, tf.distribute.MirroredStrategy):
         raise ValueError(IMAGE_DIR_ON_ONE_HOST)
 
+    per_replica = max(1, config.global_batch_size // replicas)
     if config.bn_group_size is None:
         # The smallest group spanning 64 examples, chosen here: under several workers the layers
         # see no static batch size to choose it from.
-        per_replica = max(1, config.global_batch_size // replicas)
         config.bn_group_size = smallest_group_for_span(mesh, per_replica, tiled=mesh.is_torus)
     mesh.group_assignment(config.bn_group_size)  # raises with the valid sizes
     if config.model_dir and (finished := training.finished_run(config.model_dir, config.epochs)):
@@ -257,6 +260,7 @@ def train(config, extra_callbacks=()):
                 inputs.num_classes,
                 input_shape=(size, size, 3),
                 bn_group_size=config.bn_group_size,
+                bn_virtual_batch_size=config.bn_virtual_batch_size or None,
                 normalize_inputs=config.input_dtype == "uint8",  # uint8 pixels in, normalized here
             )
             # The schedule counts fit steps (micro-batches), as Keras's accumulation does.
@@ -285,7 +289,7 @@ def train(config, extra_callbacks=()):
         skipped = data.SkippedRecordsLogger(inputs.train, inputs.validation)  # bad records
 
         # ---- fit, then one more exact evaluation of the final model
-        logging.info(f"Training {config.epochs} epochs x {steps} steps of {config.global_batch_size} images (effective batch {config.global_batch_size * accumulate}) on {replicas} replicas (mesh {'x'.join(map(str, mesh.shape))}); model_dir {config.model_dir or 'none'}")
+        logging.info(f"Training {config.epochs} epochs x {steps} steps of {config.global_batch_size} images (effective batch {config.global_batch_size * accumulate}) on {replicas} replicas (mesh {'x'.join(map(str, mesh.shape))}); batch norm over {config.bn_virtual_batch_size or per_replica * config.bn_group_size} examples; model_dir {config.model_dir or 'none'}")
         show_bar = sys.stdout.isatty() if config.progress is None else config.progress
         with checkpointing.peer_failures_explained(strategy):
             model.fit(

@@ -16,6 +16,7 @@ from tpu_scale.layers import (
 )
 from tpu_scale.layers.batch_normalization import keras_has_renorm
 from tpu_scale.mesh import ReplicaMesh
+from tpu_scale.strategy import mesh_of
 from tpu_scale.testing import run_workers
 
 NUM_REPLICAS = 8
@@ -195,6 +196,97 @@ def test_masked_elements_do_not_count(strategy):
         layer.set_weights(weights)
     results = _run_replicas(strategy, layer, x, dy, mask=mask)
     _check_against_groups(results, x, dy, 2, {"momentum": 0.5}, weights, (1e-5, 2e-5), mask=mask)
+
+
+def _check_against_virtual_batches(results, x, dy, size, kwargs, weights, tolerance, mask=None):
+    """Each replica's outputs and gradients are plain batch norm's over each run of `size` of its
+    examples; its moving statistics moved towards the runs' mean and variance, weighted by the
+    elements each counted."""
+    ys, dxs, dgammas, dbetas, means, variances = results
+    close = dict(rtol=tolerance[0], atol=tolerance[1])
+    for r in range(len(ys)):
+        expected, counts = [], []
+        for first in range(0, x.shape[1], size):
+            part = slice(first, first + size)
+            part_mask = None if mask is None else mask[r][part]
+            expected.append(_reference(x[r][part], dy[r][part], weights, part_mask, **kwargs))
+            # Elements counted per channel: the examples' (all of the same size), or the mask's.
+            counts.append(len(x[r][part]) if mask is None else np.sum(part_mask))
+        y_ref, dx_ref, dgamma_ref, dbeta_ref, mean_ref, var_ref = zip(*expected)
+        np.testing.assert_allclose(ys[r], np.concatenate(y_ref), **close)
+        np.testing.assert_allclose(dxs[r], np.concatenate(dx_ref), **close)
+        np.testing.assert_allclose(
+            dgammas[r], sum(dgamma_ref), rtol=close["rtol"], atol=close["atol"] * 10
+        )
+        np.testing.assert_allclose(
+            dbetas[r], sum(dbeta_ref), rtol=close["rtol"], atol=close["atol"] * 10
+        )
+        # Each reference moved from the same start, so their count-weighted average moved
+        # towards the count-weighted average of the runs' statistics.
+        share = np.asarray(counts) / np.sum(counts)
+        np.testing.assert_allclose(means[r], np.tensordot(share, mean_ref, 1), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            variances[r], np.tensordot(share, var_ref, 1), rtol=1e-5, atol=1e-5
+        )
+
+
+@pytest.mark.parametrize(
+    "shape, kwargs, size",
+    [
+        ((8, 4, 4, 5), {}, 4),  # two virtual batches of 4
+        ((7, 3, 3, 5), {}, 3),  # 3, 3 and what is left, 1
+        ((6, 3, 5, 3), {"axis": 1}, 2),  # channels first
+        ((5, 7), {}, 2),
+        ((4, 3, 3, 3), {"dtype": "mixed_bfloat16"}, 2),
+    ],
+)
+def test_virtual_batches_match_plain_batch_norm_over_each(strategy, shape, kwargs, size):
+    kwargs = dict(kwargs, momentum=0.7)
+    dtype = tf.bfloat16 if "dtype" in kwargs else tf.float32
+    tolerance = (2e-2, 5e-2) if "dtype" in kwargs else (1e-5, 2e-5)
+    weights = _initial_weights(shape[kwargs.get("axis", -1)], seed=size)
+    with strategy.scope():
+        layer = DistributedBatchNormalization(virtual_batch_size=size, **kwargs)
+        layer.build((None,) + shape[1:])
+        layer.set_weights(weights)
+    x, dy = _case_inputs(shape, dtype, seed=size)
+    results = _run_replicas(strategy, layer, x, dy)
+    _check_against_virtual_batches(results, x, dy, size, kwargs, weights, tolerance)
+
+
+def test_virtual_batches_without_a_strategy_and_with_a_mask():
+    rng = np.random.default_rng(4)
+    x = tf.constant(rng.normal(2.0, 3.0, size=(1, 6, 5, 3)), tf.float32)
+    dy = tf.constant(rng.normal(size=(1, 6, 5, 3)), tf.float32)
+    lengths = rng.integers(1, 6, size=(1, 6))
+    lengths[0, 2:4] = 0  # the second virtual batch counts nothing
+    mask = tf.constant(np.arange(5)[None, None, :] < lengths[..., None])
+    weights = _initial_weights(3, seed=4)
+    layer = DistributedBatchNormalization(virtual_batch_size=2, momentum=0.5)
+    layer.build((None, 5, 3))
+    layer.set_weights(weights)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = layer(x[0], training=True, mask=mask[0])
+        loss = tf.reduce_sum(y * dy[0])
+    dx, dgamma, dbeta = tape.gradient(loss, [x, layer.gamma, layer.beta])
+    results = [
+        [np.asarray(t)]
+        for t in (y, dx[0], dgamma, dbeta, layer.moving_mean.value, layer.moving_variance.value)
+    ]
+    _check_against_virtual_batches(
+        results, x, dy, 2, {"momentum": 0.5}, weights, (1e-5, 2e-5), mask=mask
+    )
+
+
+def test_virtual_batches_need_no_group(strategy):
+    with strategy.scope():
+        layer = DistributedBatchNormalization(virtual_batch_size=4)
+        layer.build((None, 3))
+    mesh = mesh_of(strategy)
+    assert layer._group_size_for(mesh, tf.ones([64, 3])) == 1
+    restored = DistributedBatchNormalization.from_config(layer.get_config())
+    assert restored.virtual_batch_size == 4 and restored.group_size is None
 
 
 def test_group_variance_is_not_an_average_of_local_variances(strategy):
@@ -533,6 +625,10 @@ def test_group_size_that_does_not_divide_the_replicas(strategy):
         ({"group_size": 0}, "positive int"),
         ({"group_size": 2.0}, "positive int"),
         ({"group_size": 1, "synchronized": True}, "only one of them"),
+        ({"virtual_batch_size": 0}, "positive int"),
+        ({"virtual_batch_size": 4.0}, "positive int"),
+        ({"virtual_batch_size": 4, "group_size": 2}, "splits each replica's batch.*only one"),
+        ({"virtual_batch_size": 4, "synchronized": True}, "synchronized=True joins"),
     ],
 )
 def test_bad_arguments(kwargs, message):

@@ -93,7 +93,9 @@ def test_resnet50_float32_logits_under_mixed_bfloat16(resnet50_bf16):
 def test_small_resnet_structure():
     model = small_resnet(10, input_shape=(64, 64, 3), bn_group_size=2)
     assert _check_zero_gamma_rule(model) == 3
-    assert all(bn.group_size == 2 for bn in _batch_norms(model))
+    assert all(bn.group_size == 2 and bn.virtual_batch_size is None for bn in _batch_norms(model))
+    ghosts = small_resnet(10, input_shape=(32, 32, 3), bn_virtual_batch_size=64)
+    assert all(bn.virtual_batch_size == 64 for bn in _batch_norms(ghosts))
     assert model.input_shape == (None, 64, 64, 3) and model.output_shape == (None, 10)
     assert model.count_params() < 200_000
     deeper = small_resnet(

@@ -110,6 +110,28 @@ def test_uint8_input_and_one_step_epochs_learn_and_report_a_rate(tmp_path):
     assert round(small["top_1"] * 5, 6) == round(small["top_1"] * 5)
 
 
+def test_virtual_batches_are_asked_for_by_name(caplog):
+    # One replica holding 256 examples, its batch norm over each run of 64 (ghost batch norm).
+    config = tiny_config(
+        num_cpu_replicas=1,
+        mesh_shape=None,
+        epochs=1,
+        global_batch_size=256,
+        deterministic=False,
+        bn_virtual_batch_size=64,
+    )
+    with caplog.at_level("INFO"):
+        summary = train_imagenet.train(config)
+    assert "batch norm over 64 examples" in caplog.text
+    norms = [
+        layer
+        for layer in summary["model"].layers
+        if isinstance(layer, keras.layers.BatchNormalization)
+    ]
+    assert norms and all(layer.virtual_batch_size == 64 for layer in norms)
+    assert np.isfinite(summary["top_1"])
+
+
 @pytest.mark.parametrize(
     "overrides,message",
     [
@@ -129,6 +151,7 @@ def test_uint8_input_and_one_step_epochs_learn_and_report_a_rate(tmp_path):
         (dict(num_cpu_replicas=0, mesh_shape=None), "--num_cpu_replicas=0: it must be at least 1"),
         (dict(gradient_accumulation_steps=0), "--gradient_accumulation_steps=0: it must be at"),
         (dict(ema_momentum=1.0), "--ema_momentum=1.0: give 0 .* below 1"),
+        (dict(bn_virtual_batch_size=-1), "--bn_virtual_batch_size=-1: give 0 .* e.g. 64"),
         (
             dict(ema_momentum=0.9, gradient_accumulation_steps=2),
             "moving average .* with gradient_accumulation_steps",  # the recipe's own check

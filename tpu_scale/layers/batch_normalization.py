@@ -84,6 +84,12 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
         size) reaches 64 examples, from the static batch size of the first training call, and keeps
         it for the layer's life; with `synchronized=True`, `None` means all replicas. Must divide
         the number of replicas (and tile the torus on TPU).
+      virtual_batch_size: examples per virtual batch ("ghost" batch normalization, Hoffer et al.,
+        2017; tf.keras's argument of the same name): in training, each run of this many examples
+        of a replica's batch is normalized with its own mean and variance (the last run holds
+        what is left, so any batch size works), and the moving statistics move towards their
+        average. For a replica whose batch is larger than the span batch norm works best at.
+        Statistics stay local (`group_size` `None` or 1; not with `synchronized` or `renorm`).
       **kwargs: every argument of `keras.layers.BatchNormalization` (`axis`, `momentum`, `epsilon`,
         `center`, `scale`, initializers, regularizers, constraints, `renorm`, `renorm_clipping`,
         `renorm_momentum`, `synchronized`) and the base layer arguments (`name`, `dtype`, ...).
@@ -101,10 +107,11 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
 
     Reference:
       - [Ioffe and Szegedy, 2015](https://arxiv.org/abs/1502.03167).
+      - [Hoffer et al., 2017](https://arxiv.org/abs/1705.08741), "Ghost batch normalization".
       - [Ying et al., 2018](https://arxiv.org/abs/1811.06992), "Distributed batch normalization".
     """
 
-    def __init__(self, group_size=None, **kwargs):
+    def __init__(self, group_size=None, virtual_batch_size=None, **kwargs):
         if not keras_has_renorm():
             asked = [name for name in _RENORM_ARGUMENTS if name in kwargs]
             if kwargs.get("renorm"):
@@ -123,13 +130,28 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
             group_size = int(group_size)
             if self.synchronized and group_size == 1:
                 raise ValueError("synchronized=True asks for statistics over all replicas but group_size=1 asks for local ones; pass only one of them.")
+        if virtual_batch_size is not None:
+            if (
+                isinstance(virtual_batch_size, bool)
+                or not isinstance(virtual_batch_size, (int, np.integer))
+                or virtual_batch_size < 1
+            ):
+                raise ValueError(f"virtual_batch_size must be a positive int (examples per virtual batch) or None, got {virtual_batch_size!r}.")
+            virtual_batch_size = int(virtual_batch_size)
+            if self.synchronized or (group_size or 1) > 1:
+                raise ValueError(f"virtual_batch_size={virtual_batch_size} splits each replica's batch, and {'synchronized=True' if self.synchronized else f'group_size={group_size}'} joins several replicas' batches: pass only one of them.")
+            if kwargs.get("renorm"):
+                raise ValueError("Batch renormalization (renorm=True) has one set of batch statistics per step, virtual batches one per virtual batch: pass only one of them.")
         self.group_size = group_size
+        self.virtual_batch_size = virtual_batch_size
         # (mesh, group size) chosen by the span rule; kept so a smaller last batch cannot change the
         # groups.
         self._resolved = None
 
     def build(self, input_shape):
         super().build(input_shape)
+        if self.virtual_batch_size and self.axis % len(input_shape) == 0:
+            raise ValueError(f"virtual_batch_size={self.virtual_batch_size} splits the batch axis, which axis={self.axis} normalizes per index: use a feature axis (the default, -1).")
         # Fail at model construction, not at the first step, when the group size cannot fit the
         # strategy.
         if self.group_size is not None and tf.distribute.has_strategy():
@@ -138,7 +160,11 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
             self._checked_assignment(mesh_of(tf.distribute.get_strategy()), self.group_size)
 
     def get_config(self):
-        return {**super().get_config(), "group_size": self.group_size}
+        return {
+            **super().get_config(),
+            "group_size": self.group_size,
+            "virtual_batch_size": self.virtual_batch_size,
+        }
 
     @property
     def _renorm(self):
@@ -150,6 +176,8 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
             return super().call(inputs, training=training, mask=mask)
         if mask is not None and mask.shape.rank != inputs.shape.rank - 1:
             raise ValueError(f"The mask provided should be one dimension less than the inputs. Received: mask.shape={mask.shape}, inputs.shape={inputs.shape}")
+        if self.virtual_batch_size:
+            return self._virtual_batch_call(inputs, mask)
         # Keras's training step (upcast, statistics from `_moments`, renorm corrections, moving-
         # average updates, normalization), with the moving statistics kept where the group counted
         # nothing, and the normalization of 4-D channels-last inputs done by TensorFlow's fused
@@ -191,6 +219,63 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
             and self.axis % rank == 3
             and inputs.dtype in (tf.float32, tf.bfloat16, tf.float16)
         )
+
+    def _virtual_batch_call(self, inputs, mask):
+        """A training call that normalizes each run of `virtual_batch_size` examples of the
+        replica's batch with its own mean and variance ("ghost" batch normalization); the last run
+        holds what is left. The moving statistics move towards the virtual batches' mean and
+        variance averaged over their counted elements (the variance within a virtual batch: what
+        the layer normalized with), as in tf.keras's `virtual_batch_size`. Gradients flow through
+        each virtual batch's statistics, as plain batch norm's through the batch's."""
+        dtype = keras.backend.result_type(inputs.dtype, "float32")
+        x = tf.cast(inputs, dtype)
+        rank = x.shape.rank
+        channel_axis = self.axis % rank
+        others = [a for a in range(1, rank) if a != channel_axis]  # reduced inside an example
+        # A static batch size keeps the number of virtual batches static, as XLA needs it.
+        batch = x.shape[0] if x.shape[0] is not None else tf.shape(x)[0]
+        ids = tf.range(batch) // self.virtual_batch_size
+        count = (batch + self.virtual_batch_size - 1) // self.virtual_batch_size
+
+        def per_virtual_batch(per_example):  # [batch, channels] -> [virtual batches, channels]
+            return tf.math.unsorted_segment_sum(per_example, ids, count)
+
+        shape = [1] * rank
+        shape[0], shape[channel_axis] = -1, x.shape[channel_axis]
+
+        def per_element(per_batch):  # [virtual batches, channels] -> broadcastable to x
+            return tf.reshape(tf.gather(per_batch, ids), shape)
+
+        if mask is None:
+            weights = None
+            inside = tf.gather(tf.shape(x), tf.constant(others, tf.int32))
+            elements = tf.cast(tf.reduce_prod(inside), dtype)
+            counted = per_virtual_batch(tf.fill([batch, 1], elements))
+        else:
+            weights = tf.cast(tf.expand_dims(tf.cast(mask, tf.bool), -1), dtype)
+            weights = tf.broadcast_to(weights, tf.shape(x))
+            counted = per_virtual_batch(tf.reduce_sum(weights, others))
+        weighted = x if weights is None else x * weights
+        sums = per_virtual_batch(tf.reduce_sum(weighted, others))
+        counted = tf.broadcast_to(counted, tf.shape(sums))
+        mean = tf.math.divide_no_nan(sums, counted)
+        deviation = x - per_element(mean)
+        squares = tf.square(deviation) if weights is None else tf.square(deviation) * weights
+        variance = tf.math.divide_no_nan(per_virtual_batch(tf.reduce_sum(squares, others)), counted)
+
+        outputs = deviation * per_element(tf.math.rsqrt(variance + self.epsilon))
+        parameter_shape = [1] + shape[1:]
+        if self.scale:
+            outputs *= tf.reshape(tf.cast(self.gamma, dtype), parameter_shape)
+        if self.center:
+            outputs += tf.reshape(tf.cast(self.beta, dtype), parameter_shape)
+
+        total = tf.reduce_sum(counted, axis=0)
+        filled = None if not self._may_be_empty(inputs, mask) else total > 0
+        batch_mean = tf.math.divide_no_nan(tf.reduce_sum(counted * mean, axis=0), total)
+        batch_variance = tf.math.divide_no_nan(tf.reduce_sum(counted * variance, axis=0), total)
+        self._update_moving_statistics(batch_mean, batch_variance, filled)
+        return tf.cast(outputs, self.compute_dtype)
 
     def _update_moving_statistics(self, mean, variance, filled):
         """Keras's moving-average updates from the batch statistics, except where `filled` is False.
@@ -318,6 +403,8 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
     def _group_size_for(self, mesh, inputs):
         if self.group_size is not None:
             return self.group_size
+        if self.virtual_batch_size:
+            return 1  # the span is reached inside each replica
         if self.synchronized:
             return mesh.num_replicas
         if self._resolved is not None and self._resolved[0] == mesh:

@@ -19,6 +19,7 @@ def resnet50(
     normalize_inputs=False,
     space_to_depth=False,
     name="resnet50",
+    bn_virtual_batch_size=None,
 ):
     """Builds ResNet-50 v1.5, the model of the large-batch ImageNet recipe.
 
@@ -46,6 +47,10 @@ def resnet50(
             batch norm normalizes together; it must divide the number of replicas. `1`
             gives per-replica statistics; `None` lets each layer pick the smallest group
             whose span (per-replica batch x group size) reaches 64 examples.
+        bn_virtual_batch_size: Integer or `None`, examples per virtual batch of every batch
+            norm (`DistributedBatchNormalization(virtual_batch_size=...)`): each run of that
+            many examples of a replica's batch is normalized on its own. `None`: the whole
+            replica's batch (or group's).
         input_shape: Shape of one image, channels last. Defaults to `(224, 224, 3)`.
         kernel_regularizer: Optional regularizer for every convolution and dense kernel.
             Leave it `None` with `tpu_scale.optimizers.LARS`, whose `weight_decay`
@@ -79,6 +84,7 @@ def resnet50(
         kernel_regularizer=kernel_regularizer,
         normalize_inputs=normalize_inputs,
         name=name,
+        bn_virtual_batch_size=bn_virtual_batch_size,
     )
 
 
@@ -92,6 +98,7 @@ def small_resnet(
     kernel_regularizer=None,
     normalize_inputs=False,
     name="small_resnet",
+    bn_virtual_batch_size=None,
 ):
     """Builds a small ResNet of the same structure as `resnet50`, for CPU-sized runs.
 
@@ -114,6 +121,7 @@ def small_resnet(
         bottleneck: Boolean. `True` uses ResNet-50's 1x1-3x3-1x1 bottleneck blocks;
             `False` (the default) basic blocks of two 3x3 convolutions.
         bn_group_size: Integer or `None`, as for `resnet50`.
+        bn_virtual_batch_size: Integer or `None`, as for `resnet50`.
         kernel_regularizer: Optional kernel regularizer, as for `resnet50`.
         normalize_inputs: Boolean, as for `resnet50`: uint8 pixels in, normalized by
             the model's first layer.
@@ -145,6 +153,7 @@ def small_resnet(
         kernel_regularizer=kernel_regularizer,
         normalize_inputs=normalize_inputs,
         name=name,
+        bn_virtual_batch_size=bn_virtual_batch_size,
     )
 
 
@@ -159,6 +168,7 @@ def _resnet(
     kernel_regularizer,
     normalize_inputs,
     name,
+    bn_virtual_batch_size=None,
 ):
     if (
         isinstance(num_classes, bool)
@@ -166,7 +176,7 @@ def _resnet(
         or num_classes < 1
     ):
         raise ValueError(f"`num_classes` must be a positive integer; received {num_classes!r}.")
-    layers = _Layers(bn_group_size, kernel_regularizer)
+    layers = _Layers(bn_group_size, kernel_regularizer, bn_virtual_batch_size)
     inputs = keras.Input(
         shape=tuple(input_shape), dtype="uint8" if normalize_inputs else None, name="images"
     )
@@ -190,8 +200,9 @@ def _resnet(
 class _Layers:
     """Makes the convolutions and batch norms of one model, with its shared settings."""
 
-    def __init__(self, bn_group_size, kernel_regularizer):
+    def __init__(self, bn_group_size, kernel_regularizer, bn_virtual_batch_size=None):
         self.bn_group_size = bn_group_size
+        self.bn_virtual_batch_size = bn_virtual_batch_size
         self.kernel_regularizer = kernel_regularizer
 
     def conv(self, x, filters, kernel_size, strides, name):
@@ -219,6 +230,7 @@ class _Layers:
     def bn(self, x, name, zero_gamma=False):
         return DistributedBatchNormalization(
             group_size=self.bn_group_size,
+            virtual_batch_size=self.bn_virtual_batch_size,
             momentum=_BN_MOMENTUM,
             epsilon=_BN_EPSILON,
             gamma_initializer="zeros" if zero_gamma else "ones",
