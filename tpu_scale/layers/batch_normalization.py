@@ -120,24 +120,13 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
             for name in asked:
                 kwargs.pop(name)
         super().__init__(**kwargs)
-        if group_size is not None:
-            if (
-                isinstance(group_size, bool)
-                or not isinstance(group_size, (int, np.integer))
-                or group_size < 1
-            ):
-                raise ValueError(f"group_size must be a positive int (replicas per group) or None, got {group_size!r}.")
-            group_size = int(group_size)
-            if self.synchronized and group_size == 1:
-                raise ValueError("synchronized=True asks for statistics over all replicas but group_size=1 asks for local ones; pass only one of them.")
+        group_size = _positive_int_or_none(group_size, "group_size", "replicas per group")
+        if self.synchronized and group_size == 1:
+            raise ValueError("synchronized=True asks for statistics over all replicas but group_size=1 asks for local ones; pass only one of them.")
+        virtual_batch_size = _positive_int_or_none(
+            virtual_batch_size, "virtual_batch_size", "examples per virtual batch"
+        )
         if virtual_batch_size is not None:
-            if (
-                isinstance(virtual_batch_size, bool)
-                or not isinstance(virtual_batch_size, (int, np.integer))
-                or virtual_batch_size < 1
-            ):
-                raise ValueError(f"virtual_batch_size must be a positive int (examples per virtual batch) or None, got {virtual_batch_size!r}.")
-            virtual_batch_size = int(virtual_batch_size)
             if self.synchronized or (group_size or 1) > 1:
                 raise ValueError(f"virtual_batch_size={virtual_batch_size} splits each replica's batch, and {'synchronized=True' if self.synchronized else f'group_size={group_size}'} joins several replicas' batches: pass only one of them.")
             if kwargs.get("renorm"):
@@ -423,6 +412,15 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
             return mesh.group_assignment(group_size, tiled=mesh.is_torus)
         except ValueError as e:
             raise ValueError(f"Layer {self.name!r} (DistributedBatchNormalization): {e}") from None
+
+
+def _positive_int_or_none(value, name, unit):
+    """`value` as an int, None kept; a ValueError naming `name` for anything but a positive int."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int ({unit}) or None, got {value!r}.")
+    return int(value)
 
 
 def _moments_from_members(x, members, weights, groups, broadcast_shape):
