@@ -67,7 +67,13 @@ def workers_main():
     strategy = tpu_scale.create_strategy(
         num_cpu_replicas=int(os.environ["TPU_SCALE_CPUS_PER_WORKER"]), weight_update_sharding=True
     )
-    weight_update.SAVE_WAIT_SECONDS = 60  # a worker that does not save fails the test, not hangs
+    # Each fit ends by deleting its data iterator, which on CPU hosts can stall one worker for
+    # tens of seconds (_workarounds.batch_scheduling), more under CI's load: these worker
+    # processes take the package's opt-in fix, and the saves wait for a late worker up to 300 s.
+    # A worker that does not save still fails the test, not hangs it (the cluster's limit is 600 s;
+    # the chief's save alone, last, waits 5 s).
+    tpu_scale.process.avoid_iterator_stalls()
+    weight_update.SAVE_WAIT_SECONDS = 300
     x, y = _data()
     scratch = tempfile.mkdtemp(prefix="tpu_scale_test_")  # each worker's own
     out = {"mesh": strategy.mesh.shape, "cases": {}}
