@@ -42,6 +42,16 @@ def _initial_weights(channels, seed, renorm=False):
     return [w.astype(np.float32) for w in weights]
 
 
+def _layer_under(strategy, features_shape, weights, **kwargs):
+    """`DistributedBatchNormalization(**kwargs)` made in `strategy`'s scope, built for examples
+    of `features_shape` (the shape without the batch) and set to `weights`."""
+    with strategy.scope():
+        layer = DistributedBatchNormalization(**kwargs)
+        layer.build((None,) + tuple(features_shape))
+        layer.set_weights(weights)
+    return layer
+
+
 def _run_replicas(strategy, layer, x, dy, mask=None, eager=False):
     """Each replica r runs `layer(x[r], training=True)` and back-propagates `dy[r]`.
 
@@ -160,10 +170,7 @@ def test_matches_plain_batch_norm_over_each_group(strategy, case, group_size):
     kwargs = dict(kwargs, momentum=0.7)
     channels = shape[kwargs.get("axis", -1)]
     weights = _initial_weights(channels, seed=group_size, renorm=kwargs.get("renorm", False))
-    with strategy.scope():
-        layer = DistributedBatchNormalization(group_size=group_size, **kwargs)
-        layer.build((None,) + shape[1:])
-        layer.set_weights(weights)
+    layer = _layer_under(strategy, shape[1:], weights, group_size=group_size, **kwargs)
     x, dy = _case_inputs(shape, dtype, seed=group_size)
     results = _run_replicas(strategy, layer, x, dy)
     _check_against_groups(results, x, dy, group_size, kwargs, weights, tolerance)
@@ -172,10 +179,7 @@ def test_matches_plain_batch_norm_over_each_group(strategy, case, group_size):
 def test_eager_replicas_match_the_reference(strategy):
     shape, kwargs, dtype, tolerance = CASES["channels_last"]
     weights = _initial_weights(shape[-1], seed=7)
-    with strategy.scope():
-        layer = DistributedBatchNormalization(group_size=4, momentum=0.7)
-        layer.build((None,) + shape[1:])
-        layer.set_weights(weights)
+    layer = _layer_under(strategy, shape[1:], weights, group_size=4, momentum=0.7)
     x, dy = _case_inputs(shape, dtype, seed=7)
     results = _run_replicas(strategy, layer, x, dy, eager=True)
     _check_against_groups(results, x, dy, 4, {"momentum": 0.7}, weights, tolerance)
@@ -190,10 +194,7 @@ def test_masked_elements_do_not_count(strategy):
     lengths[5] = 0
     mask = tf.constant(np.arange(6)[None, None, :] < lengths[..., None])
     weights = _initial_weights(3, seed=3)
-    with strategy.scope():
-        layer = DistributedBatchNormalization(group_size=2, momentum=0.5)
-        layer.build((None, 6, 3))
-        layer.set_weights(weights)
+    layer = _layer_under(strategy, (6, 3), weights, group_size=2, momentum=0.5)
     results = _run_replicas(strategy, layer, x, dy, mask=mask)
     _check_against_groups(results, x, dy, 2, {"momentum": 0.5}, weights, (1e-5, 2e-5), mask=mask)
 
@@ -245,10 +246,7 @@ def test_virtual_batches_match_plain_batch_norm_over_each(strategy, shape, kwarg
     dtype = tf.bfloat16 if "dtype" in kwargs else tf.float32
     tolerance = (2e-2, 5e-2) if "dtype" in kwargs else (1e-5, 2e-5)
     weights = _initial_weights(shape[kwargs.get("axis", -1)], seed=size)
-    with strategy.scope():
-        layer = DistributedBatchNormalization(virtual_batch_size=size, **kwargs)
-        layer.build((None,) + shape[1:])
-        layer.set_weights(weights)
+    layer = _layer_under(strategy, shape[1:], weights, virtual_batch_size=size, **kwargs)
     x, dy = _case_inputs(shape, dtype, seed=size)
     results = _run_replicas(strategy, layer, x, dy)
     _check_against_virtual_batches(results, x, dy, size, kwargs, weights, tolerance)
@@ -324,10 +322,7 @@ def test_large_mean_keeps_precision_through_the_moving_mean_shift(strategy):
 def test_synchronized_means_all_replicas(strategy):
     shape, _, dtype, tolerance = CASES["odd_channels_1d"]
     weights = _initial_weights(shape[-1], seed=5)
-    with strategy.scope():
-        layer = DistributedBatchNormalization(synchronized=True, momentum=0.7)
-        layer.build((None,) + shape[1:])
-        layer.set_weights(weights)
+    layer = _layer_under(strategy, shape[1:], weights, synchronized=True, momentum=0.7)
     x, dy = _case_inputs(shape, dtype, seed=5)
     results = _run_replicas(strategy, layer, x, dy)
     _check_against_groups(results, x, dy, 8, {"momentum": 0.7}, weights, tolerance)
@@ -443,10 +438,7 @@ def test_empty_and_uneven_replica_batches_match_the_reference(
     kwargs = dict(kwargs, momentum=0.7)
     channels = ((None,) + shape)[kwargs.get("axis", -1)]
     weights = _initial_weights(channels, seed=sum(sizes), renorm=kwargs.get("renorm", False))
-    with strategy.scope():
-        layer = DistributedBatchNormalization(group_size=group_size, **kwargs)
-        layer.build((None,) + shape)
-        layer.set_weights(weights)
+    layer = _layer_under(strategy, shape, weights, group_size=group_size, **kwargs)
     rng = np.random.default_rng(len(sizes) + group_size)
     xs = [tf.constant(rng.normal(1.5, 2.0, size=(n,) + shape), tf.float32) for n in sizes]
     dys = [tf.constant(rng.normal(size=(n,) + shape), tf.float32) for n in sizes]
