@@ -91,11 +91,19 @@ def test_recipe_forced_optimizer_keeps_its_own_rule():
 
 
 def test_recipe_warmup_lasts_enough_steps():
-    # 1617 examples at batch 512: 3 steps an epoch; 2 epochs would be 6 steps of warmup.
-    short = recipe_for_batch(512, 60, train_examples=1617)
-    assert short.warmup_epochs == pytest.approx(50 / 3)
+    # 1617 examples at batch 256: 6 steps an epoch; 2 epochs would be 12 steps of warmup.
+    short = recipe_for_batch(256, 60, train_examples=1617)
+    assert short.warmup_epochs == pytest.approx(50 / 6)
     # ... but never more than 40% of the run.
-    assert recipe_for_batch(512, 20, steps_per_epoch=3).warmup_epochs == pytest.approx(8.0)
+    assert recipe_for_batch(256, 20, steps_per_epoch=3).warmup_epochs == pytest.approx(8.0)
+    # From batch 512, at the short run's largest rate, momentum SGD's floor is 200 steps: 4.5
+    # epochs of a 22,788-image folder (44 steps an epoch), where the rule's 2 are 88 steps.
+    folder = recipe_for_batch(512, 15, train_examples=22_788, num_classes=10)
+    assert folder.warmup_epochs == pytest.approx(200 / 44)
+    assert recipe_for_batch(1024, 15, steps_per_epoch=22).warmup_epochs == pytest.approx(6.0)
+    assert recipe_for_batch(511, 15, steps_per_epoch=44).warmup_epochs == 2.0
+    # Enough steps an epoch (a 90-epoch ImageNet run at 8192: 156 an epoch): the rule's epochs.
+    assert recipe_for_batch(8192, 90, train_examples=1281167).warmup_epochs == 2.0
     # Enough steps an epoch: the rule's epochs.
     assert recipe_for_batch(256, 15, steps_per_epoch=63).warmup_epochs == 2.0
     assert recipe_for_batch(64, 15, steps_per_epoch=300).warmup_epochs == 0.5

@@ -34,6 +34,12 @@ SGD_WARMUP_FULL_BATCH = 256
 # of a small dataset at a large batch is a handful of steps, too few to warm up in. Momentum SGD's
 # floor shrinks with its warmup below SGD_WARMUP_FULL_BATCH (12.5 steps at batch 64).
 MIN_WARMUP_STEPS = 50
+# From batch SHORT_RUN_MAX_BATCH on, where a short run's rate is at its largest (2.26), momentum
+# SGD warms up for at least LARGE_BATCH_MIN_WARMUP_STEPS: 2 epochs of a 20,000-image folder at
+# batch 512 are 80-90 steps, too steep a climb to that rate (0.9 points of top-1 lost against 200
+# steps on the tuning set photoletters, benchmarks/README.md); at batch 256 and below the rule's
+# epochs are twice those steps or more.
+LARGE_BATCH_MIN_WARMUP_STEPS = 200
 # The longest warmup, as a fraction of the run, when the run's length is known.
 MAX_WARMUP_FRACTION = 0.4
 OPTIMIZERS = ("sgd", "lars")
@@ -260,7 +266,8 @@ def recipe_for_batch(
     | LARS peak rate, warmup | `reference_lars_hparams(batch)`: 25, 34, 35 and 5, 12, 34 epochs at |
     | | 16K, 32K, 64K, the paper's settings unchanged |
     | warmup | SGD 2 epochs from batch 256, scaled with the batch below (0.5 at 64); at least |
-    | | 50 optimizer steps, scaled alike for SGD (12.5 at 64); at most 40% of the run |
+    | | 50 optimizer steps, scaled alike for SGD (12.5 at 64), and for SGD 200 from batch 512; |
+    | | at most 40% of the run |
     | decay | to 0 (`WarmupPolynomialDecay`); SGD: `default_decay_power(train_examples, |
     | | num_classes)`, linear below 1,000 training examples a class, else quadratic; LARS |
     | | quadratic |
@@ -284,8 +291,10 @@ def recipe_for_batch(
     (momentum 0.9): at the short-run rate the weights themselves jump from step to step, and the
     rate decays to 0, so the two meet at the end; a longer window lags the statistics. Below batch
     256 the warmup is shorter, and so is its floor of steps: a small dataset's first epoch is then
-    already past chance. The rules were chosen on two real datasets (scikit-learn's digits and
-    animal silhouettes) and checked on others the choice never saw, against a sweep around the
+    already past chance. From batch 512 its floor is longer: a folder of 20,000 images is 40
+    steps an epoch there, and a climb to the largest rate in 2 epochs costs a point. The rules
+    were chosen on real datasets (scikit-learn's digits, animal silhouettes and letters on photos)
+    and checked on others the choice never saw, against a sweep around the
     default, Adam with its defaults and a practised Keras script (`benchmarks/recipe_datasets.py`,
     `benchmarks/time_to_accuracy.py`; figures in `benchmarks/README.md`). LARS below 16K lost to
     momentum SGD there at every rate tried, which is why the paper's LARS settings are kept for
@@ -299,7 +308,7 @@ def recipe_for_batch(
         steps_per_epoch: Optional integer, optimizer steps per epoch (defaults to
             `train_examples // global_batch_size` when that is known). If known, the warmup
             lasts at least `MIN_WARMUP_STEPS` (50) steps, for SGD below batch 256 proportionally
-            fewer.
+            fewer and from batch 512 `LARGE_BATCH_MIN_WARMUP_STEPS` (200).
         train_examples: Optional integer, training examples per epoch; it chooses the
             augmentation (ImageNet's from `IMAGENET_AUGMENTATION_MIN_EXAMPLES` on).
         num_classes: Optional integer, the number of classes; with `train_examples` it
@@ -360,6 +369,8 @@ def recipe_for_batch(
         small_batch = min(1.0, global_batch_size / SGD_WARMUP_FULL_BATCH)
         warmup = SGD_WARMUP_EPOCHS * small_batch
         min_warmup_steps = MIN_WARMUP_STEPS * small_batch
+        if global_batch_size >= SHORT_RUN_MAX_BATCH:
+            min_warmup_steps = LARGE_BATCH_MIN_WARMUP_STEPS
     else:
         reference = reference_lars_hparams(global_batch_size)
         peak, warmup = reference["peak_learning_rate"], reference["warmup_epochs"]
