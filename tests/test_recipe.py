@@ -158,18 +158,19 @@ def test_recipe_augmentation_fits_the_data():
 
 
 def test_recipe_weight_decay_by_data_size():
-    # Small data, a few hundred examples a class: SGD's stronger decay.
+    # Small data, below 100,000 examples in all, however many a class: SGD's stronger decay.
     assert recipe_for_batch(64, 15, train_examples=4500, num_classes=10).weight_decay == 5e-4
     assert recipe_for_batch(512, 30, train_examples=2361, num_classes=4).weight_decay == 5e-4
-    assert recipe_lib.default_weight_decay(9_999, 10) == 5e-4
-    # From 1,000 a class on, and for ImageNet (1,281 a class) or full MNIST: the reference 1e-4.
-    assert recipe_lib.default_weight_decay(10_000, 10) == 1e-4
+    assert recipe_for_batch(512, 15, train_examples=22_788, num_classes=10).weight_decay == 5e-4
+    assert recipe_for_batch(4096, 10, train_examples=63_000, num_classes=10).weight_decay == 5e-4
+    assert recipe_lib.default_weight_decay(99_999) == 5e-4
+    # From 100,000 on, ImageNet's scale (1.28 million, 1,281 a class): the reference 1e-4.
+    assert recipe_lib.default_weight_decay(100_000) == 1e-4
     imagenet = recipe_for_batch(1024, 90, train_examples=1281167, num_classes=1000)
     assert imagenet.weight_decay == 1e-4
-    assert recipe_for_batch(4096, 10, train_examples=63_000, num_classes=10).weight_decay == 1e-4
     # Data unknown: the reference value.
     assert recipe_for_batch(64, 15).weight_decay == 1e-4
-    assert recipe_for_batch(64, 15, train_examples=4500).weight_decay == 1e-4
+    assert recipe_for_batch(64, 15, num_classes=10).weight_decay == 1e-4
     # LARS keeps the paper's decay whatever the data.
     lars = recipe_for_batch(32768, 72, train_examples=4500, num_classes=10)
     assert lars.optimizer == "lars" and lars.weight_decay == 1e-4
@@ -181,13 +182,12 @@ def test_recipe_weight_decay_by_data_size():
 
 
 def test_recipe_decay_is_slower_on_small_data():
-    # Below 1,000 examples a class, momentum SGD's rate decays linearly; quadratically from there,
-    # for unknown data and for LARS.
+    # Below 100,000 examples, momentum SGD's rate decays linearly; quadratically from there, for
+    # unknown data and for LARS.
     small = recipe_for_batch(64, 15, train_examples=4500, num_classes=10)
     assert small.decay_power == 1.0
-    assert recipe_lib.default_decay_power(9_999, 10) == 1.0
-    assert recipe_lib.default_decay_power(10_000, 10) == 2.0
-    assert recipe_lib.default_decay_power(4500) == recipe_lib.default_decay_power() == 2.0
+    assert recipe_lib.default_decay_power(99_999) == 1.0
+    assert recipe_lib.default_decay_power(100_000) == recipe_lib.default_decay_power() == 2.0
     imagenet = recipe_for_batch(1024, 90, train_examples=1281167, num_classes=1000)
     assert imagenet.decay_power == 2.0
     lars = recipe_for_batch(32768, 72, train_examples=4500, num_classes=10)

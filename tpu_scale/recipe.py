@@ -64,21 +64,23 @@ AUGMENTATIONS = {
         _WHOLE, crop_area_range=(0.08, 1.0), random_flip=True, center_crop_fraction=224 / 256
     ),
 }
-# From this many training examples on (ImageNet's scale), the default augmentation is ImageNet's;
-# below, none for runs of up to LIGHT_AUGMENTATION_MIN_EPOCHS epochs, light for longer ones.
-IMAGENET_AUGMENTATION_MIN_EXAMPLES = 100_000
+# Small data: fewer than SMALL_DATA_EXAMPLES training examples (ImageNet has 1.28 million). Its
+# default augmentation is none for runs of up to LIGHT_AUGMENTATION_MIN_EPOCHS epochs and light
+# for longer ones, not ImageNet's; in its place momentum SGD regularizes by a stronger weight
+# decay and a slower finish (below). The line is drawn by the whole count, not by a count a class:
+# a folder of 2,000 images a class and 20,000 in all is still learned by heart in a short run,
+# and ImageNet, 1,281 a class, keeps the reference recipe.
+SMALL_DATA_EXAMPLES = 100_000
 LIGHT_AUGMENTATION_MIN_EPOCHS = 30
-# Momentum SGD's weight decay by data size: SMALL_DATA_WEIGHT_DECAY below
-# SMALL_DATA_EXAMPLES_PER_CLASS training examples a class, WEIGHT_DECAY from there on (ImageNet,
-# 1,281 a class, keeps the reference 1e-4) and when the data are unknown.
+# Momentum SGD's weight decay: SMALL_DATA_WEIGHT_DECAY on small data, WEIGHT_DECAY (the reference
+# recipe's) from SMALL_DATA_EXAMPLES on and when the data are unknown.
 WEIGHT_DECAY = 1e-4
 SMALL_DATA_WEIGHT_DECAY = 5e-4
-SMALL_DATA_EXAMPLES_PER_CLASS = 1_000
-# Momentum SGD's decay after warmup by data size: linear (power SMALL_DATA_DECAY_POWER) below
-# SMALL_DATA_EXAMPLES_PER_CLASS training examples a class, quadratic (DECAY_POWER, the reference
-# recipe's) from there on and when the data are unknown. The linear decay keeps the rate higher
-# through the run's second half, a slower finish: the weights keep moving, with the stronger
-# weight decay pulling them in, after a small dataset is learned by heart.
+# Momentum SGD's decay after warmup: linear (power SMALL_DATA_DECAY_POWER) on small data,
+# quadratic (DECAY_POWER, the reference recipe's) from SMALL_DATA_EXAMPLES on and when the data
+# are unknown. The linear decay keeps the rate higher through the run's second half, a slower
+# finish: the weights keep moving, with the stronger weight decay pulling them in, after a small
+# dataset is learned by heart.
 DECAY_POWER = 2.0
 SMALL_DATA_DECAY_POWER = 1.0
 # Momentum SGD's weights are evaluated and saved as their moving average (Keras's `use_ema`) with
@@ -268,23 +270,22 @@ def recipe_for_batch(
     | warmup | SGD 2 epochs from batch 256, scaled with the batch below (0.5 at 64); at least |
     | | 50 optimizer steps, scaled alike for SGD (12.5 at 64), and for SGD 200 from batch 512; |
     | | at most 40% of the run |
-    | decay | to 0 (`WarmupPolynomialDecay`); SGD: `default_decay_power(train_examples, |
-    | | num_classes)`, linear below 1,000 training examples a class, else quadratic; LARS |
-    | | quadratic |
-    | weight decay | SGD: `default_weight_decay(train_examples, num_classes)`, 5e-4 below |
-    | | 1,000 training examples a class, else 1e-4; LARS 1e-4 (none on batch-norm parameters |
-    | | and biases) |
+    | decay | to 0 (`WarmupPolynomialDecay`); SGD: `default_decay_power(train_examples)`, |
+    | | linear below 100,000 training examples, else quadratic; LARS quadratic |
+    | weight decay | SGD: `default_weight_decay(train_examples)`, 5e-4 below 100,000 training |
+    | | examples, else 1e-4; LARS 1e-4 (none on batch-norm parameters and biases) |
     | label smoothing | 0.1 |
     | weights evaluated and saved | SGD: their moving average, momentum 0.9 (Keras's `use_ema`; |
     | | `Recipe.callbacks` for `fit`'s validation); LARS: the weights as trained |
     | augmentation | `default_augmentation(train_examples, total_epochs)`: ImageNet's crop and |
     | | flip from 100,000 examples (or unknown data); none below, light crops past 30 epochs |
 
-    Small data (below 1,000 training examples a class) get SGD's stronger weight decay and a
-    linear decay of the rate (a slower finish) and keep the rest: a short run on a few hundred
-    images a class learns them by heart halfway through, and of the candidates measured on the
-    tuning sets (stronger decay, label-safe crops and translation, more label smoothing, AdamW)
-    these two lost on neither set while keeping the fast start that augmentation slows
+    Small data (below 100,000 training examples, where ImageNet's augmentation is off) get SGD's
+    stronger weight decay and a linear decay of the rate (a slower finish) and keep the rest: a
+    short run on a few hundred or a few thousand images a class learns them by heart halfway
+    through, and of the candidates measured on the tuning sets (stronger decay, label-safe crops
+    and translation, more label smoothing, AdamW) these two lost on no set while keeping the
+    fast start that augmentation slows
     (`--weight_decay`, `--augmentation` and the other flags of `examples/train_imagenet.py`
     override each part). No setting depends on the image size. SGD's weights are evaluated as their
     moving average over the last ~10 steps, the window of the batch norm's moving statistics
@@ -310,9 +311,10 @@ def recipe_for_batch(
             lasts at least `MIN_WARMUP_STEPS` (50) steps, for SGD below batch 256 proportionally
             fewer and from batch 512 `LARGE_BATCH_MIN_WARMUP_STEPS` (200).
         train_examples: Optional integer, training examples per epoch; it chooses the
-            augmentation (ImageNet's from `IMAGENET_AUGMENTATION_MIN_EXAMPLES` on).
-        num_classes: Optional integer, the number of classes; with `train_examples` it
-            chooses SGD's weight decay (`default_weight_decay`).
+            augmentation, SGD's weight decay and its decay power (small data below
+            `SMALL_DATA_EXAMPLES`, see above).
+        num_classes: Optional integer, the number of classes; checked, no setting depends on
+            it.
         image_size: Optional integer, the training image size; checked, no setting depends on
             it (see above).
         optimizer: Optional `"sgd"` or `"lars"`: that optimizer with its own rule at any
@@ -386,8 +388,8 @@ def recipe_for_batch(
         augmentation = default_augmentation(train_examples, total_epochs)
     weight_decay, decay_power = WEIGHT_DECAY, DECAY_POWER
     if optimizer == "sgd":
-        weight_decay = default_weight_decay(train_examples, num_classes)
-        decay_power = default_decay_power(train_examples, num_classes)
+        weight_decay = default_weight_decay(train_examples)
+        decay_power = default_decay_power(train_examples)
     return Recipe(
         int(global_batch_size),
         optimizer,
@@ -432,61 +434,57 @@ def sgd_learning_rate(global_batch_size, total_steps=None):
     return short_run ** (1.0 - position) * long_run**position
 
 
-def default_weight_decay(train_examples=None, num_classes=None):
+def default_weight_decay(train_examples=None):
     """Momentum SGD's weight decay for a dataset: stronger on small data.
 
-    - `SMALL_DATA_WEIGHT_DECAY` (5e-4) below `SMALL_DATA_EXAMPLES_PER_CLASS` (1,000) training
-      examples a class: a few hundred images a class are learned by heart (training top-1 1.0)
+    - `SMALL_DATA_WEIGHT_DECAY` (5e-4) below `SMALL_DATA_EXAMPLES` (100,000) training examples:
+      a few hundred or a few thousand images a class are learned by heart (training top-1 1.0)
       halfway through a short run, and the stronger decay keeps the weights small enough to
       generalize (CIFAR-10's ResNets train with 5e-4 too).
     - `WEIGHT_DECAY` (1e-4, the reference recipe's) from there on, and when the number of
-      examples or of classes is unknown.
+      examples is unknown.
 
     Args:
         train_examples: Optional integer, training examples per epoch.
-        num_classes: Optional integer, the number of classes.
 
     Returns:
         A float.
     """
-    return SMALL_DATA_WEIGHT_DECAY if is_small_data(train_examples, num_classes) else WEIGHT_DECAY
+    return SMALL_DATA_WEIGHT_DECAY if is_small_data(train_examples) else WEIGHT_DECAY
 
 
-def default_decay_power(train_examples=None, num_classes=None):
+def default_decay_power(train_examples=None):
     """Momentum SGD's decay of the rate after warmup (the power of `WarmupPolynomialDecay`):
     slower to finish on small data.
 
-    - `SMALL_DATA_DECAY_POWER` (1, linear) below `SMALL_DATA_EXAMPLES_PER_CLASS` (1,000)
-      training examples a class: halfway through the decay the rate is still half its peak (a
-      quarter with the quadratic decay), so the weights keep moving, under the small data's
-      stronger weight decay, once the training images are learned by heart.
+    - `SMALL_DATA_DECAY_POWER` (1, linear) below `SMALL_DATA_EXAMPLES` (100,000) training
+      examples: halfway through the decay the rate is still half its peak (a quarter with the
+      quadratic decay), so the weights keep moving, under the small data's stronger weight
+      decay, once the training images are learned by heart.
     - `DECAY_POWER` (2, the reference recipe's quadratic decay) from there on, and when the
-      number of examples or of classes is unknown.
+      number of examples is unknown.
 
     Args:
         train_examples: Optional integer, training examples per epoch.
-        num_classes: Optional integer, the number of classes.
 
     Returns:
         A float.
     """
-    return SMALL_DATA_DECAY_POWER if is_small_data(train_examples, num_classes) else DECAY_POWER
+    return SMALL_DATA_DECAY_POWER if is_small_data(train_examples) else DECAY_POWER
 
 
-def is_small_data(train_examples=None, num_classes=None):
-    """True below `SMALL_DATA_EXAMPLES_PER_CLASS` training examples a class: the data that get
-    momentum SGD's small-data settings. False when either count is unknown."""
-    if train_examples is None or num_classes is None:
-        return False
-    return train_examples < SMALL_DATA_EXAMPLES_PER_CLASS * num_classes
+def is_small_data(train_examples=None):
+    """True below `SMALL_DATA_EXAMPLES` training examples: the data that get momentum SGD's
+    small-data settings and no ImageNet augmentation. False when the count is unknown."""
+    return train_examples is not None and train_examples < SMALL_DATA_EXAMPLES
 
 
 def default_augmentation(train_examples=None, total_epochs=None):
     """The augmentation level (a key of `AUGMENTATIONS`) for a dataset and a run length.
 
-    - ImageNet's (Inception crop of 8-100% of the area, flip) from
-      `IMAGENET_AUGMENTATION_MIN_EXAMPLES` (100,000) training examples on, or when the dataset's
-      size is unknown: the reference recipe's data.
+    - ImageNet's (Inception crop of 8-100% of the area, flip) from `SMALL_DATA_EXAMPLES`
+      (100,000) training examples on, or when the dataset's size is unknown: the reference
+      recipe's data.
     - Smaller datasets: none (the whole image, no flip) for runs of up to
       `LIGHT_AUGMENTATION_MIN_EPOCHS` (30) epochs; light (crops of 50-100%, no flip) for longer
       runs, which see each image often enough to learn it by heart.
@@ -500,7 +498,7 @@ def default_augmentation(train_examples=None, total_epochs=None):
     Returns:
         `"none"`, `"light"` or `"imagenet"`.
     """
-    if train_examples is None or train_examples >= IMAGENET_AUGMENTATION_MIN_EXAMPLES:
+    if not is_small_data(train_examples):
         return "imagenet"
     if total_epochs is not None and total_epochs > LIGHT_AUGMENTATION_MIN_EPOCHS:
         return "light"
