@@ -284,8 +284,8 @@ def recipe_for_batch(
     stronger weight decay and a linear decay of the rate (a slower finish) and keep the rest: a
     short run on a few hundred or a few thousand images a class learns them by heart halfway
     through, and of the candidates measured on the tuning sets (stronger decay, label-safe crops
-    and translation, more label smoothing, AdamW) these two lost on no set while keeping the
-    fast start that augmentation slows
+    and translation, more label smoothing, AdamW) these two lost beyond the seeds' spread on no
+    set while keeping the fast start that augmentation slows
     (`--weight_decay`, `--augmentation` and the other flags of `examples/train_imagenet.py`
     override each part). No setting depends on the image size. SGD's weights are evaluated as their
     moving average over the last ~10 steps, the window of the batch norm's moving statistics
