@@ -295,8 +295,8 @@ def recipe_for_batch(
     already past chance. From batch 512 its floor is longer: a folder of 20,000 images is 40
     steps an epoch there, and a climb to the largest rate in 2 epochs costs a point. The rules
     were chosen on real datasets (scikit-learn's digits, animal silhouettes and letters on photos)
-    and checked on others the choice never saw, against a sweep around the
-    default, Adam with its defaults and a practised Keras script (`benchmarks/recipe_datasets.py`,
+    and checked on others the choice never saw, against a sweep around the default, Adam with its
+    defaults and a practised Keras script (`benchmarks/recipe_datasets.py`,
     `benchmarks/time_to_accuracy.py`; figures in `benchmarks/README.md`). LARS below 16K lost to
     momentum SGD there at every rate tried, which is why the paper's LARS settings are kept for
     the batch sizes they were found at and nowhere else.
