@@ -18,6 +18,7 @@ Nothing is downloaded at run time: each loader reads files installed with its pa
 | clipart | Debian's openclipart-png | 3,037 | 8 | 64x64 RGB | drawings, by their library's category |
 | fontletters | Debian's fonts-* | 5,000 | 10 | 28x28 | the letters A-J, notMNIST-style |
 | photoletters | Debian's fonts-*, scikit-learn | 20,000+ | 10 | 28x28 RGB | the letters K-T on photo patches |
+| icons | Debian's *-icon-theme | 2,380 | 6 | 64x64 RGB | desktop icons, by their theme's context |
 
 `photodigits` is built as MNIST-M is (Ganin and Lempitsky, 2015): each of 5,000 MNIST test digits
 is blended into a random 28x28 patch of one of scikit-learn's two sample photos
@@ -48,6 +49,13 @@ Debian's), each blended into a photo patch as `photodigits` is (its own patches,
 there to choose rules for a set that size, at batch 512 (1/40 of it) as at 64, without looking at
 `photodigits22k`.
 
+`icons` is the tuning sets' 64-pixel colour set, the counterpart of `elpv` and `clipart` (both
+held out): the icons of eight of Debian's desktop icon themes (`ICON_THEMES`, from several design
+teams), one class a freedesktop.org context (actions, applications, devices, file types, places,
+status), 400 of each at most (chosen at random, seed 0). Each icon is taken at its largest size of
+48 pixels or more, once however many names link to it, on white, resized to 64x64. A class is what
+an icon is for, not what it shows: a printer is a device, a printer's queue a status.
+
 `TUNING` are the datasets the recipe's defaults were chosen on; `HELD_OUT` are the ones only used
 to check them; `FINAL_CHECK` (of `HELD_OUT`) are kept aside as the last check, looked at only
 after a default is chosen on the others. `LARGE` are big enough for effective batches in the thousands (tens of optimizer
@@ -61,7 +69,7 @@ import pickle
 
 import numpy as np
 
-TUNING = ("digits", "animals", "animals10k", "photoletters")
+TUNING = ("digits", "animals", "animals10k", "photoletters", "icons")
 HELD_OUT = ("mnist5k", "elpv", "photodigits", "photodigits22k", "clipart", "fontletters")
 FINAL_CHECK = ("elpv", "clipart", "fontletters")
 NAMES = TUNING + HELD_OUT
@@ -79,6 +87,21 @@ _CLIPART_CLASSES = (
 )
 _CLIPART_PER_CLASS = 400
 _CLIPART_MAX_PIXELS = 4_000_000
+# The icon themes `icons` reads (their folder under /usr/share/icons: Debian's package), the
+# contexts that are its classes, and how many icons of each it takes.
+ICON_THEMES = {
+    "Adwaita": "adwaita-icon-theme",
+    "Faenza": "faenza-icon-theme",
+    "elementary-xfce": "elementary-xfce-icon-theme",
+    "gnome": "gnome-icon-theme",
+    "Moka": "moka-icon-theme",
+    "nuoveXT2": "lxde-icon-theme",
+    "oxygen": "oxygen-icon-theme",
+    "Paper": "paper-icon-theme",
+}
+_ICON_CONTEXTS = ("actions", "apps", "devices", "mimetypes", "places", "status")
+_ICONS_PER_CLASS = 400
+_ICON_MIN_SIZE = 48
 # `fontletters`' letters (its classes), `photoletters`' and Debian's font packages both were
 # measured with.
 _LETTERS = "ABCDEFGHIJ"
@@ -163,6 +186,8 @@ def load(name):
         return _clipart()
     if name == "fontletters":
         return _font_letters()
+    if name == "icons":
+        return _icons()
     if name == "photoletters":
         images, labels = _font_letters(_PHOTO_LETTERS, typefaces=None)
         return _on_photos(images, seed=2), labels
@@ -259,14 +284,61 @@ def _clipart(size=64, seed=0):
         )
         paths = [path for path in paths if small_enough(path)]
         for index in sorted(rng.permutation(len(paths))[:_CLIPART_PER_CLASS]):
-            with Image.open(paths[index]) as drawing:
-                drawing = drawing.convert("RGBA")
-                side = max(drawing.size)
-                square = Image.new("RGBA", (side, side), (255, 255, 255, 255))
-                offset = ((side - drawing.width) // 2, (side - drawing.height) // 2)
-                square.alpha_composite(drawing, offset)
-                square = square.convert("RGB").resize((size, size), Image.LANCZOS)
-            images.append(np.asarray(square, np.uint8))
+            images.append(_on_white(paths[index], size))
+            labels.append(label)
+    return np.stack(images), np.asarray(labels, np.int64)
+
+
+def _on_white(path, size):
+    """The image at `path` on white, padded to a square and resized to `size` x `size` RGB."""
+    from PIL import Image
+
+    with Image.open(path) as drawing:
+        drawing = drawing.convert("RGBA")
+        side = max(drawing.size)
+        square = Image.new("RGBA", (side, side), (255, 255, 255, 255))
+        square.alpha_composite(drawing, ((side - drawing.width) // 2, (side - drawing.height) // 2))
+        return np.asarray(square.convert("RGB").resize((size, size), Image.LANCZOS), np.uint8)
+
+
+def _icons(size=64, seed=0, folder="/usr/share/icons"):
+    """Up to `_ICONS_PER_CLASS` icons of each of `_ICON_CONTEXTS` from the `ICON_THEMES`."""
+    import re
+
+    missing = [
+        package
+        for theme, package in ICON_THEMES.items()
+        if not os.path.isdir(os.path.join(folder, theme))
+    ]
+    if missing:
+        raise ImportError(
+            "Icon themes are missing: apt-get install --no-install-recommends " + " ".join(missing)
+        )
+    largest = {}  # (theme, context, name) -> (size, file): a theme's sizes of one icon, the largest
+    for theme in ICON_THEMES:
+        for root, _, files in os.walk(os.path.join(folder, theme), followlinks=True):
+            parts = root.split(os.sep)
+            sizes = [int(p.split("x")[0]) for p in parts if re.fullmatch(r"\d+(x\d+)?", p)]
+            contexts = [p for p in parts if p in _ICON_CONTEXTS]
+            if not sizes or not contexts or sizes[0] < _ICON_MIN_SIZE:
+                continue
+            for file in files:
+                if file.endswith(".png"):
+                    key = (theme, contexts[0], file)
+                    real = os.path.realpath(os.path.join(root, file))
+                    if key not in largest or largest[key][0] < sizes[0]:
+                        largest[key] = (sizes[0], real)
+    by_context, seen = {context: [] for context in _ICON_CONTEXTS}, set()
+    for (_, context, _), (_, real) in sorted(largest.items()):
+        if real not in seen:  # an icon linked under several names is one image
+            seen.add(real)
+            by_context[context].append(real)
+    rng = np.random.default_rng(seed)
+    images, labels = [], []
+    for label, context in enumerate(_ICON_CONTEXTS):
+        paths = by_context[context]
+        for index in sorted(rng.permutation(len(paths))[:_ICONS_PER_CLASS]):
+            images.append(_on_white(paths[index], size))
             labels.append(label)
     return np.stack(images), np.asarray(labels, np.int64)
 
@@ -345,8 +417,9 @@ if __name__ == "__main__":
     parser.add_argument(
         "--debian_packages",
         action="store_true",
-        help="print the Debian packages that clipart and fontletters are read from, for "
+        help="print the Debian packages that clipart, fontletters, photoletters and icons are "
+        "read from, for "
         "apt-get install --no-install-recommends $(python benchmarks/datasets.py --debian_packages)",
     )
     if parser.parse_args().debian_packages:
-        print(" ".join(("openclipart-png",) + tuple(FONT_PACKAGES)))
+        print(" ".join(("openclipart-png",) + tuple(FONT_PACKAGES) + tuple(ICON_THEMES.values())))

@@ -57,7 +57,7 @@ from time_to_accuracy import PRACTISED_PEAK, PRACTISED_WEIGHT_DECAY  # noqa: E40
 JSON_PATH = os.path.join(RESULTS, "recipe_datasets.json")
 IMAGE_SIZES = {
     "digits": 32, "animals": 28, "animals10k": 28, "mnist5k": 32, "elpv": 64, "photodigits": 32, "photodigits22k": 32,
-    "clipart": 64, "fontletters": 32, "photoletters": 32,
+    "clipart": 64, "fontletters": 32, "photoletters": 32, "icons": 64,
 }
 BATCHES = (64, 256, 512, 1024)
 LR_FACTORS = (0.5, 2.0, 4.0)

@@ -13,7 +13,9 @@ colour MNIST-M-style digits on photo patches at 28x28 (at 32 px), threshold 0.8;
 22,500 more of them built from MNIST's training digits (at 32 px), threshold 0.9, also
 at batch 512 (`--batch 512 --contenders package practised`); `clipart`, 3,037 drawings of the Open
 Clip Art Library in eight categories at 64x64 (at 64 px), threshold 0.6; `fontletters`, the
-letters A-J drawn in 250 typefaces, notMNIST-style, at 28x28 (at 32 px), threshold 0.8. The package's
+letters A-J drawn in 250 typefaces, notMNIST-style, at 28x28 (at 32 px), threshold 0.8. The tuning
+sets (`datasets.TUNING`) run here too, to compare rules before a held-out set is run: `icons`,
+2,380 desktop icons in six classes at 64x64 (at 64 px), threshold 0.7, is the 64-pixel one. The package's
 folder also holds a cut-off JPEG and a text file named .jpg; the writer skips and names them. The
 Keras contenders' folder has them removed (Keras's directory reader fails on them).
 
@@ -98,6 +100,8 @@ SETTINGS = {
     "animals": {"image_size": 28, "threshold": 0.9, "epochs": 15, "batch": 64},
     # 22,788 training images: the tuning sets' counterpart of photodigits22k, at batch 64 and 512.
     "photoletters": {"image_size": 32, "threshold": 0.8, "epochs": 15, "batch": 64},
+    # The tuning sets' 64-pixel colour set.
+    "icons": {"image_size": 64, "threshold": 0.7, "epochs": 15, "batch": 64},
 }
 HELD_OUT = ("mnist5k", "elpv", "photodigits", "photodigits22k", "clipart", "fontletters")
 TIMEOUT_S = 1800
