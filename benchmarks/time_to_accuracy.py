@@ -40,8 +40,8 @@ Contenders, each a fresh process started from here:
 
 Each contender's compute per image (`multiply_adds`: the multiply-adds of its convolutions and
 dense layers for one image, counted from the built model's layer shapes) is reported with it: the
-package's `small_resnet` has a stride-2 stem, so a time ratio says how much of it comes from a
-cheaper model.
+package's `small_resnet` has a stride-2 stem, max-pooled by 2 more from 64 px up, so a time ratio
+says how much of it comes from a cheaper model.
 
 All print one line per epoch ending in `val top-1 X` (the example does so already); each line is
 stamped with its arrival time. Per run: the seconds and epoch at which the top-1 first reaches the

@@ -106,6 +106,26 @@ def test_small_resnet_structure():
     assert deeper.output_shape == (None, 10)
 
 
+def test_small_resnet_pools_its_stem_from_64_pixels():
+    pooled, unpooled = small_resnet(10, (64, 64, 3)), small_resnet(10, (64, 64, 3), stem_pool=False)
+    assert pooled.get_layer("stage1_block1_add").output.shape[1:3] == (16, 16)
+    assert unpooled.get_layer("stage1_block1_add").output.shape[1:3] == (32, 32)
+    smaller = small_resnet(10, (48, 64, 3))  # the smaller side decides
+    assert "stem_pool" not in [layer.name for layer in smaller.layers]
+    assert small_resnet(10, (32, 32, 3)).get_layer("stage1_block1_add").output.shape[1:3] == (16, 16)
+    assert small_resnet(10, (32, 32, 3), stem_pool=True).get_layer("stem_pool").output.shape[1:3] == (8, 8)
+    # The pool has no weights: the same weights, and with them the same function up to the pool,
+    # which is ResNet-50's 3x3 stride-2 max pool of the stem's output.
+    unpooled.set_weights(pooled.get_weights())
+    images = np.random.default_rng(0).normal(size=(4, 64, 64, 3)).astype(np.float32)
+    stem = keras.Model(unpooled.input, unpooled.get_layer("stem_relu").output)(images)
+    expected = tf.nn.max_pool2d(stem, 3, 2, "SAME")
+    got = keras.Model(pooled.input, pooled.get_layer("stem_pool").output)(images)
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="`stem_pool` must be True, False or None"):
+        small_resnet(10, (64, 64, 3), stem_pool="yes")
+
+
 def test_small_resnet_forward_backward_under_mixed_bfloat16():
     previous = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
