@@ -11,10 +11,9 @@ _BN_MOMENTUM = 0.9
 _BN_EPSILON = 1e-5
 # From this image side up, `small_resnet`'s stem max-pools its output by 2, as ResNet-50's does,
 # so that its first stage works at a quarter of the image's side (16x16 at 64 px) rather than at
-# half: a quarter of the multiply-adds an image. On the 64-pixel tuning set (`icons`, 5 seeds) the
-# final top-1 was the same (median 0.740 against 0.743) and 0.7 came in half the time
-# (benchmarks/README.md, "Time to accuracy"). Below it the stem's stride alone already brings a
-# 32-pixel image to 16x16.
+# half: about a quarter of the multiply-adds an image. Small folders of 64-pixel images reach the
+# same final top-1 with it, each threshold in about half the time (benchmarks/README.md, "The stem
+# at 64 pixels"). Below it the stem's stride alone brings a 32-pixel image to 16x16.
 POOLED_STEM_MIN_SIZE = 64
 
 
@@ -138,8 +137,8 @@ def small_resnet(
             stride 2, as in `resnet50`), so the first stage works at a quarter of the
             image's side; `False` keeps it at half. `None` (the default) pools when the
             image's height and width are both at least `POOLED_STEM_MIN_SIZE` (64): at 64
-            px that does a quarter of the multiply-adds for the same top-1 on small
-            folders of images. The pool has no weights, so weights saved with one choice
+            px that does about a quarter of the multiply-adds for the same top-1 on
+            small folders of images. The pool has no weights, so weights saved with one choice
             load into the other.
         name: Name of the model.
 
