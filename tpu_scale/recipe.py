@@ -2,7 +2,9 @@
 augmentation, chosen from what the run knows (batch size, length, data).
 
 `recipe_for_batch` returns a `Recipe`; `Recipe.build_optimizer` puts the optimizer on its schedule
-(`tpu_scale.schedules`) and `Recipe.input_config` is the inputs' augmentation.
+(`tpu_scale.schedules`) and `Recipe.input_config` is the inputs' augmentation. The one rule of the
+one command that is not the training's is the model's: `small_resnet` pools its stem from
+`tpu_scale.models.resnet.POOLED_STEM_MIN_SIZE` pixels up.
 """
 
 import dataclasses
