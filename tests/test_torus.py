@@ -333,14 +333,147 @@ def test_fit_matches_native_and_sums_in_the_step_graph(shape, algorithm):
 
 def test_fit_eagerly_matches_native(monkeypatch):
     calls = []
-    original = torus.all_reduce_sum
+    original = torus.sum_across_devices
     monkeypatch.setattr(
-        torus, "all_reduce_sum", lambda *a, **k: calls.append(1) or original(*a, **k)
+        torus, "sum_across_devices", lambda *a, **k: calls.append(1) or original(*a, **k)
     )
     model, _ = _fit(_strategy((2, 4)), run_eagerly=True)
-    assert len(calls) == 8 * 4  # 8 replicas x 4 steps, every one through the torus
+    assert len(calls) == 4  # every one of the 4 steps' sums of all 8 replicas through the torus
     for w, native in zip(model.get_weights(), _native_weights()):
         np.testing.assert_allclose(w, native, atol=1e-5, rtol=0)
+
+
+# --------------------------------------------------------------------------- every program
+
+
+def _tutorial_loop(strategy, steps=3):
+    """TensorFlow's "Custom training with tf.distribute.Strategy" pattern, unchanged:
+    `strategy.run(train_step)`, `tape.gradient`, `optimizer.apply_gradients`, and a loss summed with
+    `strategy.reduce`. Returns the weights and the losses."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(steps * 16, 6)).astype("float32")
+    y = rng.integers(0, 4, size=(steps * 16,))
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16, drop_remainder=True)
+    with strategy.scope():
+        keras.utils.set_random_seed(2)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
+                                  keras.layers.Dense(4)])
+        optimizer = keras.optimizers.Adam(0.01)
+        loss_object = keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction="none"
+        )
+
+    def train_step(inputs):
+        images, labels = inputs
+        with tf.GradientTape() as tape:
+            per_example = loss_object(labels, model(images, training=True))
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=16)
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def distributed_train_step(inputs):
+        losses = strategy.run(train_step, args=(inputs,))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
+
+    losses = [float(distributed_train_step(batch))
+              for batch in strategy.experimental_distribute_dataset(dataset)]
+    return model.get_weights(), losses
+
+
+def _tensorflows_own(replicas):
+    """TensorFlow's `MirroredStrategy` on the same CPU devices, summing by
+    `ReductionToOneDevice`: no collective keys that could meet the other strategies' in this
+    process."""
+    devices = [f"/cpu:{i}" for i in range(replicas)]
+    return tf.distribute.MirroredStrategy(devices, tf.distribute.ReductionToOneDevice())
+
+
+def _said_torus(caplog):
+    return [r.getMessage() for r in caplog.records if "gradient sum by TorusAllReduce" in r.getMessage()]
+
+
+def test_tensorflows_custom_training_loop_sums_with_the_torus(caplog, monkeypatch):
+    calls = []
+    original = torus.sum_across_devices
+    monkeypatch.setattr(
+        torus, "sum_across_devices", lambda *a, **k: calls.append(a[4]) or original(*a, **k)
+    )
+    caplog.set_level("INFO", logger="tpu_scale")
+    strategy = tpu_scale.create_strategy(num_cpu_replicas=4, gradient_algorithm="torus_2d",
+                                         mesh_shape=(2, 2))
+    weights, losses = _tutorial_loop(strategy)
+    reference, reference_losses = _tutorial_loop(_tensorflows_own(4))
+    assert calls and set(calls) == {"torus_2d"}  # one sum of all gradients per trace
+    assert len(_said_torus(caplog)) == 1 and "torus_2d over mesh 2x2" in _said_torus(caplog)[0]
+    np.testing.assert_allclose(losses, reference_losses, rtol=1e-5)
+    for w, r in zip(weights, reference):
+        np.testing.assert_allclose(w, r, atol=1e-5, rtol=0)
+
+
+def test_a_plain_mirrored_strategy_takes_the_torus_as_its_cross_device_ops(caplog):
+    caplog.set_level("INFO", logger="tpu_scale")
+    devices = [f"/cpu:{i}" for i in range(4)]
+    strategy = tf.distribute.MirroredStrategy(
+        devices, cross_device_ops=tpu_scale.TorusAllReduce(ReplicaMesh.from_shape(2, 2), "torus_2d")
+    )
+    weights, _ = _tutorial_loop(strategy)
+    reference, _ = _tutorial_loop(_tensorflows_own(4))
+    for w, r in zip(weights, reference):
+        np.testing.assert_allclose(w, r, atol=1e-5, rtol=0)
+    assert _said_torus(caplog)
+
+    # A replica's own all_reduce, SUM and MEAN, graph and eager; integers go to the fallback.
+    def step():
+        ctx = tf.distribute.get_replica_context()
+        r = tf.cast(ctx.replica_id_in_sync_group, tf.float32) + 1.0
+        return (ctx.all_reduce("sum", [tf.fill([3, 5], r), tf.range(7.0) * r]),
+                ctx.all_reduce("mean", r * tf.ones([2])),
+                ctx.all_reduce("sum", tf.cast(r, tf.int64)))
+
+    for run in (lambda: strategy.run(step), tf.function(lambda: strategy.run(step))):
+        (a, b), mean, count = run()
+        for values in zip(*(strategy.experimental_local_results(v) for v in (a, b, mean, count))):
+            np.testing.assert_allclose(values[0].numpy(), np.full([3, 5], 10.0))
+            np.testing.assert_allclose(values[1].numpy(), np.arange(7.0) * 10)
+            np.testing.assert_allclose(values[2].numpy(), [2.5, 2.5])
+            assert int(values[3]) == 10
+    assert any("int64 values" in r.getMessage() for r in caplog.records)
+
+
+class OwnStep(keras.Model):
+    """A Keras model with its own `train_step`, as keras.io's "Customizing what happens in fit"."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+        self.optimizer.apply_gradients(
+            zip(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        )
+        return {"loss": loss}
+
+
+def test_a_keras_custom_train_step_sums_with_the_torus(caplog):
+    caplog.set_level("INFO", logger="tpu_scale")
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(64, 5)).astype("float32")
+    y = rng.normal(size=(64, 2)).astype("float32")
+
+    def fit(strategy):
+        with strategy.scope():
+            keras.utils.set_random_seed(5)
+            inputs = keras.Input((5,))
+            model = OwnStep(inputs, keras.layers.Dense(2)(keras.layers.Dense(6)(inputs)))
+            model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+        return model.get_weights()
+
+    weights = fit(tpu_scale.create_strategy(num_cpu_replicas=4, gradient_algorithm="ring"))
+    assert any("ring over mesh 1x4" in m for m in _said_torus(caplog))
+    for w, r in zip(weights, fit(_tensorflows_own(4))):
+        np.testing.assert_allclose(w, r, atol=1e-5, rtol=0)
 
 
 def test_the_torus_runs_for_the_strategies_that_ask_and_others_keep_native():

@@ -4,6 +4,8 @@ The public surface:
   create_strategy   finds the hardware and returns a `tf.distribute` strategy with a `.mesh`
   mesh_of           the `ReplicaMesh` of a strategy
   ReplicaMesh       the 2-D grid of replicas (TPU torus, or hosts x local devices)
+  TorusAllReduce    the torus gradient sum as a `tf.distribute.CrossDeviceOps`: every sum a
+                    strategy makes (`create_strategy`'s strategies use it)
 
 Subpackages and modules, imported on first use (`tpu_scale.data`, or `from tpu_scale import data`):
 `layers` (grouped batch norm), `collectives` (group sums over the mesh), `torus` (2-D gradient
@@ -25,7 +27,11 @@ __version__ = "0.1.0"
 
 __getattr__ = _lazy.attributes(
     __name__,
-    {"create_strategy": "tpu_scale.strategy", "mesh_of": "tpu_scale.strategy"},
+    {
+        "create_strategy": "tpu_scale.strategy",
+        "mesh_of": "tpu_scale.strategy",
+        "TorusAllReduce": "tpu_scale.torus",
+    },
     submodules=(
         "callbacks",
         "checkpointing",
@@ -47,4 +53,4 @@ __getattr__ = _lazy.attributes(
     ),
 )
 
-__all__ = ["ReplicaMesh", "create_strategy", "mesh_of"]
+__all__ = ["ReplicaMesh", "TorusAllReduce", "create_strategy", "mesh_of"]

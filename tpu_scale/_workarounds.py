@@ -12,6 +12,9 @@ Applied by the package's own strategy classes and functions, to their own object
   next_collective_key_base  every strategy in a process numbers its collective keys from 1
   multi_worker_extended     MultiWorkerMirroredStrategy uses one CPU device per worker
   reduce_nested             Keras 3 `fit` asks a multi-worker `reduce` for nested, scalar values
+  mean_of_partial_batches   Keras 3 `evaluate` fails when replicas' first batches differ in size
+                            (keras-team/keras#19246): the strategies' `reduce` takes the mean
+                            over the fullest replicas
   local_device_type         which kind of device a multi-worker strategy's replicas run on
   convolution_drops_empty_batches  oneDNN convolutions give an empty batch the wrong shape on some
                             CPUs; the exact evaluation never hands a replica an empty batch
@@ -266,6 +269,60 @@ def reduce_nested(reduce_one, reduce_op, value, axis, local_results, distribute_
             # A scalar per replica has no axis 0: its mean over examples is its mean over replicas.
             return reduce_one(reduce_op, v, None)
         return reduce_one(reduce_op, v, axis)
+
+    return tf.nest.map_structure(one, value, expand_composites=False)
+
+
+# --------------------------------------------------------------------------- Keras's first batch
+
+
+def mean_of_partial_batches(reduce_one, reduce_op, value, axis, local_results):
+    """`Strategy.reduce`, with the mean of per-replica values of different shapes taken over the
+    replicas that hold the largest.
+
+    Why: before training, evaluating or predicting under a strategy, Keras 3 takes the first
+    distributed batch and asks the strategy for its mean over the replicas
+    (`strategy.reduce("MEAN", batch, axis=None)`), only to learn the input shapes. When the data
+    end within the first global batch (a validation set smaller than the global batch), the
+    replicas' batches differ in size, some empty, and TensorFlow's mean fails: "Inputs to operation
+    AddN of type AddN must have the same size and shape". Values of different shapes have no
+    element-wise mean: here it is the mean of the replicas whose value is largest (a full replica
+    batch), so Keras builds from a full batch's shape. Every other reduction is TensorFlow's, and
+    so is this one wherever TensorFlow's would not fail (values of one shape, `axis` given, SUM).
+
+    Upstream: keras-team/keras#19246; seen with Keras 3.12.4, 3.15.1 and 3.16.0.dev2026102704 on
+    TF 2.21. It acts only where TensorFlow's reduce would fail, so it needs no switch; how to tell
+    it can go: `tests/test_workarounds.py::test_evaluate_a_validation_set_smaller_than_the_batch`
+    passes under `tf.distribute.MirroredStrategy`.
+
+    Args:
+      reduce_one: TensorFlow's `reduce(reduce_op, value, axis)`.
+      reduce_op: as for `Strategy.reduce`.
+      value: a (nested) per-replica value.
+      axis: as for `Strategy.reduce`.
+      local_results: the strategy's `experimental_local_results`.
+    """
+    import tensorflow as tf
+
+    op = tf.distribute.ReduceOp(reduce_op.upper()) if isinstance(reduce_op, str) else reduce_op
+    if axis is not None or op != tf.distribute.ReduceOp.MEAN:
+        return reduce_one(reduce_op, value, axis)
+
+    def shapes(v):
+        parts = local_results(v) if isinstance(v, tf.distribute.DistributedValues) else ()
+        return {tuple(p.shape) for p in parts if isinstance(p, tf.Tensor)}
+
+    flat = tf.nest.flatten(value, expand_composites=False)
+    if all(len(shapes(v)) < 2 for v in flat):
+        return reduce_one(reduce_op, value, axis)
+
+    def one(v):
+        if len(shapes(v)) < 2:
+            return reduce_one(reduce_op, v, axis)
+        parts = local_results(v)
+        largest = max(parts, key=lambda p: p.shape.num_elements() or 0)
+        fullest = [p for p in parts if p.shape == largest.shape]
+        return tf.add_n(fullest) / len(fullest)
 
     return tf.nest.map_structure(one, value, expand_composites=False)
 

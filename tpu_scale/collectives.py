@@ -508,6 +508,85 @@ def all_gather(x, group_assignment, in_graph=False):
     return collective_all_gather(x, Launch(members))
 
 
+# --------------------------------------------------------------------------- cross-replica form
+
+
+def _collective_reduce_scatter(x, launch):
+    return local_shard_sum(collective_all_to_all(x, launch), launch.group_size)
+
+
+# kind -> (the in-graph builder over a group's members, the collective op one member launches)
+_ACROSS_DEVICES = {
+    "sum": (_build_sum_on_first, collective_sum),
+    "reduce_scatter": (_build_reduce_scatter, _collective_reduce_scatter),
+    "all_gather": (_build_all_gather, collective_all_gather),
+}
+
+
+def local_groups_in_graph(devices):
+    """True when a group wholly on `devices` (this process's replicas) is built from plain ops
+    by `across_devices`: eagerly (replicas run one after another there), or on CPU devices (they
+    share the host's memory). GPUs keep collective ops (NCCL rings over NVLink)."""
+    if tf.executing_eagerly():
+        return True
+    return all(tf.DeviceSpec.from_string(d).device_type in (None, "CPU") for d in devices)
+
+
+def across_devices(kind, xs, group_assignment, devices, first_replica):
+    """One primitive over every local replica's tensors at once, in cross-replica context.
+
+    The form a `tf.distribute.CrossDeviceOps` needs: it receives every local replica's values
+    together (a merge call's `PerReplica`), not one replica's. Each group wholly on this process's
+    devices is built as `in_graph=True` builds it in replica context, where
+    `local_groups_in_graph(devices)` holds; every other group runs one collective op per local
+    member, launched on that member's device with the same private keys and ordering tokens as in
+    replica context, so the two forms can meet in one step.
+
+    Args:
+      kind: `"sum"`, `"reduce_scatter"` (this rank's chunk of axis 0 of the group sum) or
+        `"all_gather"` (every rank's tensor along axis 0, in rank order).
+      xs: per local replica `l` (replica id `first_replica + l`), a list of tensors; every
+        replica's list has the same length, shapes and dtypes.
+      group_assignment: int `[num_groups, group_size]` replica ids partitioning all replicas.
+      devices: the local replicas' devices, by `l`.
+      first_replica: the replica id of `devices[0]`.
+
+    Returns:
+      Per local replica, the list of its results.
+
+    Raises:
+      ValueError: for a group that leaves this process eagerly (collective ops launched one device
+        after another would wait for each other forever); run it inside `tf.function`.
+    """
+    build, launch_one = _ACROSS_DEVICES[kind]
+    groups = np.asarray(group_assignment, dtype=np.int64)
+    count = len(devices)
+    in_graph = local_groups_in_graph(devices)
+    out = [[None] * len(x) for x in xs]
+    for members in groups.tolist():
+        local = [m - first_replica for m in members]
+        mine = [i for i in local if 0 <= i < count]
+        if not mine:
+            continue  # another process's group
+        if len(members) == 1:
+            out[mine[0]] = [tf.identity(x) for x in xs[mine[0]]]
+        elif len(mine) == len(members) and in_graph:
+            for j in range(len(xs[mine[0]])):
+                if kind == "reduce_scatter":
+                    for i in mine:
+                        _check_divisible(xs[i][j], len(members), kind)
+                for i, result in zip(mine, build([xs[i][j] for i in mine], [devices[i] for i in mine])):
+                    out[i][j] = result
+        elif tf.executing_eagerly():
+            raise ValueError(f"The group {members} spans processes, and a collective op per device cannot run eagerly here (each would wait for the next). Sum inside tf.function.")
+        else:
+            for i in mine:
+                with tf.device(devices[i]):
+                    launch = Launch(members)
+                    out[i] = [launch_one(x, launch) for x in xs[i]]
+    return out
+
+
 def _check_divisible(x, group_size, name):
     first = x.shape[0] if x.shape.rank else None
     if x.shape.rank == 0:

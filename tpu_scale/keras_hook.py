@@ -316,21 +316,7 @@ class Seam:
             indices = [self._get_variable_index(v) for _, v in grads_and_vars]
             weight_update.update(self, ctx, grads_and_vars, indices, self.learning_rate, settings.gradient_dtype)
             return []
-        if not settings.torus_sum:
-            return super()._all_reduce_sum_gradients(grads_and_vars)
-        present = [(g, v) for g, v in grads_and_vars if g is not None]
-        if not present:
-            raise ValueError(f"No gradients provided for any variable: {[v.name for _, v in grads_and_vars]}.")
-        summed = iter(
-            torus.all_reduce_sum(
-                [g for g, _ in present],
-                strategy=ctx.strategy,
-                algorithm=settings.algorithm,
-                pack_bytes=settings.pack_bytes,
-                gradient_dtype=settings.gradient_dtype,
-            )
-        )
-        return [(None if g is None else next(summed), v) for g, v in grads_and_vars]
+        return super()._all_reduce_sum_gradients(grads_and_vars)
 
     def _backend_apply_gradients(self, grads, trainable_variables):
         phase = getattr(self, "_tpu_scale_phase", None)

@@ -28,8 +28,6 @@ from tpu_scale import cluster as cluster_lib
 from tpu_scale.context import mesh_of  # noqa: F401  (tpu_scale.mesh_of)
 from tpu_scale.mesh import ReplicaMesh, parse_mesh_shape
 from tpu_scale.plan import choice as plan_choice
-from tpu_scale.tf_seam import ag_ctx as autograph_ctx
-from tpu_scale.tf_seam import autograph_api as autograph
 
 logger = logging.getLogger(__name__)
 
@@ -54,25 +52,12 @@ class _MeshMixin:
         """`"torus"` or `"native"`: how `model.fit` sums gradients (`settings.reduction`)."""
         return self.settings.reduction
 
-    def run(self, fn, args=(), kwargs=None, options=None):
-        """`tf.distribute.Strategy.run`; a Keras train step with gradient accumulation is split by
-        phase (`keras_hook.run_train_step`)."""
-        # AutoGraph converts this method when a user's tf.function calls it; the work happens in
-        # `_run`, which it leaves alone, with the caller's AutoGraph status for `fn`.
-        return _run(self, fn, args, kwargs, options, autograph_ctx.control_status_ctx())
-
-
-@tf.autograph.experimental.do_not_convert
-def _run(strategy, fn, args, kwargs, options, status):
-    """`strategy.run` through `keras_hook.run_train_step`; `fn` is converted by AutoGraph as the
-    caller's `status` says (as TensorFlow's own `run` does), not as this unconverted frame's."""
-    base = super(_MeshMixin, strategy).run
-
-    def run(fn, args=(), kwargs=None, options=None):
-        fn = autograph.tf_convert(fn, status, convert_by_default=False)
-        return base(fn, args=args, kwargs=kwargs, options=options)
-
-    return keras_hook.run_train_step(run, strategy, fn, args, kwargs, options)
+    def reduce(self, reduce_op, value, axis=None):
+        """`tf.distribute.Strategy.reduce`; a mean of per-replica batches of different sizes is taken
+        over the fullest replicas (`_workarounds.mean_of_partial_batches`)."""
+        return _workarounds.mean_of_partial_batches(
+            super().reduce, reduce_op, value, axis, self.experimental_local_results
+        )
 
 
 class GradientPlanner:
@@ -163,7 +148,13 @@ class MultiWorkerMirroredStrategy(_MeshMixin, tf.distribute.MultiWorkerMirroredS
     more than one worker: `_workarounds.reduce_nested` (keras-team/keras#20585).
     """
 
-    def __init__(self, cluster_resolver=None, communication_options=None, num_local_cpus=None):
+    def __init__(
+        self,
+        cluster_resolver=None,
+        communication_options=None,
+        num_local_cpus=None,
+        cross_device_ops=None,
+    ):
         communication_options = (
             communication_options or tf.distribute.experimental.CommunicationOptions()
         )
@@ -172,6 +163,11 @@ class MultiWorkerMirroredStrategy(_MeshMixin, tf.distribute.MultiWorkerMirroredS
         extended = _workarounds.multi_worker_extended(
             self, cluster_resolver, communication_options, num_local_cpus
         )
+        if cross_device_ops is not None:
+            # TensorFlow's strategy takes no cross-device ops: they go on its extended, with
+            # TensorFlow's own collective ops as their fallback (tpu_scale.tf_seam lists the name).
+            cross_device_ops.fallback = extended._cross_device_ops
+            extended._cross_device_ops = cross_device_ops
         tf.distribute.Strategy.__init__(self, extended)
 
     def reduce(self, reduce_op, value, axis=None):
@@ -305,6 +301,16 @@ def create_strategy(
     ):
         raise ValueError(f"num_cpu_replicas must be a positive int, got {num_cpu_replicas!r}.")
 
+    # The torus sum is the strategies' cross-device ops: every sum they make goes through it.
+    sum_ops = (
+        torus.TorusAllReduce(
+            algorithm=settings.algorithm,
+            pack_bytes=settings.pack_bytes,
+            gradient_dtype=settings.gradient_dtype,
+        )
+        if settings.torus_sum
+        else None
+    )
     found = cluster_lib.discover(tpu, cluster_resolver)
     squarest = isinstance(mesh_shape, str) and mesh_shape == "squarest"
     if squarest and (found.is_tpu or found.is_multi_worker):
@@ -330,7 +336,9 @@ def create_strategy(
         num_cpu_replicas = num_cpu_replicas or cluster_lib.cpus_per_worker()
         if num_cpu_replicas and not tf.config.list_physical_devices("GPU"):
             _configure_cpu_replicas(num_cpu_replicas)
-        strategy = MultiWorkerMirroredStrategy(found.resolver, num_local_cpus=num_cpu_replicas)
+        strategy = MultiWorkerMirroredStrategy(
+            found.resolver, num_local_cpus=num_cpu_replicas, cross_device_ops=sum_ops
+        )
         local = len(strategy.extended.worker_devices)
         mesh = ReplicaMesh.for_workers(strategy.num_replicas_in_sync // local, local)
         kind = f"{mesh.shape[0]} workers x {local} {_workarounds.local_device_type(strategy)}"
@@ -342,7 +350,7 @@ def create_strategy(
         )
     elif tf.config.list_physical_devices("GPU"):
         gpus = [d.name for d in tf.config.list_logical_devices("GPU")]
-        strategy = MirroredStrategy(gpus)
+        strategy = MirroredStrategy(gpus, cross_device_ops=sum_ops)
         mesh = ReplicaMesh.for_devices(len(gpus), parse_mesh_shape(None, len(gpus)) if squarest else mesh_shape)
         kind = f"{len(gpus)} GPU(s)"
         hardware = dict(kind="gpu", replicas_per_host=len(gpus), gpu=_gpu_type())
@@ -354,7 +362,7 @@ def create_strategy(
         _configure_cpu_replicas(num_cpu_replicas or 1)
         devices = [d.name for d in tf.config.list_logical_devices("CPU")][: num_cpu_replicas or 1]
         mesh = ReplicaMesh.for_devices(len(devices), mesh_shape)
-        strategy = MirroredStrategy(devices)
+        strategy = MirroredStrategy(devices, cross_device_ops=sum_ops)
         kind = f"{len(devices)} CPU replica(s)"
         hardware = dict(kind="cpu", replicas_per_host=len(devices), mesh_shape=mesh.shape)
 
@@ -371,10 +379,14 @@ def create_strategy(
                 "weight_update_sharding=True works on CPU and GPU hosts; not on a TPU yet."
             )
         weight_update.enable(strategy)
-    if gradient_reduction == "torus":
-        # "torus" names the package's gradient sum; which algorithm it runs ("auto": the planner's
-        # cheapest for this mesh, e.g. one flat sum on one host) is logged at the first sum.
-        reduction = f"tpu_scale's, algorithm {settings.algorithm!r}"
+    if found.is_tpu:
+        # TPUStrategy sums with XLA's all-reduce, which the TPU runtime already runs in two phases
+        # on the torus; grouped batch norm still uses the mesh's group assignments.
+        reduction = "the TPU runtime's (XLA's all-reduce on the torus)"
+    elif settings.torus_sum:
+        # Which algorithm runs ("auto": the planner's cheapest for this mesh, e.g. one flat sum on
+        # one host) is logged at the first sum.
+        reduction = f"tpu_scale.TorusAllReduce, algorithm {settings.algorithm!r}"
     else:
         reduction = "TensorFlow's own"
     logger.info(

@@ -15,9 +15,10 @@ Every private name (TensorFlow versions seen on: 2.21.0, 2.23.0.dev20261026):
                                          launch's device; the in-graph    device; nothing public
                                          sums' CPU test (collectives)     reads the current device
   distribute.values                      a merge call's per-replica       public values are built
-    .PerReplica                          results (collectives), the       from a function of the
+    .PerReplica, .Mirrored               results (collectives), the       from a function of the
                                          sharded update's outputs         replica id, not from
-                                         (sharded_update)                 tensors already built
+                                         (sharded_update), the sums       tensors already built
+                                         `TorusAllReduce` returns (torus)
   ops.resource_variable_ops              the ordering token of a device   `tf.Variable` goes
     .ResourceVariable                    (collective_launch)              through the strategy's
                                                                           and Keras's creators
@@ -73,6 +74,7 @@ NAMES = (
     ("device_util", "canonicalize"),
     ("device_util", "current"),
     ("distribute_values", "PerReplica"),
+    ("distribute_values", "Mirrored"),
     ("resource_variable_ops", "ResourceVariable"),
     ("eager_context", "context"),
     ("eager_context", "Context.wait_at_barrier"),

@@ -27,10 +27,14 @@ Reference:
   Ying et al., "Image Classification at Supercomputer Scale", 2018 (arXiv:1811.06992), section 3.3.
 """
 
+import logging
+
 import numpy as np
 import tensorflow as tf
 
 from tpu_scale import collectives, context
+from tpu_scale.tf_seam import device_util
+from tpu_scale.tf_seam import distribute_values as values_lib
 from tpu_scale.torus_schedule import (  # noqa: F401  (re-exported: the public torus names)
     ALGORITHMS,
     ALL_GATHER,
@@ -56,6 +60,9 @@ from tpu_scale.torus_schedule import (  # noqa: F401  (re-exported: the public t
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 CHOICES = ALGORITHMS + ("native",)
+GRADIENT_DTYPES = (None, "float32", "bfloat16")
+
+logger = logging.getLogger(__name__)
 
 
 # Plain Python over static shapes: AutoGraph would only rewrite it again inside every user
@@ -182,8 +189,11 @@ def _check_rank_order(mesh):
     order, which is replica id order, so on CPU/GPU the mesh must number its replicas row-major
     (every `create_strategy` mesh does).
     """
-    if context.backend() != "collective":
-        return
+    if context.backend() == "collective":
+        _check_row_major(mesh)
+
+
+def _check_row_major(mesh):
     rows, cols = mesh.shape
     if not np.array_equal(mesh.grid, np.arange(rows * cols).reshape(rows, cols)):
         raise ValueError(f"The torus sum on CPU/GPU needs a mesh numbered row-major (replica r * cols + c at (r, c)), so that collective ranks match mesh columns; got {mesh.grid.tolist()}. Use ReplicaMesh.from_shape.")
@@ -196,34 +206,37 @@ def _sum_packs(packs, mesh, algorithm, transport):
     Every pack meets the phases in the same order, phase by phase: a phase's primitive gets the list
     of all packs' buffers, so on the in-graph path one merge call builds the phase for every buffer.
     """
-    buffers, lengths = [], []
-    for tensors in packs:
-        flat = (
-            tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0)
-            if len(tensors) > 1
-            else tf.reshape(tensors[0], [-1])
-        )
-        length = int(flat.shape[0])
-        padded = padded_length(length, mesh, algorithm)
-        if padded != length:
-            flat = tf.pad(flat, [[0, padded - length]])
-        itemsize = tensors[0].dtype.size
-        shares = [
-            b // itemsize for b in stream_sizes(build_schedule(mesh, padded * itemsize, algorithm))
-        ]
-        buffers.append(tf.split(flat, shares) if len(shares) > 1 else [flat])
-        lengths.append((length, padded))
-    run_streams(build_schedule(mesh, 0, algorithm).streams, buffers, transport)
-    summed = []
-    for tensors, parts, (length, padded) in zip(packs, buffers, lengths):
-        flat = tf.concat(parts, axis=0) if len(parts) > 1 else parts[0]
-        flat = flat[:length] if padded != length else flat
-        if len(tensors) == 1:
-            summed.append([tf.reshape(flat, tensors[0].shape)])
-        else:
-            pieces = tf.split(flat, [t.shape.num_elements() for t in tensors])
-            summed.append([tf.reshape(p, t.shape) for p, t in zip(pieces, tensors)])
-    return summed
+    buffers = [_to_buffer(tensors, mesh, algorithm) for tensors in packs]
+    run_streams(build_schedule(mesh, 0, algorithm).streams, [b for b, _ in buffers], transport)
+    return [_from_buffer(tensors, *b) for tensors, b in zip(packs, buffers)]
+
+
+def _to_buffer(tensors, mesh, algorithm):
+    """Same-dtype tensors as one flat buffer, padded so each stream's share splits evenly: the list
+    of the streams' shares and `(length, padded length)`."""
+    flat = (
+        tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0)
+        if len(tensors) > 1
+        else tf.reshape(tensors[0], [-1])
+    )
+    length = int(flat.shape[0])
+    padded = padded_length(length, mesh, algorithm)
+    if padded != length:
+        flat = tf.pad(flat, [[0, padded - length]])
+    itemsize = tensors[0].dtype.size
+    shares = [b // itemsize for b in stream_sizes(build_schedule(mesh, padded * itemsize, algorithm))]
+    return (tf.split(flat, shares) if len(shares) > 1 else [flat]), (length, padded)
+
+
+def _from_buffer(tensors, parts, lengths):
+    """The summed buffer's shares cut back into tensors of `tensors`' shapes."""
+    length, padded = lengths
+    flat = tf.concat(parts, axis=0) if len(parts) > 1 else parts[0]
+    flat = flat[:length] if padded != length else flat
+    if len(tensors) == 1:
+        return [tf.reshape(flat, tensors[0].shape)]
+    pieces = tf.split(flat, [t.shape.num_elements() for t in tensors])
+    return [tf.reshape(p, t.shape) for p, t in zip(pieces, tensors)]
 
 
 _PRIMITIVES = {
@@ -277,3 +290,274 @@ def run_phase(phase, xs, transport=None):
         )
         return [tf.cast(y, x.dtype) if w else y for x, y, w in zip(xs, out, wide)]
     return primitive(list(xs), phase.groups, in_graph=True)
+
+
+# --------------------------------------------------------------------------- the sum as
+# TensorFlow's seam
+
+
+class TorusAllReduce(tf.distribute.CrossDeviceOps):
+    """The torus gradient sum as a `tf.distribute.CrossDeviceOps`: every sum a strategy makes.
+
+    TensorFlow hands a strategy's sums to its cross-device ops: Keras's gradient sum in `fit`, a
+    custom loop's `optimizer.apply_gradients`, `ReplicaContext.all_reduce` and
+    `strategy.extended.batch_reduce_to`. With this class there, all of them run the torus schedule
+    of `build_schedule` over the replica mesh, with no change to the program:
+
+        strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=TorusAllReduce())
+
+    `tpu_scale.create_strategy()` puts it in place on every CPU/GPU strategy it makes (several
+    workers too) unless `gradient_reduction="native"`. On a TPU the TPU runtime sums (XLA's
+    all-reduce, already in two phases on the torus), and no cross-device ops is involved.
+
+    TensorFlow gives it every local replica's values together, in cross-replica context; each
+    phase's groups that stay on this process's CPU devices are plain ops in the step's graph,
+    every other group one collective op per device (`collectives.across_devices`). What the torus
+    does not sum goes to `fallback`, as TensorFlow's strategy would have summed it: values that
+    are not floating point or not dense (`tf.IndexedSlices`), reductions to other devices than the
+    replicas' (`strategy.reduce` to the host), sums across processes outside `tf.function`, and
+    every sum when the algorithm is `"native"`. Broadcasts and gathers go there too. Which
+    algorithm summed, and anything handed to the fallback, is logged once (Python's `tpu_scale`
+    logger, INFO). `ReduceOp.MEAN` is the sum divided by the number of replicas.
+
+    Args:
+      mesh: the `ReplicaMesh` to sum over; default: the strategy's (`tpu_scale.mesh_of`: the one
+        `create_strategy` attached, else one row per worker).
+      algorithm: `"auto"` (the planner's choice where `create_strategy` attached one, else
+        `resolve_algorithm`'s rule), `"native"` (every sum to `fallback`) or one of `ALGORITHMS`.
+      pack_bytes: gradients of one dtype are fused into buffers of about this many bytes; `None` or
+        0: one buffer per dtype. On one CPU host nothing is fused (no launch to amortize).
+      gradient_dtype: `"bfloat16"` carries the phases between processes in bfloat16; None or
+        `"float32"`: every phase in the values' own dtype.
+      fallback: the `tf.distribute.CrossDeviceOps` for everything else; default
+        `tf.distribute.ReductionToOneDevice()` (one process). With several workers, TensorFlow's
+        own collective ops, which `create_strategy`'s strategy passes.
+
+    Reference:
+      Ying et al., "Image Classification at Supercomputer Scale", 2018 (arXiv:1811.06992),
+      section 3.3.
+    """
+
+    def __init__(
+        self,
+        mesh=None,
+        algorithm=DEFAULT_ALGORITHM,
+        pack_bytes=DEFAULT_PACK_BYTES,
+        gradient_dtype=None,
+        fallback=None,
+    ):
+        super().__init__()
+        if algorithm != "auto" and algorithm not in CHOICES:
+            raise ValueError(f"algorithm={algorithm!r}; choose 'auto' or one of {CHOICES}.")
+        if pack_bytes is not None and pack_bytes < 0:
+            raise ValueError(f"pack_bytes must be positive, or None / 0 for one buffer per dtype; got {pack_bytes}.")
+        if gradient_dtype not in GRADIENT_DTYPES:
+            raise ValueError(f"gradient_dtype={gradient_dtype!r}; choose one of {GRADIENT_DTYPES} (bfloat16 halves the bytes between hosts).")
+        self.mesh = mesh
+        self.algorithm = algorithm
+        self.pack_bytes = pack_bytes
+        self.gradient_dtype = None if gradient_dtype == "float32" else gradient_dtype
+        self.fallback = fallback if fallback is not None else tf.distribute.ReductionToOneDevice()
+        self._said = set()  # what was logged, so each thing is said once
+
+    def __repr__(self):
+        mesh = "the strategy's mesh" if self.mesh is None else self.mesh
+        return f"TorusAllReduce({mesh}, algorithm={self.algorithm!r})"
+
+    # ------------------------------------------------------------------ TensorFlow's contract
+
+    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+        return self.batch_reduce_implementation(
+            reduce_op, [(per_replica_value, destinations)], options
+        )[0]
+
+    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+        strategy = tf.distribute.get_strategy()
+        devices = [device_util.canonicalize(d) for d in strategy.extended.worker_devices]
+        pairs = list(value_destination_pairs)
+        results = [None] * len(pairs)
+        mine, reasons = [], {}
+        for i, (value, destinations) in enumerate(pairs):
+            reason = self._reason_not_to_sum(strategy, devices, value, destinations)
+            if reason is None:
+                mine.append(i)
+            else:
+                reasons.setdefault(reason, []).append(i)
+        if mine:
+            mesh = self.mesh if self.mesh is not None else context.mesh_of(strategy)
+            algorithm = self._algorithm(strategy, mesh, [pairs[i][0] for i in mine])
+            if algorithm == "native":
+                reasons.setdefault("the algorithm is 'native'", []).extend(mine)
+            else:
+                summed = self._sum(strategy, devices, mesh, algorithm, [pairs[i][0] for i in mine])
+                for i, values in zip(mine, summed):
+                    if reduce_op == tf.distribute.ReduceOp.MEAN:
+                        values = [v / strategy.num_replicas_in_sync for v in values]
+                    results[i] = values_lib.Mirrored(tuple(values))
+        for reason, indices in reasons.items():
+            self._say(("fallback", reason), "tpu_scale: TorusAllReduce hands %d value(s) to %s: %s", len(indices), type(self.fallback).__name__, reason)
+            handed = self.fallback.batch_reduce(reduce_op, [pairs[i] for i in indices], options)
+            for i, value in zip(indices, handed):
+                results[i] = value
+        return results
+
+    def broadcast_implementation(self, tensor, destinations):
+        return self.fallback.broadcast_implementation(tensor, destinations)
+
+    # TensorFlow's strategies call these private methods of their cross-device ops (listed in
+    # tpu_scale.tf_seam): gathers, and the XLA-on-GPU path that sums without a merge call.
+    @property
+    def _num_between_graph_workers(self):
+        return self.fallback._num_between_graph_workers
+
+    def _gather_implementation(self, per_replica_value, destinations, axis, options):
+        return self.fallback._gather_implementation(per_replica_value, destinations, axis, options)
+
+    def _all_reduce(self, reduce_op, value, replica_id, options):
+        self._say("xla", "tpu_scale: under XLA on GPUs TensorFlow sums without a merge call: %s sums there, not the torus", type(self.fallback).__name__)
+        return self.fallback._all_reduce(reduce_op, value, replica_id, options)
+
+    def _all_gather(self, value, replica_id, axis, options):
+        return self.fallback._all_gather(value, replica_id, axis, options)
+
+    # ------------------------------------------------------------------ the torus
+
+    def _reason_not_to_sum(self, strategy, devices, value, destinations):
+        """Why the torus does not sum `value` (None when it does)."""
+        if not isinstance(value, tf.distribute.DistributedValues):
+            return "a value that is not per replica"
+        parts = strategy.experimental_local_results(value)
+        if len(parts) != len(devices):
+            return "values on other devices than the replicas'"
+        if not all(isinstance(p, tf.Tensor) for p in parts):
+            return "tf.IndexedSlices or other composite values"
+        if parts[0].dtype.name not in SUPPORTED_DTYPES:
+            return f"{parts[0].dtype.name} values (the torus sums {', '.join(SUPPORTED_DTYPES)})"
+        if not parts[0].shape.is_fully_defined():
+            return "values without a static shape"
+        if _destination_devices(strategy, destinations) != devices:
+            return "reductions to other devices than the replicas' (e.g. strategy.reduce)"
+        if tf.executing_eagerly() and len(devices) != strategy.num_replicas_in_sync:
+            return "sums across processes outside tf.function"
+        return None
+
+    def _algorithm(self, strategy, mesh, values):
+        if mesh.num_replicas != strategy.num_replicas_in_sync:
+            raise ValueError(f"TorusAllReduce's mesh {mesh} holds {mesh.num_replicas} replicas but the strategy has {strategy.num_replicas_in_sync}. Pass the strategy's own mesh (ReplicaMesh.for_devices(n) or ReplicaMesh.for_workers(workers, local)), or none.")
+        if self.algorithm != "auto":
+            return self.algorithm
+        planner = getattr(strategy, "gradient_planner", None)
+        if planner is None:
+            return resolve_algorithm("auto", mesh)
+        parts = [strategy.experimental_local_results(v)[0] for v in values]
+        return planner(mesh, [(p.shape.num_elements() * p.dtype.size, p.dtype.name) for p in parts])
+
+    def _sum(self, strategy, devices, mesh, algorithm, values):
+        """Per value, the sum on every local device (`sum_across_devices`), logged once."""
+        per_device = [list(p) for p in zip(*(strategy.experimental_local_results(v) for v in values))]
+        first = collectives.process_index(strategy) * len(devices)
+        summed = sum_across_devices(per_device, devices, first, mesh, algorithm, self.pack_bytes, self.gradient_dtype)
+        size = sum(t.shape.num_elements() * t.dtype.size for t in per_device[0])
+        self._say(("sum", algorithm, mesh), "tpu_scale: gradient sum by TorusAllReduce: %s over mesh %dx%d (%d tensors, %.1f MB at its first use)", algorithm, mesh.shape[0], mesh.shape[1], len(values), size / 1e6)
+        return [list(v) for v in zip(*summed)]
+
+    def _say(self, key, message, *args):
+        if key not in self._said:
+            self._said.add(key)
+            logger.info(message, *args)
+
+
+def _destination_devices(strategy, destinations):
+    """The canonical devices `destinations` names (a device string, a variable or a tensor, a
+    distributed value)."""
+    if isinstance(destinations, str):
+        return [device_util.canonicalize(destinations)]
+    if isinstance(destinations, tf.distribute.DistributedValues):
+        parts = strategy.experimental_local_results(destinations)
+        return [device_util.canonicalize(p.device) for p in parts]
+    return [device_util.canonicalize(destinations.device)]
+
+
+@tf.autograph.experimental.do_not_convert
+def sum_across_devices(
+    per_device, devices, first_replica, mesh, algorithm, pack_bytes=DEFAULT_PACK_BYTES, gradient_dtype=None
+):
+    """Sums tensors over all replicas of `mesh`, given every local replica's at once.
+
+    The cross-replica form of `all_reduce_sum`, for a `tf.distribute.CrossDeviceOps`: the same
+    schedule, buffers and phases, with each phase run over all local replicas at once
+    (`collectives.across_devices`).
+
+    Args:
+      per_device: per local replica `l` (replica id `first_replica + l`), its list of dense
+        tensors; every replica's list has the same shapes and dtypes.
+      devices: the local replicas' devices.
+      first_replica: the replica id of `devices[0]`.
+      mesh: the `ReplicaMesh` over every replica.
+      algorithm: one of `ALGORITHMS`.
+      pack_bytes: as for `all_reduce_sum`.
+      gradient_dtype: as for `all_reduce_sum`.
+
+    Returns:
+      Per local replica, the list of summed tensors, on its device.
+    """
+    algorithm = resolve_algorithm(algorithm, mesh)
+    transport = None if gradient_dtype is None else tf.as_dtype(gradient_dtype)
+    streams = build_schedule(mesh, 0, algorithm).streams
+    count = len(devices)
+    local = set(range(first_replica, first_replica + count))
+    phases = [p for stream in streams for p in stream]
+    if any(not _within(p.groups, local) for p in phases):
+        _check_row_major(mesh)
+    if collectives.local_groups_in_graph(devices) and all(_within(p.groups, local) for p in phases):
+        pack_bytes = 1  # every tensor on its own: plain ops have no launch cost to amortize
+    packs = _packs(list(enumerate(per_device[0])), pack_bytes)
+    buffers, lengths = [], None
+    for device, tensors in zip(devices, per_device):
+        with tf.device(device):
+            made = [_to_buffer([tensors[i] for i in pack], mesh, algorithm) for pack in packs]
+        buffers.append([parts for parts, _ in made])
+        lengths = [n for _, n in made]
+    for step in range(max((len(s) for s in streams), default=0)):
+        for i, stream in enumerate(streams):
+            if step < len(stream):
+                phase = stream[step]
+                xs = [[parts[i] for parts in mine] for mine in buffers]
+                with collectives.ordering_channel(("tpu_scale.torus", i)):
+                    out = _phase_across_devices(phase, xs, devices, first_replica, local, transport)
+                for mine, results in zip(buffers, out):
+                    for parts, value in zip(mine, results):
+                        parts[i] = value
+    summed = []
+    for device, tensors, mine in zip(devices, per_device, buffers):
+        result = [None] * len(tensors)
+        with tf.device(device):
+            for pack, parts, n in zip(packs, mine, lengths):
+                for i, value in zip(pack, _from_buffer([tensors[i] for i in pack], parts, n)):
+                    result[i] = value
+        summed.append(result)
+    return summed
+
+
+def _within(groups, local):
+    """True when every group holding one of the `local` replica ids lies wholly in them."""
+    for members in np.asarray(groups).tolist():
+        inside = [m in local for m in members]
+        if any(inside) and not all(inside):
+            return False
+    return True
+
+
+def _phase_across_devices(phase, xs, devices, first_replica, local, transport):
+    if phase.kind not in _PRIMITIVES:
+        raise ValueError(f"Unknown phase kind {phase.kind!r}.")
+    kind = "sum" if phase.kind == ALL_REDUCE else phase.kind
+    groups = np.asarray(phase.groups)
+    mine = next(g for g in groups.tolist() if first_replica in g)
+    between = transport is not None and len(mine) > 1 and sum(m in local for m in mine) == 1
+    if not between:
+        return collectives.across_devices(kind, xs, groups, devices, first_replica)
+    wide = [x.dtype.size > transport.size for x in xs[0]]
+    cast = [[tf.cast(x, transport) if w else x for x, w in zip(row, wide)] for row in xs]
+    out = collectives.across_devices(kind, cast, groups, devices, first_replica)
+    return [[tf.cast(y, x.dtype) if w else y for x, y, w in zip(row, ys, wide)] for row, ys in zip(xs, out)]
