@@ -1,6 +1,7 @@
-"""Gradient accumulation (`gradient_accumulation_steps` on any Keras optimizer) in `model.fit`
-under the strategies of `create_strategy`: equal to one step at the k-times batch, one
-cross-replica sum per k micro-batches, and Keras's own failure it works around."""
+"""Gradient accumulation (`gradient_accumulation_steps` on any Keras optimizer, wrapped in
+`tpu_scale.DistributedOptimizer`) in `model.fit` under the strategies of `create_strategy`: equal
+to one step at the k-times batch, one cross-replica sum per k micro-batches, Keras's own failure it
+works around, and the unwrapped optimizer's error naming the wrapper."""
 
 import keras
 import numpy as np
@@ -22,7 +23,7 @@ def _data(n):
     return x, y
 
 
-def _model(strategy, optimizer, weights=None, steps_per_execution=1):
+def _model(strategy, optimizer, weights=None, steps_per_execution=1, wrap=True):
     with strategy.scope():
         model = keras.Sequential(
             [
@@ -34,11 +35,16 @@ def _model(strategy, optimizer, weights=None, steps_per_execution=1):
         if weights is not None:
             model.set_weights(weights)
         model.compile(
-            optimizer=optimizer(),
+            optimizer=tpu_scale.DistributedOptimizer(optimizer()) if wrap else optimizer(),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             steps_per_execution=steps_per_execution,
         )
     return model
+
+
+def _inner(model):
+    """The Keras optimizer the model's wrapper holds."""
+    return model.optimizer.inner_optimizer
 
 
 def _optimizer(name, steps=None):
@@ -89,7 +95,7 @@ def test_accumulated_steps_equal_steps_at_the_larger_batch(
         assert not np.allclose(want, start)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     # The accumulators are zero again after each update.
-    for accumulator in accumulating.optimizer._accumulated_gradients:
+    for accumulator in _inner(accumulating)._accumulated_gradients:
         for value in run_on.experimental_local_results(accumulator.value):
             np.testing.assert_array_equal(value.numpy(), 0.0)
 
@@ -97,33 +103,42 @@ def test_accumulated_steps_equal_steps_at_the_larger_batch(
 def test_one_cross_replica_sum_per_accumulated_step(monkeypatch):
     run_on = _torus_strategy((2, 4))
     executed = []
-    original = torus.all_reduce_sum
+    original = torus.sum_across_devices
 
-    def counted(grads, *args, **kwargs):
-        summed = original(grads, *args, **kwargs)
+    def counted(per_device, *args, **kwargs):
+        summed = original(per_device, *args, **kwargs)
         tick = tf.py_function(lambda: executed.append(1) or 0, [], tf.int32)
         with tf.control_dependencies([tick]):
-            return [tf.identity(g) for g in summed]
+            return [[tf.identity(g) for g in mine] for mine in summed]
 
-    monkeypatch.setattr(torus, "all_reduce_sum", counted)
+    monkeypatch.setattr(torus, "sum_across_devices", counted)
     steps, micro_batches = 4, 8
     x, y = _data(micro_batches * MICRO_BATCH)
     # Several micro-batches per call of the train function: the phases run inside Keras's loop.
     model = _model(run_on, _optimizer("sgd", steps), steps_per_execution=3)
     model.fit(x, y, batch_size=MICRO_BATCH, shuffle=False, epochs=1, verbose=0)
-    # Each replica sums once per optimizer step: 2 steps x 8 replicas.
-    assert len(executed) == (micro_batches // steps) * run_on.num_replicas_in_sync
+    # One sum of all 8 replicas' gradients per optimizer step: 2 steps.
+    assert len(executed) == micro_batches // steps
     assert int(model.optimizer.iterations.numpy()) == micro_batches // steps
+
+
+def test_an_unwrapped_accumulating_optimizer_names_the_wrapper():
+    run_on = _torus_strategy((1, 8))
+    model = _model(run_on, _optimizer("sgd", STEPS), wrap=False)
+    x, y = _data(2 * MICRO_BATCH)
+    with pytest.raises(RuntimeError, match=r"tpu_scale.DistributedOptimizer\(keras.optimizers.SGD"):
+        model.fit(x, y, batch_size=MICRO_BATCH, epochs=1, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 0  # before its first step
 
 
 def test_keras_own_accumulation_fails_under_a_strategy(cpu_devices):
     # Keras's own code path (a strategy create_strategy did not make). When this stops failing,
-    # keras_hook.accumulation_needs_phases turns the workaround off by itself.
+    # keras_hook.accumulation_needs_phases says the wrapper's split can go.
     plain = tf.distribute.MirroredStrategy(
         cpu_devices[:2], cross_device_ops=tf.distribute.ReductionToOneDevice()
     )
     x, y = _data(4 * MICRO_BATCH)
-    model = _model(plain, _optimizer("sgd", STEPS))
+    model = _model(plain, _optimizer("sgd", STEPS), wrap=False)
     with pytest.raises(RuntimeError, match="merge_call"):
         model.fit(x, y, batch_size=MICRO_BATCH, epochs=1, verbose=0)
 
@@ -164,22 +179,27 @@ def test_a_restore_inside_a_window_starts_the_window_again(tmp_path, strategy):
     x, y = _data(3 * MICRO_BATCH)
     model = _model(strategy, _optimizer("sgd", STEPS))
     model.fit(x, y, batch_size=MICRO_BATCH, shuffle=False, epochs=1, verbose=0)
-    assert int(model.optimizer._iterations.numpy()) == 3  # one update, a window half done
+    assert int(_inner(model)._iterations.numpy()) == 3  # one update, a window half done
     path = str(tmp_path / "model.weights.h5")
     model.save_weights(path)
     restored = _model(strategy, _optimizer("sgd", STEPS))
     with strategy.scope():
         restored.optimizer.build(restored.trainable_variables)
     restored.load_weights(path)
-    # fit, evaluate and predict adopt the optimizer, which starts the window again.
-    restored.evaluate(x, y, batch_size=MICRO_BATCH, verbose=0)
-    assert int(restored.optimizer._iterations.numpy()) == 2
-    assert int(restored.optimizer.iterations.numpy()) == 1
-    for accumulator in restored.optimizer._accumulated_gradients:
-        for value in strategy.experimental_local_results(accumulator.value):
-            np.testing.assert_array_equal(value.numpy(), 0.0)
     for got, want in zip(restored.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(got, want)
+    # The next window starts at the restored update count: two more micro-batches make one full
+    # window (a window resumed from its half-way point would update after one).
+    restored.fit(x[:MICRO_BATCH], y[:MICRO_BATCH], batch_size=MICRO_BATCH, verbose=0)
+    assert int(_inner(restored)._iterations.numpy()) == 3
+    assert int(restored.optimizer.iterations.numpy()) == 1
+    for got, want in zip(restored.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(got, want)  # accumulated, not yet applied
+    restored.fit(x[:MICRO_BATCH], y[:MICRO_BATCH], batch_size=MICRO_BATCH, verbose=0)
+    assert int(restored.optimizer.iterations.numpy()) == 2
+    for accumulator in _inner(restored)._accumulated_gradients:
+        for value in strategy.experimental_local_results(accumulator.value):
+            np.testing.assert_array_equal(value.numpy(), 0.0)
 
 
 def worker_accumulation(steps):

@@ -1,5 +1,5 @@
-"""Tests for `tpu_scale.keras_hook`, the Keras seam: settings on the strategy, adoption of the
-optimizers made under it and of no other, the start-up checks, how small the seam is."""
+"""Tests for `tpu_scale.keras_hook`, the Keras seam: settings on the strategy, the optimizer wrapper
+(no optimizer's class changed, Keras's own update), the start-up checks, no Keras method replaced."""
 
 import inspect
 import pathlib
@@ -24,55 +24,64 @@ def test_settings_are_checked():
 
 def test_the_strategy_holds_its_declared_settings():
     strategy = tpu_scale.create_strategy(
-        num_cpu_replicas=8,
-        mesh_shape=(2, 4),
-        gradient_algorithm="ring",
-        gradient_pack_bytes=1 << 20,
-        weight_update_sharding=True,
+        num_cpu_replicas=8, mesh_shape=(2, 4), gradient_algorithm="ring", gradient_pack_bytes=1 << 20
     )
     settings = keras_hook.settings_for(strategy)
     assert settings is strategy.settings
     assert (settings.reduction, settings.algorithm, settings.pack_bytes) == ("torus", "ring", 1 << 20)
-    assert settings.weight_update_sharding and strategy.gradient_reduction == "torus"
+    assert strategy.gradient_reduction == "torus"
+    ops = strategy.cross_device_ops
+    assert isinstance(ops, tpu_scale.TorusAllReduce) and ops.strategy is strategy
+    assert (ops.algorithm, ops.pack_bytes) == ("ring", 1 << 20)
+    assert tpu_scale.create_strategy(num_cpu_replicas=8, gradient_reduction="native").cross_device_ops is None
     with pytest.raises(ValueError, match="choose 'auto' or one of"):
         tpu_scale.create_strategy(num_cpu_replicas=8, gradient_algorithm="tree")
 
 
-def _tiny_fit(strategy, optimizer_class=keras.optimizers.Lion):
-    """A one-layer model compiled and fitted for one step under `strategy`; returns its
-    optimizer."""
-    x = np.ones((4, 3), "float32")
+def _tiny_fit(strategy, optimizer):
+    """A one-layer model compiled with `optimizer()` and fitted for two steps under `strategy`;
+    returns the model."""
+    x = np.random.RandomState(0).randn(8, 3).astype("float32")
     with strategy.scope():
+        keras.utils.set_random_seed(3)
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-        model.compile(optimizer_class(learning_rate=0.01), "mse")
-    model.fit(x, np.zeros((4, 2), "float32"), batch_size=4, epochs=1, verbose=0)
-    return model.optimizer
+        model.compile(optimizer(), "mse")
+    model.fit(x, np.zeros((8, 2), "float32"), batch_size=4, epochs=1, verbose=0, shuffle=False)
+    return model
 
 
-def test_fit_adopts_only_the_optimizer_of_a_model_under_a_strategy_of_the_package():
+def test_no_optimizer_changes_class_and_the_wrapper_is_keras_own_update():
+    # Under the package's strategy a plain optimizer stays what it was made as, and trains as under
+    # TensorFlow's own strategy; wrapped, it trains the same, and the wrapper delegates.
     import tensorflow as tf
 
     strategy = tpu_scale.create_strategy(num_cpu_replicas=2)
-    with strategy.scope():
-        made = keras.optimizers.Lion(learning_rate=0.01)
-    assert type(made) is keras.optimizers.Lion  # creating an optimizer changes nothing
-    adopted = _tiny_fit(strategy)
-    other = _tiny_fit(tf.distribute.MirroredStrategy(["/cpu:0"]))
-    plain = keras.optimizers.Lion(learning_rate=0.01)
-    assert isinstance(adopted, keras_hook.Seam) and isinstance(adopted, keras.optimizers.Lion)
-    assert type(adopted) is adopted.__class__  # honest: one class, whoever asks
-    assert keras_hook.keras_class(adopted) is keras.optimizers.Lion
-    assert type(other) is keras.optimizers.Lion and not isinstance(other, keras_hook.Seam)
-    # Saved with its own class's configuration, and read back as Keras's own class.
-    saved, plain_saved = (keras.saving.serialize_keras_object(o) for o in (adopted, plain))
-    saved["config"].pop("name"), plain_saved["config"].pop("name")  # Keras numbers the names
-    assert saved["config"] == plain_saved["config"] and saved["class_name"] == "Lion"
-    restored = keras.saving.deserialize_keras_object(saved)
-    assert type(restored) is keras.optimizers.Lion
-    assert restored.get_config() == {**adopted.get_config(), "name": restored.name}
-    keras_hook.uninstall(strategy)
-    assert isinstance(_tiny_fit(strategy, keras.optimizers.SGD), keras_hook.Seam)  # accumulation
-    assert strategy.gradient_reduction == "native"
+    plain = _tiny_fit(strategy, lambda: keras.optimizers.Lion(learning_rate=0.01))
+    assert type(plain.optimizer) is keras.optimizers.Lion
+    wrapped = _tiny_fit(
+        strategy, lambda: tpu_scale.DistributedOptimizer(keras.optimizers.Lion(learning_rate=0.01))
+    )
+    assert type(wrapped.optimizer) is tpu_scale.DistributedOptimizer
+    assert type(wrapped.optimizer.inner_optimizer) is keras.optimizers.Lion
+    assert int(wrapped.optimizer.iterations.numpy()) == 2
+    assert float(wrapped.optimizer.learning_rate.numpy()) == pytest.approx(0.01)
+    reference = _tiny_fit(
+        tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], tf.distribute.ReductionToOneDevice()),
+        lambda: keras.optimizers.Lion(learning_rate=0.01),
+    )
+    for a, b, c in zip(plain.get_weights(), wrapped.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, c, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(b, c, rtol=1e-6, atol=1e-7)
+
+
+def test_the_wrapper_is_refused_where_it_has_nothing_to_wrap():
+    with pytest.raises(ValueError, match="wraps a keras.optimizers.Optimizer"):
+        tpu_scale.DistributedOptimizer("sgd")
+    with pytest.raises(ValueError, match="takes no clipnorm: set them on the optimizer it wraps"):
+        tpu_scale.DistributedOptimizer(keras.optimizers.SGD(), clipnorm=1.0)
+    once = tpu_scale.DistributedOptimizer(keras.optimizers.SGD())
+    with pytest.raises(ValueError, match="already a tpu_scale.DistributedOptimizer"):
+        tpu_scale.DistributedOptimizer(once)
 
 
 def _replaced_keras_methods():
@@ -93,10 +102,10 @@ def _replaced_keras_methods():
     return replaced
 
 
-def test_the_seam_replaces_one_private_keras_method():
-    tpu_scale.create_strategy(num_cpu_replicas=2)  # installs what the seam installs
-    replaced = _replaced_keras_methods()
-    assert [(c, n) for c, n in replaced] == [(keras_hook._tf_trainer_class(), "_maybe_symbolic_build")]
+def test_the_package_replaces_no_keras_method():
+    strategy = tpu_scale.create_strategy(num_cpu_replicas=2)
+    _tiny_fit(strategy, lambda: keras.optimizers.SGD(0.1))
+    assert _replaced_keras_methods() == []
 
 
 def test_an_unsupported_keras_fails_at_start_up_naming_the_range_and_the_fix(monkeypatch):
@@ -109,73 +118,22 @@ def test_an_unsupported_keras_fails_at_start_up_naming_the_range_and_the_fix(mon
 
 
 def test_a_keras_without_a_needed_private_name_fails_at_start_up(monkeypatch):
-    from keras.src.backend.tensorflow import optimizer as module
+    from keras.src.optimizers import base_optimizer as module
 
-    monkeypatch.delattr(module.TFOptimizer, "_all_reduce_sum_gradients")
+    monkeypatch.delattr(module.BaseOptimizer, "_get_variable_index")
     with pytest.raises(ImportError) as raised:
         tpu_scale.create_strategy(num_cpu_replicas=2)
     message = str(raised.value)
-    assert "TFOptimizer._all_reduce_sum_gradients not found" in message
+    assert "BaseOptimizer._get_variable_index not found" in message
     assert keras.__version__ in message and keras_hook.SUPPORTED_KERAS in message
 
 
-def test_a_fixed_keras_turns_the_workarounds_off_and_fit_still_adopts(monkeypatch):
-    trainer = keras_hook._tf_trainer_class()
-    calls = []
-
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):  # a Keras without the mean
-        calls.append((iterator, data_batch))
-
-    def _backend_apply_gradients(self, grads, trainable_variables):  # accumulation without a cond
-        return None
-
-    monkeypatch.setattr(trainer, "_maybe_symbolic_build", _maybe_symbolic_build)
-    monkeypatch.setattr(keras.optimizers.Optimizer, "_backend_apply_gradients", _backend_apply_gradients)
-    assert not keras_hook.build_from_one_replica_needed()
-    assert not keras_hook.accumulation_needs_phases()
-    strategy = tpu_scale.create_strategy(num_cpu_replicas=2)  # installs the hook on this Keras
-    hook = trainer._maybe_symbolic_build
-    assert hook._tpu_scale_original is _maybe_symbolic_build
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-        model.compile(keras.optimizers.SGD(0.1), "mse")
-    iterator = object()
-    hook(model, iterator=iterator)
-    assert calls == [(iterator, None)]  # Keras's own method, given Keras's own iterator
-    assert isinstance(model.optimizer, keras_hook.Seam)
-
-
-def test_this_keras_still_needs_both_workarounds():
-    # When one of these fails, Keras changed the code the workaround is for: run its removal test
-    # (named in the workaround's docstring) to tell whether the bug is gone.
-    assert keras_hook.build_from_one_replica_needed()
+def test_this_keras_still_needs_the_accumulation_workaround():
+    # When this fails, Keras changed the code the workaround is for: run its removal test (named in
+    # the workaround's docstring) to tell whether the bug is gone.
     assert keras_hook.accumulation_needs_phases()
-
-
-def test_an_adopted_optimizer_trains_as_keras_with_the_native_sum():
-    # The torus sum aside (tests/test_torus.py compares it), an adopted optimizer is Keras's own.
-    x = np.random.RandomState(0).randn(32, 3).astype("float32")
-    y = (x.sum(1) > 0).astype("int32")
-    weights = []
-    for reduction in ("native", "torus"):
-        strategy = tpu_scale.create_strategy(num_cpu_replicas=2, gradient_reduction=reduction)
-        keras.utils.set_random_seed(3)
-        with strategy.scope():
-            model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-            model.compile(keras.optimizers.RMSprop(0.01), "sparse_categorical_crossentropy")
-        model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
-        weights.append(model.get_weights())
-    for a, b in zip(*weights):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_install_requirements_pin_the_supported_keras():
     setup = (pathlib.Path(__file__).parents[1] / "setup.py").read_text()
     assert f'"keras{keras_hook.SUPPORTED_KERAS}"' in setup
-
-
-def test_the_seam_docstring_lists_every_replaced_method():
-    tpu_scale.create_strategy(num_cpu_replicas=2)
-    doc = keras_hook.__doc__
-    for _, name in _replaced_keras_methods():
-        assert f"`{name}`" in doc or f"{name}`" in doc

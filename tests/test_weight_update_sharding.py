@@ -1,4 +1,4 @@
-"""Weight-update sharding (`create_strategy(..., weight_update_sharding=True)`): the update of every
+"""Weight-update sharding (`DistributedOptimizer(..., weight_update_sharding=True)`): the update of every
 element-wise Keras optimizer and of the package's LARS, sharded over one host's replicas, equals the
 unsharded one (float32 and mixed_bfloat16), holds 1/N of the optimizer state per replica, and
 checkpoints in Keras's own layout; an optimizer whose rule is not element-wise is refused by name."""
@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 import tpu_scale
-from tpu_scale import keras_hook
 from tpu_scale.optimizers import LARS
 
 BATCH = 16
@@ -22,7 +21,7 @@ def _data():
     return x, y
 
 
-def _model(strategy, optimizer, weights=None, dtype=None):
+def _model(strategy, optimizer, weights=None, dtype=None, sharded=False):
     with strategy.scope():
         model = keras.Sequential(
             [
@@ -35,16 +34,16 @@ def _model(strategy, optimizer, weights=None, dtype=None):
         if weights is not None:
             model.set_weights(weights)
         model.compile(
-            optimizer=optimizer(),
+            optimizer=tpu_scale.DistributedOptimizer(optimizer(), weight_update_sharding=True)
+            if sharded
+            else optimizer(),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
     return model
 
 
 def _sharded(mesh_shape):
-    return tpu_scale.create_strategy(
-        num_cpu_replicas=8, mesh_shape=mesh_shape, weight_update_sharding=True
-    )
+    return tpu_scale.create_strategy(num_cpu_replicas=8, mesh_shape=mesh_shape)
 
 
 OPTIMIZERS = {
@@ -85,7 +84,7 @@ def test_sharded_update_equals_the_unsharded_one(mesh_shape, name, options, dtyp
 
     x, y = _data()
     keras.utils.set_random_seed(1)
-    sharded = _model(_sharded(mesh_shape), optimizer, dtype=dtype)
+    sharded = _model(_sharded(mesh_shape), optimizer, dtype=dtype, sharded=True)
     initial = sharded.get_weights()
     plain = _model(strategy, optimizer, weights=initial, dtype=dtype)
     for model in (sharded, plain):
@@ -129,7 +128,7 @@ def test_checkpoints_move_between_sharded_and_unsharded(tmp_path, strategy):
 
     x, y = _data()
     sharded_strategy = _sharded((1, 8))
-    trained = _model(sharded_strategy, optimizer)
+    trained = _model(sharded_strategy, optimizer, sharded=True)
     trained.fit(x[:64], y[:64], batch_size=BATCH, shuffle=False, epochs=1, verbose=0)
     path = str(tmp_path / "sharded.weights.h5")
     trained.save_weights(path)
@@ -144,14 +143,9 @@ def test_checkpoints_move_between_sharded_and_unsharded(tmp_path, strategy):
     for a, b in zip(got, expected):
         np.testing.assert_array_equal(a, b)
 
-    resharded = _model(sharded_strategy, optimizer)
-    unadopted = _model(sharded_strategy, optimizer)
+    resharded = _model(sharded_strategy, optimizer, sharded=True)
     with sharded_strategy.scope():
-        keras_hook.adopt(resharded.optimizer)  # sharded from its build on
-        resharded.optimizer.build(resharded.trainable_variables)
-        unadopted.optimizer.build(unadopted.trainable_variables)
-    with pytest.raises(ValueError, match=r"keras_hook.adopt\(model.optimizer\)"):
-        unadopted.fit(x[:64], y[:64], batch_size=BATCH, epochs=1, verbose=0)
+        resharded.optimizer.build(resharded.trainable_variables)  # sharded from its build on
     plain_path = str(tmp_path / "plain.weights.h5")
     plain.save_weights(plain_path)
     resharded.load_weights(plain_path)
@@ -172,19 +166,16 @@ def test_a_sharded_run_resumes_on_another_replica_count(tmp_path):
     final = {}
     for sharded in (True, False):
         first, second = (
-            tpu_scale.create_strategy(
-                num_cpu_replicas=n, gradient_reduction="native", weight_update_sharding=sharded
-            )
+            tpu_scale.create_strategy(num_cpu_replicas=n, gradient_reduction="native")
             for n in (8, 4)
         )
-        model = _model(first, optimizer, initial)
+        model = _model(first, optimizer, initial, sharded=sharded)
         initial = model.get_weights()
         model.fit(x[:half], y[:half], batch_size=BATCH, shuffle=False, epochs=1, verbose=0)
         path = str(tmp_path / f"sharded_{sharded}.weights.h5")
         model.save_weights(path)
-        resumed = _model(second, optimizer)
+        resumed = _model(second, optimizer, sharded=sharded)
         with second.scope():
-            keras_hook.adopt(resumed.optimizer)  # built before fit: adopted first
             resumed.optimizer.build(resumed.trainable_variables)
         resumed.load_weights(path)
         assert int(resumed.optimizer.iterations.numpy()) == STEPS // 2
@@ -201,7 +192,7 @@ def test_a_sharded_run_resumes_on_another_replica_count(tmp_path):
 @pytest.mark.parametrize("name", ["Lamb", "Adafactor"])
 def test_an_optimizer_it_cannot_shard_is_named(name):
     x, y = _data()
-    model = _model(_sharded((1, 8)), lambda: getattr(keras.optimizers, name)())
+    model = _model(_sharded((1, 8)), lambda: getattr(keras.optimizers, name)(), sharded=True)
     with pytest.raises(ValueError, match="not known to be element-wise") as raised:
         model.fit(x[:32], y[:32], batch_size=BATCH, epochs=1, verbose=0)
     message = str(raised.value)
@@ -214,7 +205,7 @@ def test_a_subclass_with_its_own_rule_is_refused():
             super().update_step(gradient / keras.ops.norm(gradient), variable, learning_rate)
 
     x, y = _data()
-    model = _model(_sharded((1, 8)), Scaled)
+    model = _model(_sharded((1, 8)), Scaled, sharded=True)
     with pytest.raises(ValueError, match="Scaled's rule is not known to be element-wise"):
         model.fit(x[:32], y[:32], batch_size=BATCH, epochs=1, verbose=0)
 
@@ -225,7 +216,7 @@ def test_sharding_composes_with_gradient_accumulation(strategy):
 
     x, y = _data()
     keras.utils.set_random_seed(1)
-    sharded = _model(_sharded((1, 8)), optimizer)
+    sharded = _model(_sharded((1, 8)), optimizer, sharded=True)
     plain = _model(strategy, optimizer, weights=sharded.get_weights())
     for model in (sharded, plain):
         model.fit(x, y, batch_size=BATCH, shuffle=False, epochs=1, verbose=0)
@@ -243,14 +234,14 @@ def test_sharding_composes_with_the_moving_average(strategy):
 
     x, y = _data()
     keras.utils.set_random_seed(1)
-    sharded = _model(_sharded((2, 4)), optimizer, dtype="float64")
+    sharded = _model(_sharded((2, 4)), optimizer, dtype="float64", sharded=True)
     initial = sharded.get_weights()
     plain = _model(strategy, optimizer, weights=initial, dtype="float64")
     averages = []
     for model in (sharded, plain):
         record = keras.callbacks.LambdaCallback(
             on_train_batch_end=lambda batch, logs, model=model: averages.append(
-                [v.numpy() for v in model.optimizer._model_variables_moving_average]
+                [v.numpy() for v in tpu_scale.weight_update.unwrapped(model.optimizer)._model_variables_moving_average]
             )
             if batch == STEPS - 1
             else None
@@ -311,13 +302,42 @@ def test_the_sharded_step_runs_the_strategys_algorithm(algorithm, name, strategy
     x, y = _data()
     keras.utils.set_random_seed(1)
     sharded_strategy = tpu_scale.create_strategy(
-        num_cpu_replicas=8, mesh_shape=(2, 4), gradient_algorithm=algorithm,
-        weight_update_sharding=True,
+        num_cpu_replicas=8, mesh_shape=(2, 4), gradient_algorithm=algorithm
     )
-    sharded = _model(sharded_strategy, lambda: OPTIMIZERS[name](options), dtype="float64")
+    sharded = _model(
+        sharded_strategy, lambda: OPTIMIZERS[name](options), dtype="float64", sharded=True
+    )
     plain = _model(strategy, lambda: OPTIMIZERS[name](options), sharded.get_weights(), "float64")
     for model in (sharded, plain):
         model.fit(x, y, batch_size=BATCH, shuffle=False, epochs=1, verbose=0)
     assert tpu_scale.weight_update.layout(sharded.optimizer).algorithm == algorithm
     for got, want in zip(sharded.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
+
+
+def test_the_strategy_names_the_wrapper_for_sharding():
+    with pytest.raises(ValueError, match=r"tpu_scale.DistributedOptimizer\(optimizer, weight_update_sharding=True\)"):
+        tpu_scale.create_strategy(num_cpu_replicas=8, weight_update_sharding=True)
+
+
+def test_the_wrapper_saves_and_reloads_as_itself(tmp_path, strategy):
+    """A sharded model saved whole (`.keras`) reloads, in a process that imports the package, with
+    its wrapper and Keras's unsharded state; its optimizer's class is the one constructed."""
+    x, y = _data()
+    model = _model(_sharded((1, 8)), lambda: keras.optimizers.Adam(0.01), sharded=True)
+    inner = model.optimizer.inner_optimizer
+    model.fit(x[:64], y[:64], batch_size=BATCH, shuffle=False, epochs=1, verbose=0)
+    assert type(inner) is keras.optimizers.Adam and type(model.optimizer) is tpu_scale.DistributedOptimizer
+    path = str(tmp_path / "sharded.keras")
+    model.save(path)
+    with strategy.scope():
+        again = keras.models.load_model(path)
+    assert isinstance(again.optimizer, tpu_scale.DistributedOptimizer)
+    assert again.optimizer.weight_update_sharding
+    assert type(again.optimizer.inner_optimizer) is keras.optimizers.Adam
+    assert int(again.optimizer.iterations.numpy()) == 64 // BATCH
+    saved = tpu_scale.weight_update.full_state(model.optimizer)
+    loaded = [v.numpy() for v in again.optimizer.inner_optimizer.variables]
+    assert len(saved) == len(loaded)
+    for a, b in zip(saved, loaded):
+        np.testing.assert_array_equal(a, b)

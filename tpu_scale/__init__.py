@@ -6,6 +6,8 @@ The public surface:
   ReplicaMesh       the 2-D grid of replicas (TPU torus, or hosts x local devices)
   TorusAllReduce    the torus gradient sum as a `tf.distribute.CrossDeviceOps`: every sum a
                     strategy makes (`create_strategy`'s strategies use it)
+  DistributedOptimizer  wraps a Keras optimizer for what a strategy needs of it: the update sharded
+                    over the replicas, Keras's gradient accumulation under a strategy
 
 Subpackages and modules, imported on first use (`tpu_scale.data`, or `from tpu_scale import data`):
 `layers` (grouped batch norm), `collectives` (group sums over the mesh), `torus` (2-D gradient
@@ -31,6 +33,7 @@ __getattr__ = _lazy.attributes(
         "create_strategy": "tpu_scale.strategy",
         "mesh_of": "tpu_scale.strategy",
         "TorusAllReduce": "tpu_scale.torus",
+        "DistributedOptimizer": "tpu_scale.keras_hook",
     },
     submodules=(
         "callbacks",
@@ -53,4 +56,4 @@ __getattr__ = _lazy.attributes(
     ),
 )
 
-__all__ = ["ReplicaMesh", "TorusAllReduce", "create_strategy", "mesh_of"]
+__all__ = ["DistributedOptimizer", "ReplicaMesh", "TorusAllReduce", "create_strategy", "mesh_of"]

@@ -60,7 +60,6 @@ import dataclasses
 import functools
 import inspect
 import re
-import threading
 from typing import Optional
 
 import keras
@@ -82,7 +81,7 @@ GRADIENT_REDUCTIONS = ("torus", "native")
 
 @dataclasses.dataclass
 class Settings:
-    """One strategy's training settings: how gradients are summed and whether the update is sharded.
+    """One strategy's gradient-sum settings, as `create_strategy` declared them.
 
     `create_strategy` makes one and keeps it as `strategy.settings`; the seam reads it there.
 
@@ -93,15 +92,12 @@ class Settings:
       pack_bytes: size of the fused gradient buffers (`None` or 0: one buffer per dtype).
       gradient_dtype: `"bfloat16"` to carry the phases between hosts in bfloat16 (sums within a host
         stay float32); None or `"float32"`: every phase in the gradients' own dtype.
-      weight_update_sharding: True to shard the optimizer's update and state over the replicas
-        (`tpu_scale.weight_update`).
     """
 
     reduction: str = "torus"
     algorithm: str = torus.DEFAULT_ALGORITHM
     pack_bytes: Optional[int] = torus.DEFAULT_PACK_BYTES
     gradient_dtype: Optional[str] = None
-    weight_update_sharding: bool = False
 
     def __post_init__(self):
         if self.reduction not in GRADIENT_REDUCTIONS:
@@ -162,13 +158,17 @@ def _tf_optimizer_class():
 _NEEDED = (
     ("TFOptimizer", lambda: _tf_optimizer_class()),
     ("BatchNormalization._moments", lambda: getattr(keras.layers.BatchNormalization, "_moments", None)),
-    ("the TensorFlow trainer's _maybe_symbolic_build", lambda: getattr(_tf_trainer_class(), "_maybe_symbolic_build", None)),
-    ("TFOptimizer._all_reduce_sum_gradients", lambda: getattr(_tf_optimizer_class(), "_all_reduce_sum_gradients", None)),
     ("BaseOptimizer._backend_apply_gradients", lambda: getattr(keras.optimizers.Optimizer, "_backend_apply_gradients", None)),
-    ("BaseOptimizer._backend_increment_gradient_accumulators", lambda: getattr(keras.optimizers.Optimizer, "_backend_increment_gradient_accumulators", None)),
-    ("BaseOptimizer._backend_reset_gradient_accumulators", lambda: getattr(keras.optimizers.Optimizer, "_backend_reset_gradient_accumulators", None)),
-    ("BaseOptimizer._clip_gradients", lambda: getattr(keras.optimizers.Optimizer, "_clip_gradients", None)),
-    ("BaseOptimizer._get_variable_index", lambda: getattr(keras.optimizers.Optimizer, "_get_variable_index", None)),
+    *(
+        # The steps of Keras's `apply` that `DistributedOptimizer` runs on the inner optimizer.
+        (f"BaseOptimizer.{name}", lambda name=name: getattr(keras.optimizers.Optimizer, name, None))
+        for name in (
+            "_backend_increment_gradient_accumulators", "_backend_reset_gradient_accumulators",
+            "_clip_gradients", "_apply_weight_decay", "_backend_update_step", "_get_variable_index",
+            "_filter_empty_gradients", "_overwrite_variables_directly_with_gradients",
+            "_update_model_variables_moving_average", "_overwrite_model_variables_with_average_value",
+        )
+    ),
     ("Model._flatten_layers", lambda: getattr(keras.Model, "_flatten_layers", None)),
     *(
         # Batch renormalization's steps, in the Keras versions that have it (3.12 has not).
@@ -196,7 +196,7 @@ def _version_message(problem):
 
 def check_keras():
     """Checks, at start-up, that this Keras is in the supported range and has every private name the
-    seam uses; replaces the trainer's `_maybe_symbolic_build` once (`_install_fit_hook`).
+    seam uses.
 
     Raises:
       ImportError: naming the supported range, the tested versions and the fix (pin Keras).
@@ -209,130 +209,235 @@ def check_keras():
     missing = [name for name, find in _NEEDED if find() is None]
     if missing:
         raise ImportError(_version_message(f"{', '.join(missing)} not found"))
-    _install_fit_hook()
 
 
-# --------------------------------------------------------------------------- adoption
-
-_lock = threading.Lock()
-_adopted_classes = {}  # a Keras optimizer class -> its adopted subclass (classes only, no state)
+# --------------------------------------------------------------------------- the wrapper
 
 
-def adopt_for_fit(model):
-    """Adopts `model`'s optimizer (and a `LossScaleOptimizer`'s inner one) when it was made under a
-    strategy of `create_strategy`; every other optimizer stays Keras's own, untouched.
+@keras.saving.register_keras_serializable(package="tpu_scale")
+class DistributedOptimizer(keras.optimizers.Optimizer):
+    """An optimizer that does under a `tf.distribute` strategy what a plain Keras one cannot.
 
-    Runs in `fit`, `evaluate` and `predict` before Keras builds the optimizer (`_install_fit_hook`),
-    so a sharded update builds its 1/N state from the start. A program that builds or restores
-    the optimizer before `fit` with `weight_update_sharding` (or runs its own loop that calls
-    `optimizer.apply` inside `strategy.run`) adopts it first with `adopt(optimizer)`; a sharded
-    strategy refuses an optimizer built unadopted, naming that fix.
-    """
-    optimizer = getattr(model, "optimizer", None)
-    for one in (optimizer, getattr(optimizer, "inner_optimizer", None)):
-        settings = settings_for(getattr(one, "_distribution_strategy", None))
-        if one is None or settings is None or isinstance(one, Seam):
-            continue
-        if one.built and settings.weight_update_sharding:
-            raise ValueError(f"{type(one).__name__} was built before fit (optimizer.build or a restore), so it holds its whole state on every replica although the strategy shards the update (weight_update_sharding=True). Adopt it before building it: tpu_scale.keras_hook.adopt(model.optimizer), then optimizer.build(...) or load_weights(...).")
-        adopt(one)
+    Wraps the user's optimizer, as Keras's `LossScaleOptimizer` does: it holds it
+    (`inner_optimizer`), delegates `build`, the update (`update_step`), the learning rate and the
+    step counter to it, and serializes as itself (`tpu_scale>DistributedOptimizer`, which loads in
+    any process that imports `tpu_scale`). The gradient sum needs no wrapper: every strategy of
+    `create_strategy` sums with `tpu_scale.TorusAllReduce`. Two things do:
 
+    * `weight_update_sharding=True`: each of the N replicas runs the optimizer's own `update_step`
+      on 1/N of the weights and holds 1/N of its state, between the reduce-scatter and the
+      all-gather of the torus sum (`tpu_scale.weight_update`; element-wise Keras optimizers and
+      `tpu_scale.optimizers.LARS`). Checkpoints keep Keras's unsharded layout.
+    * the inner optimizer's `gradient_accumulation_steps=k` under a strategy
+      (keras-team/keras#20582): each replica accumulates its local gradients for k micro-batches,
+      the cross-replica sum runs once per k, then the update. Keras updates inside a condition in
+      replica context, where a strategy cannot synchronize its replicas; here the condition is in
+      cross-replica context (as `LossScaleOptimizer` places its own), and each branch runs Keras's
+      own steps on the replicas. Keras's counter counts micro-batches, a learning-rate schedule is
+      evaluated at that count, clipping sees each replica's accumulated gradient before the sum,
+      and batch-norm statistics are each micro-batch's, as in Keras.
 
-def adopt(optimizer):
-    """Makes `optimizer` (made under a strategy of `create_strategy`) run through `Seam`.
+    Everything else is the inner optimizer's own `apply`. Without a strategy (or with one replica)
+    it is the inner optimizer.
 
-    Only this object changes: its class becomes a subclass of its own class and `Seam`, with its
-    own class's name and module, so `isinstance`, `get_config` and saved models are unchanged, and
-    `type(optimizer)` and `optimizer.__class__` both name the adopted class. An optimizer already
-    built (restored before `fit`) starts an accumulation window in progress again
-    (`_restart_window`), as one restored after adoption does.
-    """
-    if isinstance(optimizer, Seam):
-        return optimizer
-    cls = type(optimizer)
-    with _lock:
-        adopted = _adopted_classes.get(cls)
-        if adopted is None:
-            namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
-            adopted = type(cls.__name__, (Seam, cls), namespace)
-            _adopted_classes[cls] = adopted
-    optimizer.__class__ = adopted
-    if optimizer.built:
-        _restart_window(optimizer)
-    return optimizer
+        with strategy.scope():
+            optimizer = tpu_scale.DistributedOptimizer(
+                keras.optimizers.SGD(0.1, momentum=0.9, gradient_accumulation_steps=4),
+                weight_update_sharding=True)
+            model.compile(optimizer=optimizer, ...)
 
-
-def keras_class(optimizer):
-    """The optimizer's own class (for an adopted one, the class it was made as)."""
-    cls = type(optimizer)
-    return cls.__mro__[2] if issubclass(cls, Seam) and cls is not Seam else cls
-
-
-class Seam:
-    """What an optimizer made under a strategy of `create_strategy` does differently.
-
-    Each method runs Keras's own code unless the strategy's `Settings` or a traced accumulation
-    phase say otherwise (see the module docstring's map).
+    Args:
+      inner_optimizer: the `keras.optimizers.Optimizer` to wrap.
+      weight_update_sharding: True to shard the update over the strategy's replicas.
+      name: the wrapper's name.
     """
 
-    # ----------------------------------------------------------------- build and state
+    def __init__(self, inner_optimizer, weight_update_sharding=False, name=None, **kwargs):
+        if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+            raise ValueError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer; got {type(inner_optimizer).__name__}.")
+        if isinstance(inner_optimizer, DistributedOptimizer):
+            raise ValueError("This optimizer is already a tpu_scale.DistributedOptimizer: wrap it once.")
+        unknown = {k: v for k, v in kwargs.items() if v not in (None, False) and k != "learning_rate"}
+        if unknown:
+            raise ValueError(f"DistributedOptimizer takes no {', '.join(unknown)}: set them on the optimizer it wraps.")
+        super().__init__(learning_rate=0.0, name=name or "distributed_optimizer")
+        self.inner_optimizer = inner_optimizer
+        self.weight_update_sharding = bool(weight_update_sharding)
 
-    def build(self, variables):
+    # ----------------------------------------------------------------- Keras's contract
+
+    def build(self, var_list):
         strategy = tf.distribute.get_strategy()
-        settings = settings_for(strategy)
-        if self.built or settings is None or not settings.weight_update_sharding:
-            return super().build(variables)
-        inner = keras_class(self).from_config(self.get_config())
-        weight_update.build(self, variables, strategy, super().build, inner)
+        if self.weight_update_sharding and strategy.num_replicas_in_sync > 1:
+            self._build_sharded(list(var_list), strategy)
+        else:
+            self.inner_optimizer.build(var_list)
+        super().build(var_list)
 
-    def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
-        slot = weight_update.record_slot(self, reference_variable, name)
-        if slot is not None:  # a sharded build: the state lives 1/N per replica instead
-            return slot
-        return super().add_variable_from_reference(reference_variable, name=name, initializer=initializer)
+    def _build_sharded(self, variables, strategy):
+        # The inner optimizer's own `build` runs as Keras wrote it, with its slots recorded
+        # (`weight_update.record_slot`) instead of made: for the length of that call its
+        # `add_variable_from_reference` is shadowed on this one object, and nothing else changes.
+        inner = self.inner_optimizer
+        weight_update.check_strategy(strategy)
+        own = inner.add_variable_from_reference
+
+        def add_variable_from_reference(reference_variable, name=None, initializer="zeros"):
+            slot = weight_update.record_slot(inner, reference_variable, name)
+            return slot if slot is not None else own(reference_variable, name=name, initializer=initializer)
+
+        object.__setattr__(inner, "add_variable_from_reference", add_variable_from_reference)
+        try:
+            shard_optimizer = type(inner).from_config(inner.get_config())
+            weight_update.build(inner, variables, strategy, inner.build, shard_optimizer)
+        finally:
+            object.__delattr__(inner, "add_variable_from_reference")
+
+    @property
+    def variables(self):
+        # The inner optimizer's, as Keras lays them out: a checkpoint moves between a wrapped and an
+        # unwrapped optimizer (the wrapper's own counter and rate are never used).
+        return self.inner_optimizer.variables
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    @property
+    def iterations(self):
+        return self.inner_optimizer.iterations
+
+    def scale_loss(self, loss):
+        return self.inner_optimizer.scale_loss(loss)
+
+    def finalize_variable_values(self, var_list):
+        self.inner_optimizer.finalize_variable_values(var_list)
 
     def save_own_variables(self, store):
-        state = weight_update.full_state(self)
+        # A sharded inner optimizer saves Keras's unsharded layout, gathered from the replicas.
+        state = weight_update.full_state(self.inner_optimizer)
         if state is None:
-            return super().save_own_variables(store)
+            return self.inner_optimizer.save_own_variables(store)
         for i, value in enumerate(state):
             store[str(i)] = value
 
     def load_own_variables(self, store):
-        if not weight_update.load_full_state(self, store):
-            super().load_own_variables(store)
-        _restart_window(self)
+        if not weight_update.load_full_state(self.inner_optimizer, store):
+            self.inner_optimizer.load_own_variables(store)
+        # Keras loads the inner optimizer again after this (it walks the wrapper's attributes), so
+        # a window in progress starts again when the next step is traced (`_restart_window`).
+        self._restart_pending = True
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+            "weight_update_sharding": self.weight_update_sharding,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"), custom_objects=custom_objects)
+        return cls(inner, **config)
 
     # ----------------------------------------------------------------- the step
 
-    def _all_reduce_sum_gradients(self, grads_and_vars):
+    def apply(self, grads, trainable_variables=None):
+        inner = self.inner_optimizer
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+            self.built = True
         ctx = tf.distribute.get_replica_context()
-        settings = settings_for(ctx.strategy) if ctx is not None else None
-        if settings is None:
-            return super()._all_reduce_sum_gradients(grads_and_vars)
-        grads_and_vars = list(grads_and_vars)
-        if weight_update.is_sharded(self):
-            # The sum, the update and the gather in one: nothing is left for Keras's update.
-            indices = [self._get_variable_index(v) for _, v in grads_and_vars]
-            weight_update.update(self, ctx, grads_and_vars, indices, self.learning_rate, settings.gradient_dtype)
-            return []
-        return super()._all_reduce_sum_gradients(grads_and_vars)
-
-    def _backend_apply_gradients(self, grads, trainable_variables):
-        phase = getattr(self, "_tpu_scale_phase", None)
-        if phase is None or not self.gradient_accumulation_steps:
-            return super()._backend_apply_gradients(grads, trainable_variables)
-        # Keras's accumulation, one branch at a time (see `run_train_step`).
-        accumulators = [self._accumulated_gradients[self._get_variable_index(v)] for v in trainable_variables]
-        if phase == _ACCUMULATE:
-            self._backend_increment_gradient_accumulators(grads, accumulators)
+        sharded = weight_update.is_sharded(inner)
+        steps = inner.gradient_accumulation_steps
+        if ctx is None or ctx.num_replicas_in_sync < 2 or not (sharded or steps):
+            return inner.apply(grads, trainable_variables)
+        variables = list(trainable_variables) if trainable_variables is not None else list(inner._trainable_variables)
+        # What Keras's `apply` does before its update, then the update this wrapper exists for.
+        grads, variables = inner._filter_empty_gradients(list(grads), variables)
+        grads, variables = inner._overwrite_variables_directly_with_gradients(grads, variables)
+        if not grads:
+            inner._iterations.assign_add(1)
             return
-        steps = self.gradient_accumulation_steps
-        grads = [(g + a) / steps for g, a in zip(grads, accumulators)]
-        grads = self._clip_gradients(grads)
-        self._apply_weight_decay(trainable_variables)
-        self._backend_update_step(grads, trainable_variables, self.learning_rate)
-        self._backend_reset_gradient_accumulators()
+        if inner.loss_scale_factor is not None:
+            grads = [g if g is None else g / inner.loss_scale_factor for g in grads]
+        if not steps:
+            return self._update(grads, variables)
+        if inner.use_ema:
+            raise ValueError(f"{type(inner).__name__}(gradient_accumulation_steps={steps}, use_ema=True) cannot train under a tf.distribute strategy: Keras updates the moving average in a branch that synchronizes the replicas. Use either gradient_accumulation_steps or use_ema.")
+        ctx.merge_call(lambda strategy, grads: self._window_step(strategy, grads, variables), args=(grads,))
+
+    def _window_step(self, strategy, grads, variables):
+        """In cross-replica context: one micro-batch of an accumulation window, the window's update
+        on its last (`accumulation_needs_phases`)."""
+        inner = self.inner_optimizer
+        if getattr(self, "_restart_pending", False):
+            self._restart_pending = False
+            with tf.init_scope():  # now, once, outside the step being traced
+                _restart_window(inner)
+        is_update = tf.equal((inner._iterations + 1) % inner.gradient_accumulation_steps, 0)
+
+        def update():
+            strategy.extended.call_for_each_replica(lambda g: self._update_window(g, variables), args=(grads,))
+
+        def accumulate():
+            strategy.extended.call_for_each_replica(lambda g: self._accumulate(g, variables), args=(grads,))
+
+        if tf.executing_eagerly():
+            return update() if bool(is_update) else accumulate()
+        tf.cond(is_update, update, accumulate)
+
+    def _accumulators(self, variables):
+        inner = self.inner_optimizer
+        return [inner._accumulated_gradients[inner._get_variable_index(v)] for v in variables]
+
+    def _accumulate(self, grads, variables):
+        inner = self.inner_optimizer
+        inner._backend_increment_gradient_accumulators(grads, self._accumulators(variables))
+        inner._iterations.assign_add(1)
+
+    def _update_window(self, grads, variables):
+        inner = self.inner_optimizer
+        steps = inner.gradient_accumulation_steps
+        grads = [(g + a) / steps for g, a in zip(grads, self._accumulators(variables))]
+        self._update(grads, variables)
+        inner._backend_reset_gradient_accumulators()
+
+    def _update(self, grads, variables):
+        """Keras's update of `apply` (clipping, weight decay, the update, constraints, the counter,
+        the moving average), with a sharded inner optimizer's update sharded."""
+        inner = self.inner_optimizer
+        grads = inner._clip_gradients(grads)
+        inner._apply_weight_decay(variables)
+        if weight_update.is_sharded(inner):
+            # The optimizer's own step bookkeeping first (Nadam's `u_product`, which its shard
+            # optimizer shares), on no variables; then the sharded sum, update and gather.
+            inner._backend_update_step([], [], inner.learning_rate)
+            ctx = tf.distribute.get_replica_context()
+            indices = [inner._get_variable_index(v) for v in variables]
+            settings = settings_for(ctx.strategy)
+            dtype = settings.gradient_dtype if settings is not None else None
+            weight_update.update(inner, ctx, list(zip(grads, variables)), indices, inner.learning_rate, dtype)
+        else:
+            inner._backend_update_step(grads, variables, inner.learning_rate)
+        for variable in variables:
+            if variable.constraint is not None:
+                variable.assign(variable.constraint(variable))
+        inner._iterations.assign_add(1)
+        if inner.use_ema:
+            inner._update_model_variables_moving_average(inner._trainable_variables)
+            if inner.ema_overwrite_frequency:
+                tf.cond(
+                    tf.equal((inner.iterations + 1) % inner.ema_overwrite_frequency, 0),
+                    lambda: inner._overwrite_model_variables_with_average_value(inner._trainable_variables),
+                    lambda: None,
+                )
 
 
 def _restart_window(optimizer):
@@ -358,9 +463,6 @@ def _restart_window(optimizer):
 # --------------------------------------------------------------------------- a workaround: Keras
 # gradient accumulation under a strategy (indexed in _workarounds.py)
 
-_ACCUMULATE, _UPDATE = "accumulate", "update"
-
-
 def accumulation_needs_phases():
     """True while Keras applies an accumulated update inside a condition in replica context.
 
@@ -368,13 +470,11 @@ def accumulation_needs_phases():
     `BaseOptimizer._backend_apply_gradients`. Both branches synchronize the replicas (`merge_call`
     for the gradient sum and `extended.update`), which a MirroredStrategy cannot do inside a
     control-flow branch: `RuntimeError: ... merge_call called while defining a new graph or a
-    tf.function`. `run_train_step` moves the condition out of the replicas: it traces Keras's train
-    step once per phase and picks one with a `tf.cond` in cross-replica context, where a strategy
-    may run replica functions inside a branch (as Keras's own `steps_per_execution` loop does);
-    `Seam._backend_apply_gradients` does, without the condition, what Keras does in that branch.
-    What Keras keeps is unchanged: its counter counts micro-batches, a learning-rate schedule is
-    evaluated at the micro-batch count, clipping sees each replica's accumulated gradient before
-    the sum, and batch-norm statistics are each micro-batch's.
+    tf.function`. `DistributedOptimizer` moves the condition out of the replicas: one merge call
+    per micro-batch, a `tf.cond` in cross-replica context, and in each branch Keras's own steps run
+    on the replicas (`DistributedOptimizer._window_step`), as Keras's `LossScaleOptimizer` places
+    its own condition. A plain optimizer with `gradient_accumulation_steps` under a strategy of the
+    package fails while its step is traced, naming the wrapper (`strategy.run`).
 
     Upstream: keras-team/keras#20582 ("Rethink the conditional in the gradient accumulation",
     open); seen with Keras 3.12.4, 3.15.1 and 3.16.0.dev2026102704 on TF 2.21. It turns itself off
@@ -383,182 +483,6 @@ def accumulation_needs_phases():
     """
     source = inspect.getsource(keras.optimizers.Optimizer._backend_apply_gradients)
     return "is_update_step" in source and "cond(" in source
-
-
-def _accumulating_optimizer(fn):
-    """The optimizer of the Keras model whose `train_step` `fn` is, when it accumulates; else
-    None."""
-    model = getattr(fn, "__self__", None)
-    if getattr(fn, "__name__", None) != "train_step" or not isinstance(model, keras.Model):
-        return None
-    optimizer = getattr(model, "optimizer", None)
-    optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # a LossScaleOptimizer's
-    if optimizer is None or not getattr(optimizer, "gradient_accumulation_steps", None):
-        return None
-    return optimizer
-
-
-def run_train_step(run, strategy, fn, args=(), kwargs=None, options=None):
-    """`strategy.run(fn, ...)`, with Keras's train step split by accumulation phase.
-
-    Args:
-      run: the strategy class's own `run`.
-      strategy: the strategy.
-      fn, args, kwargs, options: as for `tf.distribute.Strategy.run`.
-
-    Returns:
-      What `run` returns.
-
-    Raises:
-      ValueError: when the step is compiled with XLA on several logical CPU devices
-        (`check_jit_compile`), or accumulation is combined with `use_ema`.
-    """
-    check_jit_compile(strategy)
-    optimizer = _accumulating_optimizer(fn)
-    if optimizer is None or not isinstance(optimizer, Seam) or not accumulation_needs_phases():
-        return run(fn, args=args, kwargs=kwargs, options=options)
-    if optimizer.use_ema:
-        raise ValueError(f"{keras_class(optimizer).__name__}(gradient_accumulation_steps={optimizer.gradient_accumulation_steps}, use_ema=True) cannot train under a tf.distribute strategy: Keras updates the moving average in a branch that synchronizes the replicas. Use either gradient_accumulation_steps or use_ema.")
-
-    def phase(name):
-        def step():
-            optimizer._tpu_scale_phase = name
-            try:
-                return run(fn, args=args, kwargs=kwargs, options=options)
-            finally:
-                optimizer._tpu_scale_phase = None
-
-        return step
-
-    steps = optimizer.gradient_accumulation_steps
-    is_update = tf.equal((optimizer._iterations + 1) % steps, 0)
-    if tf.executing_eagerly():
-        return phase(_UPDATE if bool(is_update) else _ACCUMULATE)()
-    return tf.cond(is_update, phase(_UPDATE), phase(_ACCUMULATE))
-
-
-# --------------------------------------------------------------------------- the one replaced
-# method: the trainer's `_maybe_symbolic_build`
-
-
-def build_from_one_replica_needed():
-    """True while Keras's trainer learns input shapes from the replicas' mean first batch."""
-    method = _tf_trainer_class()._maybe_symbolic_build
-    source = inspect.getsource(getattr(method, "_tpu_scale_original", method))
-    return '"MEAN"' in source
-
-
-def _install_fit_hook():
-    """Replaces the TensorFlow trainer's private `_maybe_symbolic_build`, once per process.
-
-    It is the one Keras method the package replaces. Keras calls it in `fit`, `evaluate` and
-    `predict` before it builds the model and the optimizer. For a model made under a strategy of
-    `create_strategy`, the replacement (1) adopts the model's optimizer (`adopt_for_fit`), and (2)
-    while Keras needs it, builds from one replica's input shapes (`build_from_one_replica`, the
-    workaround for keras-team/keras#19246). Every other model runs Keras's own method unchanged.
-    """
-    cls = _tf_trainer_class()
-    with _lock:
-        current = cls._maybe_symbolic_build
-        if getattr(current, "_tpu_scale_original", None) is not None:
-            return
-        one_replica = build_from_one_replica_needed()
-
-        def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-            strategy = self._distribute_strategy
-            if settings_for(strategy) is not None:
-                adopt_for_fit(self)
-                check_padded_evaluation(self, iterator)
-                if one_replica and iterator is not None:
-                    iterator, data_batch = None, build_from_one_replica(strategy, iterator)
-            return current(self, iterator=iterator, data_batch=data_batch)
-
-        _maybe_symbolic_build._tpu_scale_original = current
-        cls._maybe_symbolic_build = _maybe_symbolic_build
-
-
-def check_padded_evaluation(model, iterator):
-    """Refuses unweighted metrics on an evaluation padded with zero-weight examples.
-
-    `data.exact_evaluation` fills each replica's batch with examples of weight 0; metrics compiled
-    as `metrics=` ignore weights and would count them.
-
-    Raises:
-      ValueError: naming the metrics and the fix (`weighted_metrics=`).
-    """
-    dataset = getattr(iterator, "_distributed_dataset", None)
-    if not getattr(dataset, "tpu_scale_zero_weight_padding", False):
-        return
-    compiled = getattr(model, "_compile_metrics", None)
-    unweighted = [m for m in tf.nest.flatten(getattr(compiled, "_user_metrics", None)) if m is not None]
-    if unweighted:
-        names = [m if isinstance(m, str) else getattr(m, "name", type(m).__name__) for m in unweighted]
-        raise ValueError(f"This evaluation data (data.exact_evaluation) fills every replica's last batch with examples of weight 0, which the unweighted metrics {names} would count. Compile them as weighted metrics: model.compile(..., weighted_metrics={names!r}) (metrics=None).")
-
-
-def build_from_one_replica(strategy, iterator):
-    """One replica's input shapes for Keras to build a model from, in place of its first batch.
-
-    Why: before training, evaluating or predicting under a strategy, Keras 3 takes the first
-    distributed batch and asks the strategy for its mean over the replicas (`strategy.reduce("MEAN",
-    batch, axis=None)`), only to learn the input shapes. When the data end within the first global
-    batch (a validation set smaller than the global batch), the replicas' batches differ in size,
-    some empty, and the mean fails: "Inputs to operation AddN of type AddN must have the same size
-    and shape". Keras's own method is handed one replica's shapes as its `data_batch` instead: the
-    `tf.TensorSpec`s of the iterator's `element_spec` (a `PerReplicaSpec` splits into one spec per
-    local replica with `tf.nest.flatten(..., expand_composites=True)`), with the batch dimension
-    left open. The spec is read from the epoch iterator's distributed dataset, so no iterator is
-    started (Keras discards the one it looked at and starts a new one for the epoch). Inputs whose
-    spec is not one tensor per replica (ragged, sparse) fall back to reading the first batch and
-    taking the largest of this process's replica batches.
-
-    Upstream: keras-team/keras#19246; seen with Keras 3.12.4, 3.15.1 and 3.16.0.dev2026102704 on
-    TF 2.21. It turns itself off when Keras's method no longer takes that mean
-    (`build_from_one_replica_needed`); how to tell it can go:
-    `tests/test_workarounds.py::test_evaluate_a_validation_set_smaller_than_the_batch` passes
-    with Keras's own `_maybe_symbolic_build`.
-
-    Args:
-      strategy: the model's strategy.
-      iterator: Keras's epoch iterator.
-
-    Returns:
-      The `data_batch` to hand Keras's `_maybe_symbolic_build`.
-    """
-    dataset = getattr(iterator, "_distributed_dataset", None)
-    data_batch = None if dataset is None else _replica_specs(strategy, dataset.element_spec)
-    if data_batch is None:
-        for _, _, it in iterator:
-            data_batch = _replica_specs(strategy, it.element_spec)
-            if data_batch is None:
-                data_batch = _largest_replica_batch(strategy, next(it))
-            break
-    return data_batch
-
-
-def _replica_specs(strategy, element_spec):
-    """One replica's `TensorSpec`s, batch dimension open; None unless each input is one dense tensor
-    per local replica."""
-    replicas = len(strategy.extended.worker_devices)
-    specs = []
-    for spec in tf.nest.flatten(element_spec):
-        parts = [spec] if isinstance(spec, tf.TensorSpec) else tf.nest.flatten(spec, expand_composites=True)
-        if len(parts) not in (1, replicas) or not all(isinstance(part, tf.TensorSpec) and part.shape.rank for part in parts):
-            return None
-        if len(parts) > 1 and len({part.dtype for part in parts}) > 1:
-            return None
-        specs.append(tf.TensorSpec([None, *parts[0].shape[1:]], parts[0].dtype))
-    return tf.nest.pack_sequence_as(element_spec, specs)
-
-
-def _largest_replica_batch(strategy, batch):
-    flat = tf.nest.flatten(batch)
-    if not flat or not all(isinstance(v, tf.distribute.DistributedValues) for v in flat):
-        return batch
-    local = [strategy.experimental_local_results(v) for v in flat]
-    sizes = [int(tf.shape(value)[0]) if value.shape.rank else 1 for value in local[0]]
-    largest = sizes.index(max(sizes))
-    return tf.nest.pack_sequence_as(batch, [values[largest] for values in local])
 
 
 # --------------------------------------------------------------------------- other Keras internals

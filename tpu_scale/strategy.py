@@ -23,11 +23,13 @@ import logging
 
 import tensorflow as tf
 
-from tpu_scale import _workarounds, keras_hook, tf_seam, torus, weight_update
+from tpu_scale import _workarounds, keras_hook, tf_seam, torus
 from tpu_scale import cluster as cluster_lib
 from tpu_scale.context import mesh_of  # noqa: F401  (tpu_scale.mesh_of)
 from tpu_scale.mesh import ReplicaMesh, parse_mesh_shape
 from tpu_scale.plan import choice as plan_choice
+from tpu_scale.tf_seam import ag_ctx as autograph_ctx
+from tpu_scale.tf_seam import autograph_api as autograph
 
 logger = logging.getLogger(__name__)
 
@@ -44,13 +46,29 @@ class _MeshMixin:
         if mesh.num_replicas != self.num_replicas_in_sync:
             raise ValueError(f"The mesh {mesh} holds {mesh.num_replicas} replicas but the strategy has {self.num_replicas_in_sync}.")
         self.mesh = mesh
-        self.settings = settings  # the seam reads it: keras_hook.Settings
+        self.settings = settings  # as create_strategy declared them: keras_hook.Settings
         self.gradient_planner = None
+        sum_ops = self.cross_device_ops
+        if sum_ops is not None:
+            sum_ops.strategy = self
+
+    @property
+    def cross_device_ops(self):
+        """The `tpu_scale.TorusAllReduce` that sums for this strategy, or None (TensorFlow's own)."""
+        found = getattr(self.extended, "_cross_device_ops", None)
+        return found if isinstance(found, torus.TorusAllReduce) else None
 
     @property
     def gradient_reduction(self):
         """`"torus"` or `"native"`: how `model.fit` sums gradients (`settings.reduction`)."""
         return self.settings.reduction
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        """`tf.distribute.Strategy.run`; a replica function that synchronizes the replicas inside a
+        condition (Keras's own `gradient_accumulation_steps`) fails naming the fix."""
+        # AutoGraph converts this method when a user's tf.function calls it; the work happens in
+        # `_run`, which it leaves alone, with the caller's AutoGraph status for `fn`.
+        return _run(self, fn, args, kwargs, options, autograph_ctx.control_status_ctx())
 
     def reduce(self, reduce_op, value, axis=None):
         """`tf.distribute.Strategy.reduce`; a mean of per-replica batches of different sizes is taken
@@ -58,6 +76,20 @@ class _MeshMixin:
         return _workarounds.mean_of_partial_batches(
             super().reduce, reduce_op, value, axis, self.experimental_local_results
         )
+
+
+@tf.autograph.experimental.do_not_convert
+def _run(strategy, fn, args, kwargs, options, status):
+    """TensorFlow's `run`, with `fn` converted by AutoGraph as the caller's `status` says (as
+    TensorFlow's own `run` does), not as this unconverted frame's."""
+    keras_hook.check_jit_compile(strategy)
+    fn = autograph.tf_convert(fn, status, convert_by_default=False)
+    try:
+        return super(_MeshMixin, strategy).run(fn, args=args, kwargs=kwargs, options=options)
+    except RuntimeError as e:
+        if "called while defining a new graph" not in str(e):
+            raise
+        raise RuntimeError("A replica function synchronized the replicas (a gradient sum or a variable update) inside a condition or a nested tf.function, which a tf.distribute strategy cannot do. Keras's own gradient_accumulation_steps does this under every strategy (keras-team/keras#20582): wrap the optimizer, tpu_scale.DistributedOptimizer(keras.optimizers.SGD(..., gradient_accumulation_steps=k)), and it accumulates under the strategy.") from None
 
 
 class GradientPlanner:
@@ -272,25 +304,20 @@ def create_strategy(
       gradient_dtype: with `"torus"`: `"bfloat16"` carries the phases between hosts in bfloat16
         (half the bytes on the network; sums within a host stay float32); None keeps the gradients'
         dtype.
-      weight_update_sharding: True to shard the update of every element-wise Keras optimizer (SGD,
-        Adam, AdamW, Adamax, Nadam, RMSprop, Adagrad, Adadelta, Lion, Ftrl) and of
-        `tpu_scale.optimizers.LARS` over all N replicas, across hosts too: gradients
-        reduce-scattered, each replica running the optimizer's own `update_step` on 1/N of the
-        weights with 1/N of its state, the weights all-gathered (`tpu_scale.weight_update`).
-        Checkpoints keep Keras's unsharded layout; with several workers every worker saves (the
-        others to scratch). The sharded step runs the gradient sum's own phases, its all-reduce
-        cut in two around the update (`torus_schedule.sharded_streams`), so `algorithm`,
-        `pack_bytes` and `gradient_dtype` (on the gradient's phases between workers; the weights'
-        all-gather keeps their dtype) apply to it too. Other optimizers (named) and TPUs raise a
-        clear error.
+      weight_update_sharding: no longer a setting of the strategy: True fails, naming the optimizer
+        wrapper that shards the update, `tpu_scale.DistributedOptimizer(optimizer,
+        weight_update_sharding=True)`.
 
     Returns:
-      A strategy with `.mesh` (`ReplicaMesh`) and `.gradient_reduction`. Keras optimizers'
-      `gradient_accumulation_steps=k` trains under it in `model.fit` with either gradient sum: each
-      replica accumulates its local gradients for k micro-batches, the cross-replica sum runs once
-      per k, then the update (`keras_hook.accumulation_needs_phases`). `compile(jit_compile=
+      A strategy with `.mesh` (`ReplicaMesh`), `.gradient_reduction` and `.cross_device_ops` (the
+      `tpu_scale.TorusAllReduce` every sum of the strategy goes through, or None). A Keras
+      optimizer's `gradient_accumulation_steps=k` trains under it wrapped in
+      `tpu_scale.DistributedOptimizer`; unwrapped it fails while the step is traced, naming the
+      wrapper. `compile(jit_compile=
       True)` on several CPU replicas fails before the first step, naming what works.
     """
+    if weight_update_sharding:
+        raise ValueError("Weight-update sharding is asked of the optimizer: create the strategy without weight_update_sharding and compile with tpu_scale.DistributedOptimizer(optimizer, weight_update_sharding=True) under strategy.scope().")
     keras_hook.check_keras()  # an unsupported Keras fails here, naming the range and the fix
     tf_seam.check_tensorflow()  # so does a TensorFlow without a private name the package uses
     settings = keras_hook.Settings(
@@ -373,12 +400,6 @@ def create_strategy(
     strategy.gradient_planner = GradientPlanner(
         cluster, gradient_pack_bytes, settings.gradient_dtype
     )
-    if weight_update_sharding:
-        if found.is_tpu:
-            raise ValueError(
-                "weight_update_sharding=True works on CPU and GPU hosts; not on a TPU yet."
-            )
-        weight_update.enable(strategy)
     if found.is_tpu:
         # TPUStrategy sums with XLA's all-reduce, which the TPU runtime already runs in two phases
         # on the torus; grouped batch norm still uses the mesh's group assignments.

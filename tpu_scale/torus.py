@@ -358,6 +358,9 @@ class TorusAllReduce(tf.distribute.CrossDeviceOps):
         self.pack_bytes = pack_bytes
         self.gradient_dtype = None if gradient_dtype == "float32" else gradient_dtype
         self.fallback = fallback if fallback is not None else tf.distribute.ReductionToOneDevice()
+        # The strategy it sums for: set by the package's strategies, which also reduce outside
+        # their scope (`strategy.reduce`); a plain strategy's sums arrive inside its scope.
+        self.strategy = None
         self._said = set()  # what was logged, so each thing is said once
 
     def __repr__(self):
@@ -372,9 +375,11 @@ class TorusAllReduce(tf.distribute.CrossDeviceOps):
         )[0]
 
     def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
-        strategy = tf.distribute.get_strategy()
-        devices = [device_util.canonicalize(d) for d in strategy.extended.worker_devices]
         pairs = list(value_destination_pairs)
+        strategy = self.strategy if self.strategy is not None else tf.distribute.get_strategy()
+        if not tf.distribute.has_strategy() and self.strategy is None:
+            return self.fallback.batch_reduce(reduce_op, pairs, options)
+        devices = [device_util.canonicalize(d) for d in strategy.extended.worker_devices]
         results = [None] * len(pairs)
         mine, reasons = [], {}
         for i, (value, destinations) in enumerate(pairs):

@@ -1,8 +1,8 @@
 """Weight-update sharding: each of the N replicas updates 1/N of the weights and holds 1/N of the
 optimizer state.
 
-`create_strategy(..., weight_update_sharding=True)` makes `model.fit` run the update this way, with
-no change to the model or the optimizer, for every Keras optimizer whose update rule is element-wise
+`tpu_scale.DistributedOptimizer(optimizer, weight_update_sharding=True)` runs the update this way,
+with no change to the model or to the optimizer it wraps, for every Keras optimizer whose update rule is element-wise
 (`ELEMENTWISE`: SGD, Adam, AdamW, Adamax, Nadam, RMSprop, Adagrad, Adadelta, Lion, Ftrl) and for
 layer-wise ones that state their rule in two parts (`tpu_scale.optimizers.LARS`, see
 `is_layerwise`). Any other optimizer is refused by name when it is built.
@@ -72,28 +72,20 @@ ELEMENTWISE = (
 KERAS_BASE_SLOTS = ("average", "gradient_accumulator")
 
 
-def enable(strategy):
-    """Makes optimizers built from now on under `strategy` shard their update (see the module
-    docstring); `create_strategy(weight_update_sharding=True)` calls it.
+def check_strategy(strategy):
+    """Raises a clear error when `strategy` cannot shard an update: a TPU, or several workers
+    whose replicas are not one mesh row each (the shards then span every worker's replicas).
 
     Args:
-      strategy: a strategy made by `create_strategy`: one host's replicas, or several workers'
-        with one mesh row per worker (the shards then span every worker's replicas).
-
-    Raises:
-      ValueError: when the mesh's rows are not the workers' replicas.
+      strategy: the strategy a `tpu_scale.DistributedOptimizer(..., weight_update_sharding=True)`
+        is built under.
     """
+    if context.is_tpu_strategy(strategy):
+        raise ValueError("weight_update_sharding=True works on CPU and GPU hosts; not on a TPU yet. Use tpu_scale.DistributedOptimizer(optimizer) without it.")
     local = len(strategy.extended.worker_devices)
-    mesh = getattr(strategy, "mesh", None)
-    if local != strategy.num_replicas_in_sync and (mesh is None or mesh.shape[1] != local):
-        raise ValueError(f"weight_update_sharding=True across workers needs one mesh row per worker (the default); this strategy's mesh is {mesh.shape if mesh else None} with {local} replicas per worker. Leave mesh_shape unset, or use weight_update_sharding=False.")
-    strategy.settings.weight_update_sharding = True
-
-
-def disable(strategy):
-    """Stops sharding the update of optimizers built from now on under `strategy` (those built
-    sharded stay sharded)."""
-    strategy.settings.weight_update_sharding = False
+    mesh = context.mesh_of(strategy)
+    if local != strategy.num_replicas_in_sync and mesh.shape[1] != local:
+        raise ValueError(f"weight_update_sharding=True across workers needs one mesh row per worker (the default); this strategy's mesh is {mesh.shape} with {local} replicas per worker. Leave mesh_shape unset, or use weight_update_sharding=False.")
 
 
 def is_layerwise(optimizer):
@@ -109,12 +101,12 @@ def check_shardable(optimizer, variables):
     """Raises a clear error, naming the optimizer, when its update cannot be sharded exactly."""
     name = type(optimizer).__name__
     if not (is_layerwise(optimizer) or _elementwise_rule(optimizer)):
-        raise ValueError(f"weight_update_sharding=True runs the optimizer's own update_step on each replica's 1/N of the weights, which is exact for element-wise rules ({', '.join(ELEMENTWISE)}) and for tpu_scale.optimizers.LARS; {name}'s rule is not known to be element-wise (e.g. Lamb, Adafactor and Muon take norms or factors of whole variables). Create the strategy with weight_update_sharding=False for {name}.")
+        raise ValueError(f"weight_update_sharding=True runs the optimizer's own update_step on each replica's 1/N of the weights, which is exact for element-wise rules ({', '.join(ELEMENTWISE)}) and for tpu_scale.optimizers.LARS; {name}'s rule is not known to be element-wise (e.g. Lamb, Adafactor and Muon take norms or factors of whole variables). Wrap it with weight_update_sharding=False (tpu_scale.DistributedOptimizer) for {name}.")
     dtypes = {v.dtype for v in variables}
     if len(dtypes) != 1 or not keras.backend.is_float_dtype(next(iter(dtypes))):
         raise ValueError(f"weight_update_sharding=True needs every trainable variable in one floating dtype (Keras keeps float32 ones under mixed precision); got {sorted(dtypes)}.")
     if any(getattr(v, "overwrite_with_gradient", False) for v in variables):
-        raise ValueError("weight_update_sharding=True cannot shard variables with overwrite_with_gradient=True (their gradient is their new value). Create the strategy with weight_update_sharding=False.")
+        raise ValueError("weight_update_sharding=True cannot shard variables with overwrite_with_gradient=True (their gradient is their new value). Wrap it with weight_update_sharding=False (tpu_scale.DistributedOptimizer).")
 
 
 def _elementwise_rule(optimizer):
@@ -300,7 +292,7 @@ class Sharded:
         if any([s.name for s in v] != self.names for v in per_variable.values()) or len(
             self.names
         ) != len(self.slots):
-            raise ValueError(f"weight_update_sharding=True needs the same slots for every variable (an element-wise rule); {type(inner).__name__}'s build made {[s.name for s in self.recorded]}. Create the strategy with weight_update_sharding=False.")
+            raise ValueError(f"weight_update_sharding=True needs the same slots for every variable (an element-wise rule); {type(inner).__name__}'s build made {[s.name for s in self.recorded]}. Wrap it with weight_update_sharding=False (tpu_scale.DistributedOptimizer).")
 
     @property
     def across_workers(self):
@@ -308,8 +300,16 @@ class Sharded:
         return self.workers > 1
 
 
+def unwrapped(optimizer):
+    """The optimizer that holds the state: the one a `DistributedOptimizer` (or Keras's
+    `LossScaleOptimizer`) wraps, at any depth."""
+    while getattr(optimizer, "inner_optimizer", None) is not None:
+        optimizer = optimizer.inner_optimizer
+    return optimizer
+
+
 def _state(optimizer):
-    return getattr(optimizer, "_tpu_scale_sharded", None)
+    return getattr(unwrapped(optimizer), "_tpu_scale_sharded", None)
 
 
 def is_sharded(optimizer):
@@ -334,6 +334,7 @@ def slot_shards(optimizer):
 def floats_per_replica(optimizer):
     """How many floats of optimizer state one replica holds: the optimizer's own variables, and
     for a sharded one its shard of every slot and the shard of the weights its update runs on."""
+    optimizer = unwrapped(optimizer)
     own = sum(int(np.prod(v.shape)) for v in optimizer.variables)
     state = _state(optimizer)
     if state is None:
@@ -341,8 +342,9 @@ def floats_per_replica(optimizer):
     return own + (len(state.slots) + 1) * state.layout.shard
 
 
-# --------------------------------------------------------------------------- what the seam calls
-# (`keras_hook.Seam`: build, add_variable_from_reference, the update, save and load)
+# --------------------------------------------------------------------------- what the wrapper calls
+# (`keras_hook.DistributedOptimizer`: build, add_variable_from_reference, the update, save and
+# load)
 
 
 def record_slot(optimizer, reference_variable, name):
@@ -353,7 +355,7 @@ def record_slot(optimizer, reference_variable, name):
         return None
     index = recording["indices"].get(id(reference_variable))
     if index is None:
-        raise ValueError(f"weight_update_sharding=True shards slots of the trainable variables; {type(optimizer).__name__}'s build asked for slot {name!r} of {getattr(reference_variable, 'path', reference_variable)}, which is not one. Create the strategy with weight_update_sharding=False.")
+        raise ValueError(f"weight_update_sharding=True shards slots of the trainable variables; {type(optimizer).__name__}'s build asked for slot {name!r} of {getattr(reference_variable, 'path', reference_variable)}, which is not one. Wrap it with weight_update_sharding=False (tpu_scale.DistributedOptimizer).")
     slot = Slot(index, name, len(optimizer.variables) + len(recording["slots"]))
     recording["slots"].append(slot)
     return slot
@@ -363,11 +365,11 @@ def build(optimizer, variables, strategy, keras_build, inner):
     """Builds `optimizer` with its update sharded over `strategy`'s replicas.
 
     Args:
-      optimizer: the optimizer being built (adopted by `keras_hook`).
+      optimizer: the optimizer being built (the one a `DistributedOptimizer` wraps).
       variables: its trainable variables.
       strategy: the strategy it is built under.
       keras_build: its own class's `build` (Keras's), run with its slots recorded.
-      inner: a fresh optimizer of the same class and configuration, not adopted.
+      inner: a fresh optimizer of the same class and configuration.
 
     Raises:
       ValueError: for an optimizer or variables that cannot be sharded (named).
@@ -416,18 +418,23 @@ def _plan(strategy, variables):
     and `pack_bytes`). "native", the strategy's own all-reduce, has no reduce-scatter: its sharded
     form is "flat"'s, one phase over every replica each way. On one CPU host every phase is plain
     ops, and buffers are `IN_GRAPH_PACK_BYTES`."""
-    settings = strategy.settings
+    # A strategy create_strategy did not make sums with TensorFlow's own ops: "flat" here.
+    settings = getattr(strategy, "settings", None)
     mesh = context.mesh_of(strategy)
     devices = strategy.extended.worker_devices
     local = len(devices)
-    algorithm = settings.algorithm if settings.torus_sum else "flat"
+    algorithm = settings.algorithm if settings is not None and settings.torus_sum else "flat"
     if algorithm == "auto":
         planner = getattr(strategy, "gradient_planner", None)
         sizes = [(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size, tf.as_dtype(v.dtype).name) for v in variables]
         algorithm = planner(mesh, sizes) if planner is not None else "auto"
     algorithm = torus_schedule.resolve_algorithm("flat" if algorithm == "native" else algorithm, mesh)
     one_cpu_host = local == mesh.num_replicas and all("CPU" in d.upper() for d in devices)
-    pack_bytes = IN_GRAPH_PACK_BYTES if one_cpu_host else settings.pack_bytes
+    pack_bytes = (
+        IN_GRAPH_PACK_BYTES
+        if one_cpu_host
+        else (settings.pack_bytes if settings is not None else torus_schedule.DEFAULT_PACK_BYTES)
+    )
     ranks = collectives.process_ranks(strategy)
 
     def rank(members, replica):  # processes in the runtime's order, then each one's devices
@@ -465,6 +472,7 @@ def full_state(optimizer):
     """The optimizer's variables as numpy arrays in Keras's unsharded layout, or None when it is
     not sharded. Across workers this is a collective: every worker must call it at the same point.
     """
+    optimizer = unwrapped(optimizer)
     state = _state(optimizer)
     if state is None:
         return None
@@ -537,7 +545,7 @@ def _wait_for_the_other_workers():
         )
     else:
         return
-    raise RuntimeError(f"Saving this optimizer gathers each worker's shard of its state (weight_update_sharding=True across workers), so every worker must save at the same point; {problem}. Save on every worker, the chief to its path and the others to a scratch path, as MultiWorkerMirroredStrategy asks of model.save, and restart the run (its later saves would fail too); or create the strategy with weight_update_sharding=False.") from None
+    raise RuntimeError(f"Saving this optimizer gathers each worker's shard of its state (weight_update_sharding=True across workers), so every worker must save at the same point; {problem}. Save on every worker, the chief to its path and the others to a scratch path, as MultiWorkerMirroredStrategy asks of model.save, and restart the run (its later saves would fail too); or wrap the optimizer with weight_update_sharding=False.") from None
 
 
 def _check_ranks(state):
@@ -562,7 +570,7 @@ def _check_ranks(state):
     for gathered in tf.function(lambda: strategy.run(ranks))():
         order = [int(r) for r in strategy.experimental_local_results(gathered)[0].numpy()]
         if order != list(range(len(order))):
-            raise RuntimeError(f"The collective ops across the workers order them {order}, not by collectives.worker_rank (0, 1, ...): weight_update_sharding=True cannot place the shards. Please report this with your cluster's task names; meanwhile create the strategy with weight_update_sharding=False.")
+            raise RuntimeError(f"The collective ops across the workers order them {order}, not by collectives.worker_rank (0, 1, ...): weight_update_sharding=True cannot place the shards. Please report this with your cluster's task names; meanwhile wrap the optimizer with weight_update_sharding=False.")
 
 
 def saving_gathers(optimizer):
