@@ -5,11 +5,14 @@ gradients.
     (the shapes of `keras.applications.ResNet50(weights=None)`: 214 float32 tensors, 25.6 M values,
     102 MB per replica) with `tpu_scale.torus.all_reduce_sum` on a 2x4 mesh (each algorithm) against
     TensorFlow's default (`ReplicaContext.all_reduce` under a plain `MirroredStrategy`, which uses
-    `CollectiveAllReduce`, a ring) and `ReductionToOneDevice`.
+    `CollectiveAllReduce`, a ring) and `ReductionToOneDevice`; and `ReplicaContext.all_reduce`
+    under the package's strategy (`seam_*`), which `tpu_scale.TorusAllReduce` runs: the path every
+    program under `create_strategy()` takes (`fit`, `apply_gradients`, a custom loop).
 (b) Two localhost worker processes x 4 replicas over gRPC (`MultiWorkerMirroredStrategy`, mesh 2x4
     with one row per worker): the hierarchical torus (`torus_2d`, what `"auto"` picks across
-    hosts) and the bidirectional one against the default multi-worker all-reduce of the same
-    strategy; with the bytes each one sends across the process boundary, computed from the schedule
+    hosts), in replica context and through the strategy's `TorusAllReduce` (`seam_auto`), against
+    the default multi-worker all-reduce of the same strategy (its `TorusAllReduce` handing every
+    value to TensorFlow's collective ops); with the bytes each one sends across the process boundary, computed from the schedule
     (`torus.bytes_sent_between`) and, for TensorFlow's single ring over 8 replicas in task order,
     from the ring algorithm (`torus.ring_bytes_sent_between`: 2 of the 8 ring edges cross, each
     carrying 2 (n-1)/n of the buffer).
@@ -76,9 +79,25 @@ def _summer(strategy, reduce_fn):
 
 
 def _native(grads):
+    """The replica context's own sum: what `fit`, `apply_gradients` and a custom loop ask for; under
+    a strategy of the package, `tpu_scale.TorusAllReduce` runs it."""
     import tensorflow as tf
 
     return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, grads)
+
+
+def _traced_with(strategy, fn, grads, algorithm, gradient_dtype=None):
+    """`_summer(strategy, fn)`, traced while the strategy's `TorusAllReduce` runs `algorithm`
+    (`"native"`: TensorFlow's own collective ops); the trace keeps that choice."""
+    ops = strategy.cross_device_ops
+    saved = ops.algorithm, ops.gradient_dtype
+    ops.algorithm, ops.gradient_dtype = algorithm, gradient_dtype
+    try:
+        step = _summer(strategy, fn)
+        step.get_concrete_function(grads)
+    finally:
+        ops.algorithm, ops.gradient_dtype = saved
+    return step
 
 
 def _torus(algorithm, pack_bytes=None, gradient_dtype=None):
@@ -177,24 +196,31 @@ def single_host(rounds, warmup):
     shapes = [tuple(s) for s in model_gradient_shapes("resnet50")]
     devices = [d.name for d in tf.config.list_logical_devices("CPU")][:NUM_REPLICAS]
     ours = tpu_scale.create_strategy(num_cpu_replicas=NUM_REPLICAS, mesh_shape=(2, 4))
+    ours_2d = tpu_scale.create_strategy(
+        num_cpu_replicas=NUM_REPLICAS, mesh_shape=(2, 4), gradient_algorithm="torus_2d"
+    )
     default = tf.distribute.MirroredStrategy(devices)
     to_one = tf.distribute.MirroredStrategy(
         devices, cross_device_ops=tf.distribute.ReductionToOneDevice()
     )
-    default_kind = type(default.extended._cross_device_ops).__name__
+    default_kind = type(default.extended._cross_device_ops).__name__  # TensorFlow's own choice
 
     methods = {}
     for name, strategy, fn in [
         ("tf_default_collective", default, _native),
         ("tf_reduction_to_one_device", to_one, _native),
         ("torus_auto", ours, _torus("auto")),  # the planner's choice for this machine
+        # The strategy's own sum through its cross-device ops (TorusAllReduce), as every program
+        # under it gets it: "auto", and the 2-D torus.
+        ("seam_auto", ours, _native),
+        ("seam_torus_2d", ours_2d, _native),
         ("torus_ring", ours, _torus("ring")),
         ("torus_2d", ours, _torus("torus_2d")),
         ("torus_2d_bidirectional", ours, _torus("torus_2d_bidirectional")),
     ]:
         methods[name] = (_summer(strategy, fn), (_per_replica_gradients(strategy, shapes),))
     for name in methods:
-        if name.startswith("torus"):
+        if name.startswith(("torus", "seam")):
             step, args = methods[name]
             _check_equal(step, methods["tf_default_collective"][0], args[0], ours)
     times = _timed_rounds(methods, rounds, warmup)
@@ -208,8 +234,13 @@ def single_host(rounds, warmup):
         "tf_default_cross_device_ops": default_kind,
         "auto": _auto_choice(ours, shapes),
         "methods": _with_ratio(
-            _summary(times, "tf_default_collective"),
-            "torus_auto",
+            _with_ratio(
+                _summary(times, "tf_default_collective"),
+                "torus_auto",
+                "tf_reduction_to_one_device",
+                times,
+            ),
+            "seam_auto",
             "tf_reduction_to_one_device",
             times,
         ),
@@ -232,8 +263,12 @@ def worker(rounds, warmup, shapes):
     )
     grads = _per_replica_gradients(strategy, [tuple(s) for s in shapes])
     methods = {
-        "tf_default_multi_worker": (_summer(strategy, _native), (grads,)),
+        # TensorFlow's own multi-worker collective ops: the strategy's sum with the package's
+        # cross-device ops handing every value to them.
+        "tf_default_multi_worker": (_traced_with(strategy, _native, grads, "native"), (grads,)),
         "torus_auto": (_summer(strategy, _torus("auto")), (grads,)),
+        # The strategy's own sum through TorusAllReduce, as every program under it gets it.
+        "seam_auto": (_traced_with(strategy, _native, grads, "auto"), (grads,)),
         "torus_2d_hierarchical": (_summer(strategy, _torus("torus_2d")), (grads,)),
         "torus_2d_bfloat16_between_hosts": (
             _summer(strategy, _torus("torus_2d", gradient_dtype="bfloat16")),
@@ -241,7 +276,7 @@ def worker(rounds, warmup, shapes):
         ),
         "torus_flat": (_summer(strategy, _torus("flat")), (grads,)),
     }
-    for name in ("torus_auto", "torus_2d_hierarchical", "torus_flat"):
+    for name in ("torus_auto", "seam_auto", "torus_2d_hierarchical", "torus_flat"):
         _check_equal(methods[name][0], methods["tf_default_multi_worker"][0], grads, strategy)
     _check_equal(
         methods["torus_2d_bfloat16_between_hosts"][0],
@@ -256,7 +291,7 @@ def worker(rounds, warmup, shapes):
         "times": times,
         "auto": _auto_choice(strategy, shapes),
         "auto_bfloat16": _auto_choice(strategy, shapes, "bfloat16"),
-        "cross_device_ops": type(strategy.extended._cross_device_ops).__name__,
+        "cross_device_ops": repr(strategy.cross_device_ops),
         "tf": tf.__version__,
     }
 
@@ -300,6 +335,9 @@ def two_processes(rounds, warmup, shapes, link=None):
         "torus_auto": crossing_of(auto)
         if auto != "native"
         else torus.ring_bytes_sent_between(8, num_bytes, host),
+        "seam_auto": crossing_of(auto)
+        if auto != "native"
+        else torus.ring_bytes_sent_between(8, num_bytes, host),
         "torus_2d_hierarchical": crossing_of("torus_2d"),
         "torus_2d_bfloat16_between_hosts": crossing_of("torus_2d", 2),
         "torus_flat": crossing_of("flat"),
@@ -309,7 +347,9 @@ def two_processes(rounds, warmup, shapes, link=None):
         summary[name]["bytes_between_processes_per_gradient_byte"] = round(
             crossing[name] / num_bytes, 3
         )
-    for name in ("torus_auto", "torus_2d_hierarchical", "torus_2d_bfloat16_between_hosts"):
+    for name in (
+        "torus_auto", "seam_auto", "torus_2d_hierarchical", "torus_2d_bfloat16_between_hosts"
+    ):
         _with_ratio(summary, name, "tf_default_multi_worker", times)
     result = {
         "workers": 2,

@@ -1,7 +1,7 @@
 """Weight-update sharding: LARS step time at 8 CPU replicas, sharded against replicated.
 
 Claim: with a ResNet-50-sized gradient (26.1 M float32 parameters; ResNet-50 has 25.6 M),
-LARS's training step under `create_strategy(num_cpu_replicas=8, weight_update_sharding=True)` is
+LARS's training step wrapped in `DistributedOptimizer(..., weight_update_sharding=True)` is
 no slower than the same step with every replica updating every weight (the package's torus sum,
 then Keras's replicated update). With `--workers 2` the 8 replicas are 2 localhost worker
 processes x 4 (`MultiWorkerMirroredStrategy`, mesh 2x4), the shards spanning both workers.
@@ -41,10 +41,12 @@ def _round(model, iterator):
     return time.perf_counter() - start
 
 
-def build_model(strategy):
-    """The ResNet-50-sized dense model, compiled with LARS under `strategy`."""
+def build_model(strategy, sharded=False):
+    """The ResNet-50-sized dense model, compiled with LARS under `strategy` (its update sharded
+    over the replicas with `sharded`)."""
     import keras
 
+    import tpu_scale
     from tpu_scale.optimizers import LARS
 
     with strategy.scope():
@@ -53,8 +55,11 @@ def build_model(strategy):
         layers += [keras.layers.Dense(w, activation="relu") for w in WIDTHS[1:]]
         layers += [keras.layers.Dense(10)]
         model = keras.Sequential(layers)
+        optimizer = LARS(1.0, weight_decay=1e-4)
+        if sharded:
+            optimizer = tpu_scale.DistributedOptimizer(optimizer, weight_update_sharding=True)
         model.compile(
-            optimizer=LARS(1.0, weight_decay=1e-4),
+            optimizer=optimizer,
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
     return model
@@ -76,7 +81,8 @@ def _timed(rounds, strategies):
 
     Args:
       rounds: timed rounds per variant.
-      strategies: variant name -> a function returning the strategy to build it under.
+      strategies: variant name -> a function returning the strategy to build it under; the
+        variant named "sharded" shards the update.
 
     Returns:
       `{"seconds": {name: per-step seconds per round}, "parameters": n, "state": {name: optimizer
@@ -88,7 +94,7 @@ def _timed(rounds, strategies):
     variants, state, parameters = {}, {}, None
     for name, strategy_for in strategies.items():
         strategy = strategy_for()
-        model = build_model(strategy)
+        model = build_model(strategy, sharded=name == "sharded")
         parameters = model.count_params()
         model.fit(data, steps_per_epoch=2, epochs=1, verbose=0)
         state[name] = weight_update.floats_per_replica(model.optimizer)
@@ -104,19 +110,13 @@ def _timed(rounds, strategies):
 
 
 def measure_in_worker(rounds):
-    """One worker's share of `--workers`: one strategy, sharding turned on for one variant."""
+    """One worker's share of `--workers`: one strategy, the update sharded in one variant."""
     import tpu_scale
-    from tpu_scale import weight_update
 
     strategy = tpu_scale.create_strategy(
-        num_cpu_replicas=int(os.environ["TPU_SCALE_CPUS_PER_WORKER"]), weight_update_sharding=True
+        num_cpu_replicas=int(os.environ["TPU_SCALE_CPUS_PER_WORKER"])
     )
-
-    def under(sharded):
-        (weight_update.enable if sharded else weight_update.disable)(strategy)
-        return strategy
-
-    return _timed(rounds, {"replicated": lambda: under(False), "sharded": lambda: under(True)})
+    return _timed(rounds, {"replicated": lambda: strategy, "sharded": lambda: strategy})
 
 
 def measure(rounds, workers=1):
@@ -134,8 +134,8 @@ def measure(rounds, workers=1):
         import tpu_scale
 
         strategies = {  # before any TensorFlow op: the 8 CPU devices exist from the start
-            name: tpu_scale.create_strategy(num_cpu_replicas=8, weight_update_sharding=sharded)
-            for name, sharded in (("replicated", False), ("sharded", True))
+            name: tpu_scale.create_strategy(num_cpu_replicas=8)
+            for name in ("replicated", "sharded")
         }
         timed = _timed(rounds, {name: (lambda s=s: s) for name, s in strategies.items()})
     base, sharded = timed["seconds"]["replicated"], timed["seconds"]["sharded"]

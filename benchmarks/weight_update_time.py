@@ -2,7 +2,7 @@
 
 Claim: with 8 CPU replicas and a ResNet-50-sized gradient (the model of `weight_update.py`, 26.1 M
 parameters, LARS), a replica spends at least 4x less time in the optimizer update under
-`create_strategy(num_cpu_replicas=8, weight_update_sharding=True)` than when every replica updates
+`DistributedOptimizer(..., weight_update_sharding=True)` than when every replica updates
 every weight.
 
 A replica's update is what runs under its `update_<i>` name scope: Keras's replicated update
@@ -76,13 +76,13 @@ def measure(rounds):
     import tpu_scale
 
     strategies = {  # before any TensorFlow op: the 8 CPU devices exist from the start
-        name: tpu_scale.create_strategy(num_cpu_replicas=8, weight_update_sharding=sharded)
-        for name, sharded in (("replicated", False), ("sharded", True))
+        name: tpu_scale.create_strategy(num_cpu_replicas=8)
+        for name in ("replicated", "sharded")
     }
     data = dataset()
     variants = {}
     for name, strategy in strategies.items():
-        model = build_model(strategy)
+        model = build_model(strategy, sharded=name == "sharded")
         model.fit(data, steps_per_epoch=2, epochs=1, verbose=0)
         variants[name] = model, iter(strategy.experimental_distribute_dataset(data))
     folder = tempfile.mkdtemp(prefix="tpu_scale_profile_")

@@ -170,7 +170,6 @@ def train(config, extra_callbacks=()):
         num_cpu_replicas=config.num_cpu_replicas,
         mesh_shape=mesh_shape or "squarest",
         gradient_reduction=config.gradient_reduction,
-        weight_update_sharding=config.weight_update_sharding,
     )
     replicas, mesh = strategy.num_replicas_in_sync, strategy.mesh
     if config.image_dir and not isinstance(strategy, tf.distribute.MirroredStrategy):
@@ -265,7 +264,10 @@ def train(config, extra_callbacks=()):
             )
             # The schedule counts fit steps (micro-batches), as Keras's accumulation does.
             optimizer = recipe.build_optimizer(
-                steps, config.epochs, gradient_accumulation_steps=accumulate if accumulate > 1 else None
+                steps,
+                config.epochs,
+                weight_update_sharding=config.weight_update_sharding,
+                gradient_accumulation_steps=accumulate if accumulate > 1 else None,
             )
             loss = losses.SmoothedSparseCategoricalCrossentropy(recipe.label_smoothing, from_logits=True)
             top_1 = keras.metrics.SparseCategoricalAccuracy(name="top_1")

@@ -33,7 +33,6 @@ def main(options):
     strategy = tpu_scale.create_strategy(
         num_cpu_replicas=int(os.environ.get("TPU_SCALE_CPUS_PER_WORKER", 2)),
         gradient_reduction="native",
-        weight_update_sharding=options.get("weight_update_sharding", False),
     )
     import keras
     import tensorflow as tf
@@ -79,7 +78,10 @@ def main(options):
         model = keras.Sequential(
             [keras.Input((5,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(1)]
         )
-        model.compile(optimizer=keras.optimizers.SGD(0.02, momentum=0.9), loss="mse")
+        optimizer = keras.optimizers.SGD(0.02, momentum=0.9)
+        if options.get("weight_update_sharding"):
+            optimizer = tpu_scale.DistributedOptimizer(optimizer, weight_update_sharding=True)
+        model.compile(optimizer=optimizer, loss="mse")
 
     backup = checkpointing.BackupAndRestore(backup_dir, delete_checkpoint=False)
 

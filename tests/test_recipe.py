@@ -6,6 +6,7 @@ import keras
 import numpy as np
 import pytest
 
+import tpu_scale
 from tpu_scale import recipe as recipe_lib
 from tpu_scale.optimizers import LARS
 from tpu_scale.recipe import Recipe, recipe_for_batch
@@ -220,7 +221,12 @@ def test_recipe_evaluates_momentum_sgds_moving_average():
     with pytest.raises(ValueError, match=r"with_settings\(ema_momentum=0.0\)"):
         small.build_optimizer(70, 15, gradient_accumulation_steps=4)
     accumulating = plain.build_optimizer(70, 15, gradient_accumulation_steps=4)
-    assert accumulating.gradient_accumulation_steps == 4 and not accumulating.use_ema
+    # The wrapper a strategy needs for accumulation, around Keras's optimizer.
+    assert isinstance(accumulating, tpu_scale.DistributedOptimizer)
+    inner = accumulating.inner_optimizer
+    assert inner.gradient_accumulation_steps == 4 and not inner.use_ema
+    sharded = plain.build_optimizer(70, 15, weight_update_sharding=True)
+    assert sharded.weight_update_sharding and type(sharded.inner_optimizer).__name__ == "SGD"
     with pytest.raises(ValueError, match="ema_momentum"):
         small.with_settings(ema_momentum=1.0)
 

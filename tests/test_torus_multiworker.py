@@ -35,7 +35,7 @@ def cluster_main():
     import tensorflow as tf
 
     import tpu_scale
-    from tpu_scale import collectives, keras_hook, torus
+    from tpu_scale import collectives, torus
     from tpu_scale.testing import collective_ops, group_size, train_graphs
 
     strategy = tpu_scale.create_strategy(
@@ -80,14 +80,13 @@ def cluster_main():
     out["weights"], out["fit_ops"] = {}, {}
     for reduction in ("torus", "torus_bfloat16", "native"):
         # One MultiWorkerMirroredStrategy per process: switch its reduction between the fits.
+        ops = strategy.cross_device_ops
         if reduction == "torus":
-            keras_hook.install(strategy)
+            ops.algorithm, ops.gradient_dtype = "auto", None
         elif reduction == "torus_bfloat16":
-            keras_hook.install(
-                strategy, keras_hook.Settings(algorithm="torus_2d", gradient_dtype="bfloat16")
-            )
+            ops.algorithm, ops.gradient_dtype = "torus_2d", "bfloat16"
         else:
-            keras_hook.uninstall(strategy)
+            ops.algorithm = "native"  # every sum to TensorFlow's own collective ops
         with strategy.scope():
             keras.utils.set_random_seed(1)
             model = keras.Sequential(

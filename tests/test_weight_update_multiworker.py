@@ -65,8 +65,15 @@ def workers_main():
     from tpu_scale.testing.graphs import collective_ops, train_graphs
 
     strategy = tpu_scale.create_strategy(
-        num_cpu_replicas=int(os.environ["TPU_SCALE_CPUS_PER_WORKER"]), weight_update_sharding=True
+        num_cpu_replicas=int(os.environ["TPU_SCALE_CPUS_PER_WORKER"])
     )
+
+    def install(settings):  # the strategy's gradient sum, as create_strategy would declare it
+        strategy.settings = settings
+        ops = strategy.cross_device_ops
+        ops.algorithm = settings.algorithm if settings.torus_sum else "native"
+        ops.pack_bytes, ops.gradient_dtype = settings.pack_bytes, settings.gradient_dtype
+
     # Each fit ends by deleting its data iterator, which on CPU hosts can stall one worker for
     # tens of seconds (_workarounds.batch_scheduling), more under CI's load: these worker
     # processes take the package's opt-in fix, and the saves wait for a late worker up to 300 s.
@@ -80,12 +87,11 @@ def workers_main():
     settings = keras_hook.settings_for(strategy)
     for name, (options, dtype, overrides) in CASES.items():
         runs, weights = {}, None
-        keras_hook.install(strategy, dataclasses.replace(settings, **overrides))
+        install(dataclasses.replace(settings, **overrides))
         for sharded in (True, False):
-            (weight_update.enable if sharded else weight_update.disable)(strategy)
             keras.utils.set_random_seed(1)
             optimizer = OPTIMIZERS[name.split("_")[0]]
-            model = _model(strategy, lambda: optimizer(options), weights, dtype)
+            model = _model(strategy, lambda: optimizer(options), weights, dtype, sharded=sharded)
             model.run_eagerly = name.endswith("_eager")
             weights = model.get_weights()
             model.fit(x, y, batch_size=BATCH, shuffle=False, epochs=1, verbose=0)
@@ -115,14 +121,13 @@ def workers_main():
                 path = os.path.join(scratch, f"{name}.weights.h5")
                 model.save_weights(path)
                 runs[sharded]["saved"] = weight_update.full_state(model.optimizer)
-                again = _model(strategy, lambda: optimizer(options), None, dtype)
+                again = _model(strategy, lambda: optimizer(options), None, dtype, sharded=True)
                 with strategy.scope():
-                    keras_hook.adopt(again.optimizer)  # built before fit: adopted first
                     again.optimizer.build(again.trainable_variables)
                 again.load_weights(path)
                 runs[sharded]["reloaded"] = weight_update.full_state(again.optimizer)
         out["cases"][name] = runs
-    keras_hook.install(strategy, settings)
+    install(settings)
     # The package's end-of-run save: the chief writes final.keras, the other worker joins the
     # gather with a save to scratch.
     outputs = training.save_run(scratch, sharded_model, {"epochs": 1, "top_1": 0.0}, strategy)
@@ -135,17 +140,17 @@ def workers_main():
     runtime_ranks = collectives.process_ranks
     collectives.process_ranks = lambda s: [1 - r for r in runtime_ranks(s)]
     try:
-        keras_hook.install(strategy, dataclasses.replace(settings, algorithm="torus_2d"))
-        weight_update.enable(strategy)
-        misordered = _model(strategy, lambda: OPTIMIZERS["sgd"](dict(momentum=0.9)), None, None)
+        install(dataclasses.replace(settings, algorithm="torus_2d"))
+        misordered = _model(
+            strategy, lambda: OPTIMIZERS["sgd"](dict(momentum=0.9)), None, None, sharded=True
+        )
         with strategy.scope():
-            keras_hook.adopt(misordered.optimizer)
             misordered.optimizer.build(misordered.trainable_variables)
     except RuntimeError as e:
         out["misordered"] = str(e)
     finally:
         collectives.process_ranks = runtime_ranks
-        keras_hook.install(strategy, settings)
+        install(settings)
     # A save on the chief alone: the other worker never comes, and the chief gets a clear error.
     weight_update.SAVE_WAIT_SECONDS = 5
     if checkpointing.is_chief(strategy):

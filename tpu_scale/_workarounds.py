@@ -22,14 +22,13 @@ Applied by the package's own strategy classes and functions, to their own object
   slurm_node_order          TensorFlow's SlurmClusterResolver sorts host names as strings (n10 < n9)
   tensor_seeds              a tensor seed fails after `tf.random.set_seed(0)`
 
-Two more live in `keras_hook.py`, the only module that touches Keras's private API; each reads
-Keras's source at start-up and turns itself off once Keras no longer has what it works around:
+One more lives in `keras_hook.py`, the only module that touches Keras's private API; it reads
+Keras's source and says when Keras no longer has what it works around:
 
-  build_from_one_replica    Keras 3 `evaluate` fails when replicas' first batches differ in size
-                            (keras-team/keras#19246; on while `build_from_one_replica_needed()`);
-                            builds from the iterator's element spec, so no pipeline starts twice
   accumulation_needs_phases Keras 3 `gradient_accumulation_steps` fails under a strategy
-                            (keras-team/keras#20582: `merge_call` inside the update's `cond`)
+                            (keras-team/keras#20582: `merge_call` inside the update's `cond`);
+                            `DistributedOptimizer` moves the condition to cross-replica context,
+                            and the package's strategies name it when a plain optimizer fails
 """
 
 import contextlib

@@ -1,59 +1,54 @@
 """The Keras seam: the one module that touches Keras's private API, and the map of how it does.
 
-A gradient's path from `model.fit` to the update, under a strategy of `create_strategy`:
+A gradient's path from `model.fit` (or any program) to the update, under a strategy of
+`create_strategy`:
 
-1. The optimizer is created under `strategy.scope()` and passed to `compile`: it is Keras's own.
-2. `fit` calls the trainer's `_maybe_symbolic_build`, replaced here (`_install_fit_hook`): for a
-   model made under a strategy of the package, it adopts the model's optimizer (`adopt`: this
-   object's class becomes `Seam` + its own class, so `type()` and `__class__` agree), then Keras
-   builds it (`Seam.build`): Keras's own `build`, or with `weight_update_sharding` the same build
-   with its slots made 1/N per replica (`weight_update.build`).
-3. Each step is `strategy.run(train_step)` (the strategy's public `run`); with
-   `gradient_accumulation_steps`, `run_train_step` traces one step per phase and picks one with a
-   `tf.cond` in cross-replica context (keras-team/keras#20582).
-4. Keras's `train_step` -> `optimizer.apply` -> `Seam._backend_apply_gradients` (the phase's
-   branch of Keras's accumulation) -> Keras's clipping, weight decay and `_backend_update_step`.
-5. `Seam._all_reduce_sum_gradients`: the torus sum (`torus.all_reduce_sum`: the schedule of
-   `torus_schedule`, its phases run by `collectives`); sharded, instead, `sharded_update.update`:
-   the same schedule's reduce-scatter phases, the optimizer's own `update_step` on each replica's
-   1/N, the all-gather phases.
-6. Keras's `_distributed_tf_update_step`: `update_step` per variable (none left when sharded).
+1. Keras's `train_step`, or the user's own, calls `optimizer.apply`: Keras's own optimizer, or
+   `DistributedOptimizer` around it when the run shards the update or accumulates gradients.
+2. Keras's `_all_reduce_sum_gradients` asks the replica context for the sum; TensorFlow hands it to
+   the strategy's cross-device ops, `tpu_scale.TorusAllReduce` (`torus.py`): the schedule of
+   `torus_schedule`, its phases run by `collectives`. No Keras code is involved in the sum.
+3. `DistributedOptimizer` with `weight_update_sharding`: the same schedule's reduce-scatter phases,
+   the optimizer's own `update_step` on each replica's 1/N, the all-gather phases
+   (`weight_update`, `sharded_update`); with `gradient_accumulation_steps`, one merge call per
+   micro-batch and the window's condition in cross-replica context (`accumulation_needs_phases`).
 
-Everything an adopted optimizer does differently is in `Seam`; optimizers of models under any
-other strategy are untouched, and so is every other model's `fit`. `check_keras()` runs in
-`create_strategy()` and fails there, naming the tested range and the fix, when this Keras lacks a
-name below (`_NEEDED`).
+No Keras class is changed and no optimizer's class is; `check_keras()` runs in `create_strategy()`
+and fails there, naming the tested range and the fix, when this Keras lacks a name below
+(`_NEEDED`).
 
 Every use of `keras.src` and of Keras's private names (Keras versions seen: 3.12.4, 3.15.1,
-3.16.0.dev2026102704). One method is replaced, process-wide; no public class's method is:
+3.16.0.dev2026102704). None is replaced:
 
   what                                        how        why
-  TF trainer `_maybe_symbolic_build`          replaced   adopts a package strategy's optimizer
-                                                         before Keras builds it; keras-team/
-                                                         keras#19246 (evaluate with a partial
-                                                         first batch); other models: Keras's own
-  `TFEpochIterator._distributed_dataset`      read       that spec, without starting an iterator
-  `TFOptimizer._all_reduce_sum_gradients`     overridden the torus sum; the sharded update
-  `BaseOptimizer._backend_apply_gradients`    overridden accumulation under strategies (#20582)
-  `_backend_increment_gradient_accumulators`, called     Keras's own accumulation steps, in phase
-  `_backend_reset_gradient_accumulators`,
-  `_clip_gradients`, `_apply_weight_decay`,
-  `_backend_update_step`, `_accumulated_gradients`
-  `_iterations`, `_get_variable_index`        read       accumulation windows; sharded state
+  `_backend_increment_gradient_accumulators`, called     `DistributedOptimizer`: Keras's own steps
+  `_backend_reset_gradient_accumulators`,     on the     of `apply`, one accumulation phase at a
+  `_clip_gradients`, `_apply_weight_decay`,   wrapped    time (#20582), and the update around a
+  `_backend_update_step`, `_filter_empty_     optimizer  sharded one
+  gradients`, `_overwrite_variables_directly_
+  with_gradients`, `_update_model_variables_
+  moving_average`, `_overwrite_model_
+  variables_with_average_value`
+  `add_variable_from_reference`               shadowed   a sharded build records the slots Keras
+                                              on the     would make (`weight_update.record_slot`),
+                                              wrapped    for the length of that `build` call only
+                                              object
+  `_accumulated_gradients`, `_iterations`,    read/set   accumulation windows; sharded state
+  `_get_variable_index`, `_trainable_variables`
+  `BaseOptimizer._backend_apply_gradients`    read       whether Keras still branches in replica
+                                                         context (`accumulation_needs_phases`)
   `_distribution_strategy`                    read       the strategy an optimizer was made under
   `_learning_rate`                            read       `learning_rate_of` (the schedule itself)
   `Model._flatten_layers`, `_initial_epoch`   called/set `all_layers`; resuming `fit` at an epoch
-  `Model._compile_metrics._user_metrics`      read       unweighted metrics refused on padded
-                                                         evaluation (`check_padded_evaluation`)
   `keras.src.models.functional.Functional`    read       `is_functional_or_sequential`
   `BatchNormalization._moments`               overridden grouped statistics, as Keras's own
-                                                         synchronized BN does (layers/)
+                                              (subclass) synchronized BN does (layers/)
   `BatchNormalization._reduction_axes`        read       the axes `_moments` reduces
   `_renorm_correction_and_moments`,           called     batch renormalization on group
   `_compose_transforms`,                                 statistics, in Keras's own arithmetic
   `_update_renorm_statistics`                            (Keras versions with `renorm`)
-Public ways in: `build`, `add_variable_from_reference`, `update_step`, `save_own_variables` and
-`load_own_variables` (Keras's optimizer contract), `Strategy.run`, callbacks.
+Public ways in: `build`, `update_step`, `save_own_variables` and `load_own_variables` (Keras's
+optimizer contract), `Strategy.run`, callbacks.
 """
 
 import dataclasses
@@ -410,8 +405,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         inner._backend_reset_gradient_accumulators()
 
     def _update(self, grads, variables):
-        """Keras's update of `apply` (clipping, weight decay, the update, constraints, the counter,
-        the moving average), with a sharded inner optimizer's update sharded."""
+        """Keras's update of `apply`, in its order (clipping, weight decay, the update, the moving
+        average, constraints, the counter), with a sharded inner optimizer's update sharded."""
         inner = self.inner_optimizer
         grads = inner._clip_gradients(grads)
         inner._apply_weight_decay(variables)
@@ -426,10 +421,6 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             weight_update.update(inner, ctx, list(zip(grads, variables)), indices, inner.learning_rate, dtype)
         else:
             inner._backend_update_step(grads, variables, inner.learning_rate)
-        for variable in variables:
-            if variable.constraint is not None:
-                variable.assign(variable.constraint(variable))
-        inner._iterations.assign_add(1)
         if inner.use_ema:
             inner._update_model_variables_moving_average(inner._trainable_variables)
             if inner.ema_overwrite_frequency:
@@ -438,6 +429,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                     lambda: inner._overwrite_model_variables_with_average_value(inner._trainable_variables),
                     lambda: None,
                 )
+        for variable in variables:
+            if variable.constraint is not None:
+                variable.assign(variable.constraint(variable))
+        inner._iterations.assign_add(1)
 
 
 def _restart_window(optimizer):

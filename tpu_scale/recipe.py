@@ -196,7 +196,9 @@ class Recipe:
             power=self.decay_power,
         )
 
-    def build_optimizer(self, steps_per_epoch, total_epochs, learning_rate=None, **kwargs):
+    def build_optimizer(
+        self, steps_per_epoch, total_epochs, learning_rate=None, weight_update_sharding=False, **kwargs
+    ):
         """The optimizer of the recipe, on its schedule.
 
         Args:
@@ -208,10 +210,13 @@ class Recipe:
                 `gradient_accumulation_steps` or `clipnorm` (accumulation needs a recipe
                 without a moving average, `ema_momentum=0.0`: Keras cannot run both under a
                 strategy).
+            weight_update_sharding: True to shard the update over the strategy's replicas.
 
         Returns:
             A `tpu_scale.optimizers.LARS` or a `keras.optimizers.SGD` whose weight decay
-            skips batch-norm parameters and biases. Create it under the strategy's scope.
+            skips batch-norm parameters and biases; wrapped in `tpu_scale.DistributedOptimizer`
+            when the run shards the update or accumulates gradients (what a strategy needs of
+            the optimizer then). Create it under the strategy's scope.
         """
         import keras
 
@@ -226,22 +231,29 @@ class Recipe:
                 )
             kwargs = dict(use_ema=True, ema_momentum=self.ema_momentum, **kwargs)
         if self.optimizer == "lars":
-            return optimizers.LARS(
+            optimizer = optimizers.LARS(
                 learning_rate,
                 momentum=self.momentum,
                 weight_decay=self.weight_decay,
                 eta=self.eta,
                 **kwargs,
             )
-        optimizer = keras.optimizers.SGD(
-            learning_rate,
-            momentum=self.momentum,
-            nesterov=self.nesterov,
-            weight_decay=self.weight_decay or None,
-            **kwargs,
-        )
-        if self.weight_decay:
-            optimizer.exclude_from_weight_decay(var_names=list(optimizers.DEFAULT_EXCLUDE_PATTERNS))
+        else:
+            optimizer = keras.optimizers.SGD(
+                learning_rate,
+                momentum=self.momentum,
+                nesterov=self.nesterov,
+                weight_decay=self.weight_decay or None,
+                **kwargs,
+            )
+            if self.weight_decay:
+                optimizer.exclude_from_weight_decay(
+                    var_names=list(optimizers.DEFAULT_EXCLUDE_PATTERNS)
+                )
+        if weight_update_sharding or kwargs.get("gradient_accumulation_steps"):
+            from tpu_scale.keras_hook import DistributedOptimizer
+
+            return DistributedOptimizer(optimizer, weight_update_sharding=weight_update_sharding)
         return optimizer
 
 

@@ -35,6 +35,11 @@ Every private name (TensorFlow versions seen on: 2.21.0, 2.23.0.dev20261026):
     .CollectiveAllReduceExtended,        MultiWorkerMirroredStrategy's    the strategy has no
     its ._initialize_local_devices       extended, with several local     argument for local CPU
                                          CPUs (_workarounds)              devices
+    its ._cross_device_ops (set, on      `TorusAllReduce` in place on     nor one for cross-device
+    the package's own extended)          several workers (strategy)       ops
+  CrossDeviceOps._gather_implementation, `TorusAllReduce` hands gathers   TensorFlow's strategies
+    ._all_reduce,                        and XLA's no-merge-call sums     call these on their ops
+    ._num_between_graph_workers          to its fallback (torus)          (called on TF's object)
   autograph.core.ag_ctx                  the caller's AutoGraph status    `tf.autograph` has no
     .control_status_ctx                  in `strategy.run` (strategy)     public status accessor
   autograph.impl.api                     converts the replica function    nor a public
@@ -64,6 +69,7 @@ MODULES = {
     "eager_context": "tensorflow.python.eager.context",
     "multi_device_iterator_ops": "tensorflow.python.data.ops.multi_device_iterator_ops",
     "collective_all_reduce_strategy": "tensorflow.python.distribute.collective_all_reduce_strategy",
+    "cross_device_ops": "tensorflow.python.distribute.cross_device_ops",
     "ag_ctx": "tensorflow.python.autograph.core.ag_ctx",
     "autograph_api": "tensorflow.python.autograph.impl.api",
     "control_flow_util": "tensorflow.python.ops.control_flow_util",
@@ -83,6 +89,9 @@ NAMES = (
     ("multi_device_iterator_ops", "_create_device_dataset"),
     ("collective_all_reduce_strategy", "CollectiveAllReduceExtended"),
     ("collective_all_reduce_strategy", "CollectiveAllReduceExtended._initialize_local_devices"),
+    ("cross_device_ops", "CrossDeviceOps._gather_implementation"),
+    ("cross_device_ops", "CollectiveAllReduce._all_reduce"),
+    ("cross_device_ops", "CollectiveAllReduce._num_between_graph_workers"),
     ("ag_ctx", "control_status_ctx"),
     ("autograph_api", "tf_convert"),
     ("control_flow_util", "GraphOrParentsInXlaContext"),
@@ -102,6 +111,7 @@ resource_variable_ops = _load(MODULES["resource_variable_ops"])
 eager_context = _load(MODULES["eager_context"])
 multi_device_iterator_ops = _load(MODULES["multi_device_iterator_ops"])
 collective_all_reduce_strategy = _load(MODULES["collective_all_reduce_strategy"])
+cross_device_ops = _load(MODULES["cross_device_ops"])
 ag_ctx = _load(MODULES["ag_ctx"])
 autograph_api = _load(MODULES["autograph_api"])
 control_flow_util = _load(MODULES["control_flow_util"])

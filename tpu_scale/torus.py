@@ -422,9 +422,6 @@ class TorusAllReduce(tf.distribute.CrossDeviceOps):
         self._say("xla", "tpu_scale: under XLA on GPUs TensorFlow sums without a merge call: %s sums there, not the torus", type(self.fallback).__name__)
         return self.fallback._all_reduce(reduce_op, value, replica_id, options)
 
-    def _all_gather(self, value, replica_id, axis, options):
-        return self.fallback._all_gather(value, replica_id, axis, options)
-
     # ------------------------------------------------------------------ the torus
 
     def _reason_not_to_sum(self, strategy, devices, value, destinations):
