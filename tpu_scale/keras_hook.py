@@ -117,20 +117,6 @@ def settings_for(strategy):
     return getattr(strategy, "settings", None) if strategy is not None else None
 
 
-def install(strategy, settings=None):
-    """Gives `strategy` the package's settings (default: the torus sum, "auto" algorithm), so that
-    optimizers made under it from now on are adopted; `create_strategy` does this itself."""
-    check_keras()
-    strategy.settings = settings or Settings()
-
-
-def uninstall(strategy):
-    """Returns `strategy` to Keras's own gradient sum (optimizers made under it from now on)."""
-    settings = settings_for(strategy)
-    if settings is not None:
-        strategy.settings = dataclasses.replace(settings, reduction="native")
-
-
 # --------------------------------------------------------------------------- start-up checks
 
 

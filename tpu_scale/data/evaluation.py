@@ -71,7 +71,7 @@ def exact_evaluation(eval_input, strategy, num_examples, *, cache=None):
     batch filled up to the per-replica size with zero-weight examples and the pass topped up with
     whole zero-weight batches, then repeated, so every `evaluate` or validation in `fit` sees each
     example once whether it starts a new iterator or continues an old one. Compile the metrics as
-    `weighted_metrics` (unweighted ones are refused under a strategy of `create_strategy`). No
+    `weighted_metrics`: unweighted ones (`metrics=`) would count the zero-weight padding. No
     replica gets an empty batch and every step has static shapes. Several input pipelines (one
     per host under `MultiWorkerMirroredStrategy`, one per host of a TPU pod slice) read their own
     files: where every file's record count is known (the label map of `write_tfrecords`), a pass
@@ -138,7 +138,7 @@ def exact_evaluation(eval_input, strategy, num_examples, *, cache=None):
                     lambda *batch: _filled(batch, per_replica)
                 )
             )
-            return ExactEvaluation(_marked(dataset), None)
+            return ExactEvaluation(dataset, None)
         replicas_fed = replicas // pipelines
         steps = max(
             evaluation_steps(count, per_replica * replicas_fed, replicas_fed) for count in counts
@@ -164,17 +164,7 @@ def exact_evaluation(eval_input, strategy, num_examples, *, cache=None):
         return one_pass.repeat()
 
     distributed = strategy.distribute_datasets_from_function(dataset)
-    return ExactEvaluation(_marked(distributed), steps, bool(cache))
-
-
-# The attribute that marks an evaluation dataset padded with zero-weight examples; the seam reads
-# it to refuse unweighted metrics (`keras_hook.check_padded_evaluation`).
-PADDED = "tpu_scale_zero_weight_padding"
-
-
-def _marked(distributed):
-    setattr(distributed, PADDED, True)
-    return distributed
+    return ExactEvaluation(distributed, steps, bool(cache))
 
 
 def _filled(batch, size):
