@@ -37,9 +37,11 @@ Every private name (TensorFlow versions seen on: 2.21.0, 2.23.0.dev20261026):
                                          CPUs (_workarounds)              devices
     its ._cross_device_ops (set, on      `TorusAllReduce` in place on     nor one for cross-device
     the package's own extended)          several workers (strategy)       ops
-  CrossDeviceOps._gather_implementation, `TorusAllReduce` hands gathers   TensorFlow's strategies
-    ._all_reduce,                        and XLA's no-merge-call sums     call these on their ops
-    ._num_between_graph_workers          to its fallback (torus)          (called on TF's object)
+  distribute.cross_device_ops           `TorusAllReduce` hands gathers,  TensorFlow's strategies
+    .CrossDeviceOps._gather_implementation, XLA's no-merge-call sums and   call these on their
+    .CollectiveAllReduce._all_reduce,    the workers' count to its        cross-device ops; the
+    .CollectiveAllReduce                 fallback, TensorFlow's own ops   package calls them on
+      ._num_between_graph_workers        (torus)                          TensorFlow's own object
   autograph.core.ag_ctx                  the caller's AutoGraph status    `tf.autograph` has no
     .control_status_ctx                  in `strategy.run` (strategy)     public status accessor
   autograph.impl.api                     converts the replica function    nor a public
@@ -50,7 +52,8 @@ Every private name (TensorFlow versions seen on: 2.21.0, 2.23.0.dev20261026):
     .GraphOrParentsInXlaContext          XLA (keras_hook)                 XLA context
 
 A module of TensorFlow's that cannot be imported is None here, and reported by the check as its
-names are.
+names are. The names of `OBJECT_ONLY`'s modules are called on TensorFlow's own objects, never
+imported from here; the check still tells when this TensorFlow lacks one.
 """
 
 import importlib
@@ -74,6 +77,9 @@ MODULES = {
     "autograph_api": "tensorflow.python.autograph.impl.api",
     "control_flow_util": "tensorflow.python.ops.control_flow_util",
 }
+
+# Modules whose names the package only calls on TensorFlow's own objects (no import from here).
+OBJECT_ONLY = ("cross_device_ops",)
 
 # What the package uses of each module: (the seam's module name, the dotted name in it).
 NAMES = (
