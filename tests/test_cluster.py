@@ -256,7 +256,7 @@ def test_kubernetes_manifest_tf_config_is_the_indexed_jobs_pods(environ):
     import yaml  # PyYAML
 
     with open(MANIFEST) as f:
-        service, job = yaml.safe_load_all(f)
+        service, job, policy = yaml.safe_load_all(f)
     pod = job["spec"]["template"]["spec"]
     container = pod["containers"][0]
     port = container["ports"][0]["containerPort"]
@@ -266,6 +266,13 @@ def test_kubernetes_manifest_tf_config_is_the_indexed_jobs_pods(environ):
         pod["subdomain"] == service["metadata"]["name"] and service["spec"]["clusterIP"] == "None"
     )
     assert service["spec"]["selector"] == {"job-name": job["metadata"]["name"]}
+    # The workers' unauthenticated port admits the job's own pods and nothing else.
+    pods_of_the_job = {"matchLabels": {"job-name": job["metadata"]["name"]}}
+    assert policy["kind"] == "NetworkPolicy" and policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["podSelector"] == pods_of_the_job
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["from"] == [{"podSelector": pods_of_the_job}]
+    assert rule["ports"] == [{"protocol": "TCP", "port": port}]
     # The pods of an indexed Job are named <job>-<index>, reachable as <job>-<index>.<subdomain>.
     pods = [f"{job['metadata']['name']}-{i}.{pod['subdomain']}:{port}" for i in range(count)]
     for index in range(count):

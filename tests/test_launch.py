@@ -111,6 +111,45 @@ def fail(seconds):
     print(f"worker {index} was not stopped", flush=True)
 
 
+def listen(folder):
+    """A worker script: starts the cluster's servers (a strategy), then writes where its process
+    listens (the TCP ports of its network namespace) and which namespace that is."""
+    import tpu_scale
+
+    strategy = tpu_scale.create_strategy(gradient_reduction="native")
+    task = strategy.cluster_resolver.task_id
+    with open(os.path.join(folder, f"worker{task}.json"), "w") as f:
+        json.dump(
+            {
+                "namespace": os.readlink("/proc/self/ns/net"),
+                "listening": _listening_ports(),
+                "devices": _network_devices(),
+                "address": strategy.cluster_resolver.cluster_spec().as_dict()["worker"][task],
+            },
+            f,
+        )
+
+
+def _network_devices():
+    """The network devices of this process's namespace (`ip link` lists them), from /proc."""
+    with open("/proc/self/net/dev") as f:
+        return sorted(line.split(":")[0].strip() for line in f.read().splitlines()[2:])
+
+
+def _listening_ports():
+    """`{port: local address}` of the TCP sockets listening in this process's network namespace
+    (what `ss -ltn` lists), from /proc; the ports as text, as JSON keeps them."""
+    found = {}
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with open(table) as f:
+            for line in f.read().splitlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                if state == "0A":  # LISTEN
+                    address, port = local.rsplit(":", 1)
+                    found[str(int(port, 16))] = address
+    return found
+
+
 # --------------------------------------------------------------------------- the tests
 
 
@@ -246,6 +285,33 @@ def test_the_example_trains_on_two_launched_workers(tmp_path):
     assert os.path.exists(tmp_path / "run" / "final.keras")
 
 
+def test_the_workers_servers_are_reachable_from_this_host_only_through_the_job(tmp_path):
+    """TensorFlow's servers bind every interface: the launcher's workers run in a network
+    namespace of their own, holding only the loopback device, so no other host can reach them."""
+    proc = _launch("--num_workers", "2", "--", THIS, "listen", str(tmp_path))
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert "cannot give the workers a network of their own" not in err
+    workers = [json.load(open(tmp_path / f"worker{t}.json")) for t in (0, 1)]
+    mine = os.readlink("/proc/self/ns/net")
+    assert workers[0]["namespace"] == workers[1]["namespace"] != mine  # one network, not the host's
+    assert workers[0]["devices"] == ["lo"]
+    for worker in workers:
+        port = worker["address"].rsplit(":", 1)[1]
+        assert port in worker["listening"]  # the server listens, inside the job's network only
+
+
+def test_the_host_network_is_asked_for_by_name(tmp_path):
+    proc = _launch("--num_workers", "2", "--network", "host", "--", THIS, "listen", str(tmp_path))
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    workers = [json.load(open(tmp_path / f"worker{t}.json")) for t in (0, 1)]
+    assert workers[0]["namespace"] == os.readlink("/proc/self/ns/net")
+    # On the host's network it listens on every interface: what the default keeps from other hosts.
+    port = workers[0]["address"].rsplit(":", 1)[1]
+    assert workers[0]["listening"][port] in ("00000000", "00000000000000000000000000000000")
+
+
 def test_a_failing_worker_stops_the_others_and_is_named():
     proc = _launch("--num_workers", "3", "--grace_seconds", "5", "--", THIS, "fail", "120")
     out, err = proc.communicate(timeout=60)
@@ -288,4 +354,4 @@ def test_worker_environments_name_every_worker_and_their_own_task():
 
 if __name__ == "__main__":
     sys.path.insert(0, ROOT)
-    {"fit": fit, "fail": fail}[sys.argv[1]](*sys.argv[2:])
+    {"fit": fit, "fail": fail, "listen": listen}[sys.argv[1]](*sys.argv[2:])

@@ -1,6 +1,7 @@
 """Starts a multi-worker training script as N worker processes on this host.
 
-    python -m tpu_scale.launch --num_workers 2 [--num_cpu_replicas 2] -- SCRIPT.py ARGS...
+    python -m tpu_scale.launch --num_workers 2 [--num_cpu_replicas 2] [--network loopback] \
+        -- SCRIPT.py ARGS...
 
 Each worker is a process of its own with a `TF_CONFIG` naming every worker at a free localhost
 port and its own task index, which is what `tpu_scale.create_strategy()` (and any
@@ -21,6 +22,16 @@ The launcher
 `TPU_SCALE_CPUS_PER_WORKER`, which `create_strategy()` reads when it is not given
 `num_cpu_replicas`).
 
+The workers' network (`--network`). Each worker runs TensorFlow's distributed runtime, a gRPC
+server that binds every interface of its host and has no authentication: TensorFlow's security
+guidance says to run it on trusted networks only, since anyone who reaches its port can run graph
+operations as the training user. With `--network loopback` (the default) the launcher runs the
+workers in a network namespace of their own that holds only the loopback device
+(`unshare --net`, with `--map-root-user` when not root), so nothing outside the job can reach
+them, and neither can they reach any other host (no `gs://` folders, no downloads). Where the
+kernel refuses a namespace (user namespaces disabled), the launcher says so and runs them on the
+host's network; so does `--network host`, asked for by name. Then keep the host behind a firewall.
+
 The process and `TF_CONFIG` helpers here (`free_ports`, `tf_config`, `Workers`) also run the test
 suite's multi-process clusters (`tpu_scale.testing.multiworker`).
 """
@@ -39,6 +50,9 @@ import time
 
 CPUS_PER_WORKER = "TPU_SCALE_CPUS_PER_WORKER"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+NETWORKS = ("loopback", "host")
+# Set in the launcher that runs inside the workers' own network namespace.
+_IN_NAMESPACE = "TPU_SCALE_LAUNCH_NAMESPACE"
 
 
 def free_ports(count):
@@ -235,7 +249,7 @@ def _parse(argv):
         prog="python -m tpu_scale.launch",
         description="Runs SCRIPT as N worker processes on this host, each with its TF_CONFIG.",
         usage="%(prog)s --num_workers N [--num_cpu_replicas K] [--grace_seconds S] "
-        "-- SCRIPT [ARGS...]",
+        "[--network loopback|host] -- SCRIPT [ARGS...]",
     )
     parser.add_argument("--num_workers", type=int, required=True, help="worker processes")
     parser.add_argument(
@@ -246,6 +260,14 @@ def _parse(argv):
         type=float,
         default=30.0,
         help="after a failure, how long the other workers get to stop before SIGKILL",
+    )
+    parser.add_argument(
+        "--network",
+        choices=NETWORKS,
+        default="loopback",
+        help="loopback: the workers in a network namespace of their own, reachable by nothing "
+        "outside the job (and reaching nothing outside it); host: the host's network, where "
+        "TensorFlow's unauthenticated servers listen on every interface",
     )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="SCRIPT and its arguments")
     args = parser.parse_args(argv)
@@ -266,10 +288,66 @@ def _parse(argv):
     return args, command
 
 
+def _bring_up_loopback():
+    """Sets the loopback device up in this (new) network namespace, where it starts down."""
+    import fcntl
+    import struct
+
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        request = struct.pack("16sH", b"lo", 0)
+        flags = struct.unpack("16sH", fcntl.ioctl(s, siocgifflags, request)[:18])[1]
+        fcntl.ioctl(s, siocsifflags, struct.pack("16sH", b"lo", flags | iff_up))
+
+
+def _in_own_network(argv):
+    """Runs this launcher again inside a network namespace that holds only the loopback device;
+    returns its exit code, or None (with the reason written to stderr) where none can be made."""
+    unshare = shutil.which("unshare")
+    if unshare is None or not sys.platform.startswith("linux"):
+        reason = "no unshare command" if sys.platform.startswith("linux") else "not Linux"
+    else:
+        command = [unshare, "--net"] + (["--map-root-user"] if os.geteuid() != 0 else [])
+        probe = subprocess.run(command + ["true"], capture_output=True, text=True)
+        if probe.returncode == 0:
+            env = dict(os.environ, **{_IN_NAMESPACE: "1"})
+            inner = subprocess.Popen(
+                command + ["--", sys.executable, "-m", "tpu_scale.launch"] + list(argv),
+                env=env,
+                preexec_fn=_parent_death_signal(),
+            )
+            previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+            for s in STOP_SIGNALS:
+                signal.signal(s, lambda signum, frame: inner.send_signal(signum))
+            try:
+                return exit_code(inner.wait())
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
+        reason = (probe.stderr.strip().splitlines() or [f"exit code {probe.returncode}"])[-1]
+    sys.stderr.write(
+        f"tpu_scale.launch: cannot give the workers a network of their own ({reason}); they run on "
+        "this host's network, where TensorFlow's servers listen on every interface without "
+        "authentication. Keep the host behind a firewall, or enable user namespaces "
+        "(sysctl kernel.unprivileged_userns_clone=1). --network host says this is intended.\n"
+    )
+    return None
+
+
 def main(argv=None):
     """Runs the launcher; returns its exit code."""
-    args, command = _parse(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args, command = _parse(argv)
+    if args.network == "loopback":
+        if os.environ.get(_IN_NAMESPACE):
+            _bring_up_loopback()
+        else:
+            code = _in_own_network(argv)
+            if code is not None:
+                return code
     envs = worker_environments(args.num_workers, args.num_cpu_replicas)
+    for env in envs:
+        env.pop(_IN_NAMESPACE, None)
     out = sys.stdout
 
     def on_line(index, line):
