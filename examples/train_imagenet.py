@@ -193,6 +193,8 @@ def train(config, extra_callbacks=()):
         model_dir = config.model_dir or tempfile.mkdtemp(prefix="tpu_scale_run_")
         if not config.model_dir:
             cleanup.callback(shutil.rmtree, model_dir, ignore_errors=True)
+        # One run at a time in a folder: a second would delete the first's backups.
+        cleanup.enter_context(training.folder_lock(model_dir, strategy))
 
         # ---- data: records, a user's images (converted once, into the run's folder), a TFDS
         # dataset, or generated; with their counts and the exact evaluation
@@ -342,7 +344,7 @@ def main(argv):
     tpu_scale.process.avoid_iterator_stalls()
     try:
         summary = train(config)
-    except (ValueError, TrainingDiverged) as e:
+    except (ValueError, TrainingDiverged, training.FolderBusy, checkpointing.BackupWriteError) as e:
         print(f"error: {e}", file=sys.stderr)  # once: absl's logging.error would repeat it
         return 2
     print(training.summary_line(summary))

@@ -227,6 +227,38 @@ def test_damaged_newest_backup_falls_back_with_a_warning(tmp_path, caplog):
     assert not os.path.exists(backup_dir)  # delete_checkpoint after a complete fit
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MB tmpfs (a real filesystem that fills up); mounting needs root, as CI runs."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    folder = tmp_path / "small_disk"
+    folder.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], check=True)
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_a_full_disk_names_the_folder_and_the_last_good_backup(small_disk):
+    # 100,000 weights and an SGD momentum of as many: one backup (800 KB) fits, a second does not.
+    model = keras.Sequential([keras.Input((1000,)), keras.layers.Dense(100, use_bias=False)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+    model.fit(np.ones((4, 1000), "float32"), np.zeros((4, 100), "float32"), verbose=0)
+    backup_dir = str(small_disk / "backup")
+    first = checkpointing.backups.write_backup(model, backup_dir, 1, 0, "epoch", keep=3)
+    with pytest.raises(checkpointing.BackupWriteError) as raised:
+        checkpointing.backups.write_backup(model, backup_dir, 2, 0, "epoch", keep=3)
+    message = str(raised.value)
+    assert f"Could not write a backup to {backup_dir!r}" in message
+    assert "MB is free there" in message and "a backup of this model takes about 0.8 MB" in message
+    assert f"The last good backup, {first.path} (epoch 1, step 0), is intact" in message
+    # The partial save is gone, and the run resumes from the last good backup.
+    assert os.listdir(backup_dir) == [os.path.basename(first.path)]
+    assert checkpointing.latest_backup(backup_dir).path == first.path
+
+
 def test_backup_of_another_model_is_an_error_naming_it(tmp_path):
     backup_dir = str(tmp_path / "backup")
     _tiny_fit(_tiny_model(), checkpointing.BackupAndRestore(backup_dir, delete_checkpoint=False), 1)

@@ -121,3 +121,40 @@ def test_records_without_a_validation_split_name_the_command_that_makes_one(tmp_
     data.write_tfrecords(str(tmp_path / "digits"), str(tmp_path / "records"), validation_fraction=0)
     with pytest.raises(ValueError, match="hold no validation split.*convert --image_dir"):
         data.inputs(str(tmp_path / "records"), image_size=16, global_batch_size=32)
+
+
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        ("", "Expecting value"),
+        ('{"label_offset": 0, "classes": [{"id": 0, "name": "a"}], "examples": {"train": "lots"}}',
+         "invalid literal for int()"),
+        ('{"label_offset": 0, "classes": [{"id": 0, "name": "a"}], "examples": [3]}', "items"),
+        ('{"label_offset": 0, "classes": [{"id": 1, "name": "a"}]}', "class ids [1]"),
+    ],
+)
+def test_a_damaged_label_map_is_named_with_the_fix(tmp_path, content, problem):
+    from tpu_scale.data.schema import LABEL_MAP_FILE, read_label_map
+
+    (tmp_path / LABEL_MAP_FILE).write_text(content)
+    with pytest.raises(ValueError) as raised:
+        read_label_map(str(tmp_path))
+    message = str(raised.value)
+    assert str(tmp_path / LABEL_MAP_FILE) in message and problem in message
+    assert "python -m tpu_scale.data.convert" in message
+
+
+def test_the_label_map_is_written_whole(tmp_path, monkeypatch):
+    import os
+
+    from tpu_scale.data.schema import read_label_map, write_label_map
+
+    write_label_map(str(tmp_path), ["a", "b"], 0, {"train": 2})
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        write_label_map(str(tmp_path), ["a", "b", "c"], 0, {"train": 3})
+    assert read_label_map(str(tmp_path)).class_names == ("a", "b")  # the old map, whole

@@ -163,3 +163,124 @@ def test_the_epoch_logger_counts_every_timed_image(steps_per_execution):
     model.fit(x, y, batch_size=8, epochs=2, callbacks=[logger], verbose=0)
     assert logger.images == 2 * (12 - steps_per_execution) * 8
     assert logger.images_per_second > 0
+
+
+# --------------------------------------------------------------------------- the run's folder
+
+
+def _finished_folder(tmp_path, record, final_model=True):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / training.RUN_FILE).write_text(
+        record if isinstance(record, str) else json.dumps(record)
+    )
+    if final_model:
+        (folder / training.FINAL_MODEL).write_bytes(b"PK")
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    "record, final_model, problem",
+    [
+        ("", True, "not valid JSON (empty)"),
+        ('{"epochs": 3, "top_1": 0.8', True, "not valid JSON"),
+        ([1, 2], True, "holds a list, not a record"),
+        ({"top_1": 0.9}, True, "'epochs' is None"),
+        ({"epochs": "3"}, True, "'epochs' is '3'"),
+        ({"epochs": 3, "top_1": 7}, True, "'top_1' is 7"),
+        ({"epochs": 3, "top_1": 0.9, "images_per_second": -1}, True, "'images_per_second'"),
+        # Planted: a finished run that never trained here.
+        ({"epochs": 99, "top_1": 0.999, "images_per_second": 1e9}, False, "left no final.keras"),
+    ],
+)
+def test_a_damaged_or_planted_run_record_names_the_file_and_the_fix(
+    tmp_path, record, final_model, problem
+):
+    folder = _finished_folder(tmp_path, record, final_model)
+    with pytest.raises(ValueError) as raised:
+        training.finished_run(folder, 3)
+    message = str(raised.value)
+    assert problem in message and os.path.join(folder, training.RUN_FILE) in message
+    assert "Move it aside" in message and "resume the run from its backups" in message
+
+
+def test_a_record_save_run_wrote_is_read_back(tmp_path):
+    folder = _finished_folder(tmp_path, {"epochs": 3, "top_1": 0.75, "images_per_second": None})
+    assert training.finished_run(folder, 3)["top_1"] == 0.75
+    assert training.finished_run(folder, 4) is None
+    assert "finished run of 3 epochs (top-1 0.7500)" in training.finished_message(
+        folder, training.finished_run(folder, 3)
+    )
+
+
+def test_json_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    from tpu_scale import _files
+
+    path = str(tmp_path / "run.json")
+    _files.write_json(path, {"epochs": 1})
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        _files.write_json(path, {"epochs": 2, "padding": "x" * 10000})
+    assert _files.read_json(path) == {"epochs": 1}  # the old file, whole
+    assert os.listdir(tmp_path) == ["run.json"]  # no partial file left behind
+
+
+def test_a_damaged_settings_file_does_not_block_resuming(tmp_path, caplog, monkeypatch, strategy):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / training.SETTINGS_FILE).write_text("{trunc")
+    # A run with a backup to resume from (what the backup holds is checkpointing's to test).
+    monkeypatch.setattr(checkpointing, "latest_backup", lambda backup_dir: object())
+    with caplog.at_level("WARNING"):
+        assert training.record_settings(str(folder), {"image_size": 16}, strategy) == []
+    assert "settings.json" in caplog.text and "not valid JSON" in caplog.text
+
+
+_HOLD_THE_FOLDER = """
+import sys, time
+from tpu_scale import training
+with training.folder_lock(sys.argv[1]):
+    print("holding", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_one_run_at_a_time_per_folder(tmp_path):
+    import subprocess
+    import sys
+
+    folder = str(tmp_path / "run")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_THE_FOLDER, folder], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        with pytest.raises(training.FolderBusy) as raised:
+            with training.folder_lock(folder):
+                pass
+        message = str(raised.value)
+        assert f"pid {holder.pid} on " in message and "another --model_dir" in message
+    finally:
+        holder.kill()
+        holder.wait()
+    # A killed holder leaves its file, not its lock: the next run takes the folder.
+    assert os.path.exists(os.path.join(folder, training.LOCK_FILE))
+    with training.folder_lock(folder):
+        pass
+
+
+def test_pruning_removes_only_the_runs_own_checkpoints(tmp_path):
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    for name in ("epoch_998.weights.h5", "epoch_999.weights.h5", "epoch_1000.weights.h5",
+                 "a_user_notes.txt", "epoch_best.weights.h5"):
+        (folder / name).write_text("x")
+    training._KeepNewest(str(folder), 2).on_epoch_end(999)
+    assert sorted(os.listdir(folder)) == [
+        "a_user_notes.txt", "epoch_1000.weights.h5", "epoch_999.weights.h5", "epoch_best.weights.h5"
+    ]

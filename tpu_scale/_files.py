@@ -4,6 +4,7 @@ Local folders go through `os` and `shutil` (renames are atomic there, and `fsync
 everything else through `tf.io.gfile`.
 """
 
+import contextlib
 import logging
 import os
 import shutil
@@ -38,3 +39,56 @@ def remove_tree(path, *, best_effort=False):
         if not best_effort:
             raise
         logger.warning("Could not remove %s (%s); it is not needed any more.", path, e)
+
+
+def write_json(path, value):
+    """Writes `value` as JSON to `path` atomically: a reader finds the old file or the new one,
+    never a part (a full disk leaves the old file as it was).
+
+    Local files go to a temporary file in the same folder, are flushed to disk and renamed over
+    `path`; remote ones (`gs://...`) are written whole to a temporary name and renamed.
+
+    Raises:
+      OSError or tf.errors.OpError: the write failed; `path` is unchanged.
+    """
+    import json
+
+    text = json.dumps(value, indent=2, default=str)
+    if not is_local(path):
+        partial = f"{path}.tmp-{os.getpid()}"
+        with tf.io.gfile.GFile(partial, "w") as f:
+            f.write(text)
+        tf.io.gfile.rename(partial, path, overwrite=True)
+        return
+    import tempfile
+
+    folder = os.path.dirname(os.path.abspath(path))
+    handle, partial = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=folder)
+    try:
+        with os.fdopen(handle, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(partial)
+        raise
+
+
+def read_json(path):
+    """The JSON value in `path`.
+
+    Raises:
+      ValueError: the file is not JSON (empty, truncated, damaged), naming it.
+    """
+    import json
+
+    with tf.io.gfile.GFile(path) as f:
+        text = f.read()
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{path!r} is not valid JSON ({'empty' if not text.strip() else e})") from None
+
+

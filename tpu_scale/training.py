@@ -8,6 +8,10 @@ A run keeps everything in one `model_dir`:
     settings.json    the settings the run started with (`record_settings`)
     final.keras      the trained model (`save_run`)
     run.json         the run's result (`save_run`; `finished_run` reads it)
+    .tpu_scale.lock  held by the run that uses the folder (`folder_lock`)
+
+The JSON files are written atomically (a reader finds the old file or the new one) and checked when
+read back: a damaged or foreign one is an error naming the file and the fix.
 
 With a script of its own, a user gets the run's guarantees from `run_callbacks`:
 
@@ -23,18 +27,20 @@ exit with `checkpointing.PREEMPTED_EXIT_CODE`; a diverging loss stops the run at
 weights; fit's validation, the checkpoints and the saved model see the same batch-norm statistics.
 """
 
-import json
+import contextlib
 import logging
 import math
 import os
+import re
 import shutil
+import socket
 import tempfile
 import time
 
 import keras
 import tensorflow as tf
 
-from tpu_scale import checkpointing, weight_update
+from tpu_scale import _files, checkpointing, weight_update
 from tpu_scale.callbacks import AverageMovingStatistics, LossGuard
 
 logger = logging.getLogger(__name__)
@@ -45,6 +51,55 @@ LOGS_DIR = "logs"
 SETTINGS_FILE = "settings.json"
 FINAL_MODEL = "final.keras"
 RUN_FILE = "run.json"
+LOCK_FILE = ".tpu_scale.lock"
+CHECKPOINT_FILE = "epoch_{epoch:03d}.weights.h5"  # ModelCheckpoint's pattern
+_CHECKPOINT_NAME = re.compile(r"epoch_(\d{3,})\.weights\.h5")  # what it writes, and nothing else
+
+
+class FolderBusy(RuntimeError):
+    """Another run holds the run's folder (`folder_lock`)."""
+
+
+@contextlib.contextmanager
+def folder_lock(model_dir, strategy=None):
+    """Holds `model_dir` for this run: a second run on the same folder fails at once, naming the
+    first, where the two would delete each other's backups.
+
+    The lock is an advisory lock (`fcntl.flock`) on `model_dir/.tpu_scale.lock`, which holds the
+    holder's process id and host; the kernel drops it when the holder ends, however it ends, so a
+    killed run's file does not block the next. Only the chief holds it (the workers of one run share
+    the folder). A folder on a remote filesystem (`gs://...`) or a system without `fcntl` takes no
+    lock: there, give each run its own folder.
+
+    Args:
+      model_dir: the run's folder; made if missing.
+      strategy: the run's `tf.distribute` strategy, or None for one process.
+
+    Raises:
+      FolderBusy: another run holds the folder, naming its process and host and the fix.
+    """
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        fcntl = None
+    if fcntl is None or not _files.is_local(model_dir) or (strategy is not None and not checkpointing.is_chief(strategy)):
+        yield
+        return
+    model_dir = _expand(model_dir)
+    os.makedirs(model_dir, exist_ok=True)
+    path = os.path.join(model_dir, LOCK_FILE)
+    handle = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(handle, 256, 0).decode("utf-8", "replace").strip() or "a process"
+            raise FolderBusy(f"{model_dir!r} is in use by another run ({holder}). Wait for it to end, or pass another --model_dir.") from None
+        os.ftruncate(handle, 0)
+        os.pwrite(handle, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(handle)  # the kernel releases the lock with it
 
 
 def run_callbacks(model_dir, strategy, *, keep_checkpoints=3, loss_guard=True, tensorboard=True):
@@ -93,7 +148,7 @@ def run_callbacks(model_dir, strategy, *, keep_checkpoints=3, loss_guard=True, t
     if keep_checkpoints > 0:
         callbacks += [
             keras.callbacks.ModelCheckpoint(
-                os.path.join(checkpoints, "epoch_{epoch:03d}.weights.h5"), save_weights_only=True
+                os.path.join(checkpoints, CHECKPOINT_FILE), save_weights_only=True
             ),
             _KeepNewest(checkpoints, keep_checkpoints),
         ]
@@ -178,8 +233,14 @@ def record_settings(model_dir, settings, strategy):
     path = os.path.join(model_dir, SETTINGS_FILE)
     resuming = checkpointing.latest_backup(os.path.join(model_dir, BACKUP_DIR)) is not None
     if resuming and tf.io.gfile.exists(path):
-        with tf.io.gfile.GFile(path) as f:
-            before = json.load(f)
+        try:
+            before = _files.read_json(path)
+            if not isinstance(before, dict):
+                raise ValueError(f"{path!r} holds no settings")
+        except ValueError as e:
+            # Only a comparison rests on it: the run resumes from its backups all the same.
+            logger.warning("%s; the settings this run started with are unknown, so changes to them are not named.", e)
+            return []
         changed = [k for k in settings if k in before and before[k] != settings[k]]
         if changed:
             logger.warning(
@@ -190,8 +251,7 @@ def record_settings(model_dir, settings, strategy):
         return changed
     if not resuming and checkpointing.is_chief(strategy):
         tf.io.gfile.makedirs(model_dir)
-        with tf.io.gfile.GFile(path, "w") as f:
-            json.dump(settings, f, indent=2, default=str)
+        _files.write_json(path, settings)
     return []
 
 
@@ -213,21 +273,56 @@ def short_run_hint(steps_per_epoch, epochs, few_steps=FEW_STEPS):
 
 
 def finished_run(model_dir, epochs):
-    """The record (`run.json`) of a run in `model_dir` that trained `epochs` or more, else None."""
-    path = os.path.join(_expand(model_dir), RUN_FILE)
+    """The record (`run.json`) of a run in `model_dir` that trained `epochs` or more, else None.
+
+    Raises:
+      ValueError: `run.json` is damaged (empty, truncated, not JSON), is not a record `save_run`
+        wrote (no whole number of epochs, a top-1 outside [0, 1], ...), or describes a run whose
+        final model is not in the folder; naming the file and the fix (move it aside: the run then
+        resumes from its backups).
+    """
+    model_dir = _expand(model_dir)
+    path = os.path.join(model_dir, RUN_FILE)
     if not tf.io.gfile.exists(path):
         return None
-    with tf.io.gfile.GFile(path) as f:
-        record = json.load(f)
-    return record if record.get("epochs", 0) >= epochs else None
+    try:
+        record = _files.read_json(path)
+        problem = _record_problem(record, model_dir)
+    except ValueError as e:
+        problem = str(e)
+    if problem:
+        raise ValueError(f"{path!r} is not the record of a run finished in this folder: {problem}. Move it aside (mv {path} {path}.bad) to resume the run from its backups, or pass another --model_dir.")
+    return record if record["epochs"] >= epochs else None
+
+
+def _record_problem(record, model_dir):
+    """What makes `record` unlike a `run.json` that `save_run` wrote in `model_dir`; None if
+    nothing."""
+
+    def number(value):
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    if not isinstance(record, dict):
+        return f"it holds a {type(record).__name__}, not a record"
+    epochs = record.get("epochs")
+    if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 0:
+        return f"'epochs' is {epochs!r}, not a whole number of epochs"
+    if "top_1" in record and not (number(record["top_1"]) and 0 <= record["top_1"] <= 1):
+        return f"'top_1' is {record['top_1']!r}, not an accuracy between 0 and 1"
+    for key in ("images_per_second", "wall_seconds"):
+        if record.get(key) is not None and not (number(record[key]) and record[key] >= 0):
+            return f"{key!r} is {record[key]!r}, not a rate or a time"
+    if not tf.io.gfile.exists(os.path.join(model_dir, FINAL_MODEL)):
+        return f"the run it describes left no {FINAL_MODEL} here"
+    return None
 
 
 def finished_message(model_dir, record):
     """What a run says when `model_dir` already holds `record`, a finished run (`finished_run`)."""
+    top_1 = f" (top-1 {record['top_1']:.4f})" if "top_1" in record else ""
     return (
-        f"{model_dir} already holds a finished run of {record['epochs']} epochs (top-1 "
-        f"{record['top_1']:.4f}); nothing to train. Pass a larger --epochs to continue it, or "
-        "another --model_dir for a new run."
+        f"{model_dir} already holds a finished run of {record['epochs']} epochs{top_1}; nothing to "
+        "train. Pass a larger --epochs to continue it, or another --model_dir for a new run."
     )
 
 
@@ -266,9 +361,9 @@ def save_run(model_dir, model, record, strategy):
         "run record": os.path.join(model_dir, RUN_FILE),
         "settings it started with": os.path.join(model_dir, SETTINGS_FILE),
     }
+    # The model first: a run.json always describes a final model that was written whole.
     model.save(outputs["final model"])
-    with tf.io.gfile.GFile(outputs["run record"], "w") as f:
-        json.dump(dict(record, model_dir=model_dir, outputs=outputs), f, indent=2, default=str)
+    _files.write_json(outputs["run record"], dict(record, model_dir=model_dir, outputs=outputs))
     return outputs
 
 
@@ -370,7 +465,8 @@ def _rate(value, form="%.0f"):
 
 
 class _KeepNewest(keras.callbacks.Callback):
-    """Deletes all but the `keep` newest files of `folder` at each epoch's end."""
+    """Deletes all but the `keep` newest checkpoints of `folder` at each epoch's end: the files
+    named as the run names them (`CHECKPOINT_FILE`), nothing else a user keeps there."""
 
     def __init__(self, folder, keep):
         super().__init__()
@@ -378,8 +474,12 @@ class _KeepNewest(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         if tf.io.gfile.isdir(self.folder):
-            names = sorted(tf.io.gfile.listdir(self.folder))  # epoch_NNN...: oldest first
-            for name in names[: -self.keep]:
+            ours = sorted(  # by epoch, oldest first
+                (int(found.group(1)), name)
+                for name in tf.io.gfile.listdir(self.folder)
+                if (found := _CHECKPOINT_NAME.fullmatch(name))
+            )
+            for _, name in ours[: -self.keep]:
                 tf.io.gfile.remove(os.path.join(self.folder, name))
 
 

@@ -1,6 +1,7 @@
 """Backups on disk: written whole or not at all, read back with their checksums checked."""
 
 import dataclasses
+import gc
 import hashlib
 import json
 import logging
@@ -160,13 +161,54 @@ def _fsync(path):
         os.fsync(f.fileno())
 
 
+class BackupWriteError(OSError):
+    """A backup could not be written (a full disk, a lost mount); the last good one is intact."""
+
+
 def write_backup(model, backup_dir, epoch, step, reason, keep):
-    """Saves `model` as a new backup and removes all but the newest `keep`; returns the `Backup`."""
+    """Saves `model` as a new backup and removes all but the newest `keep`; returns the `Backup`.
+
+    Raises:
+      BackupWriteError: the save failed (e.g. the disk is full). The partial save is removed, and
+        the message names the folder, the space a backup takes and the last good backup, which a
+        run of the same command resumes from.
+    """
     tf.io.gfile.makedirs(backup_dir)
     existing = _sequences(backup_dir)
     sequence = existing[0][0] + 1 if existing else 1
-    name = f"backup-{sequence:06d}"
     temp = os.path.join(backup_dir, f"{_TEMP_PREFIX}{sequence:06d}-{os.getpid()}")
+    try:
+        return _write(model, backup_dir, temp, sequence, epoch, step, reason, keep)
+    except (OSError, tf.errors.OpError) as e:
+        failure = _write_failure(model, backup_dir, e)
+    # Out of the handler, the failed write's frames are gone, and with them the half-written HDF5
+    # file Keras leaves open: collected now, it is closed here, not at interpreter exit.
+    gc.collect()
+    remove_tree(temp, best_effort=True)
+    raise BackupWriteError(failure)
+
+
+def _write_failure(model, backup_dir, error):
+    """What a failed backup says: the folder, the space one takes, the last good backup."""
+    import shutil
+
+    need = sum(int(v.numpy().nbytes) for v in model.weights)
+    optimizer = getattr(model, "optimizer", None)
+    need += sum(int(v.numpy().nbytes) for v in getattr(optimizer, "variables", ()) or ())
+    space = f"a backup of this model takes about {need / 1e6:.1f} MB"
+    if is_local(backup_dir):
+        space += f", and {shutil.disk_usage(backup_dir).free / 1e6:.1f} MB is free there"
+    last = latest_backup(backup_dir)
+    if last is None:
+        resume = "There is no earlier backup: the run starts from the beginning when run again."
+    else:
+        resume = f"The last good backup, {last.path} (epoch {last.epoch}, step {last.step}), is intact: run the same command again to resume from it."
+    reason = getattr(error, "strerror", None) or str(error).strip().splitlines()[0]
+    return f"Could not write a backup to {backup_dir!r} ({reason}); {space}. Free space there (or pass another --model_dir). {resume}"
+
+
+def _write(model, backup_dir, temp, sequence, epoch, step, reason, keep):
+    name = f"backup-{sequence:06d}"
     remove_tree(temp, best_effort=True)
     tf.io.gfile.makedirs(temp)
     weights_path = os.path.join(temp, WEIGHTS_FILE)

@@ -1,6 +1,5 @@
 """`BackupAndRestore`: the Keras callback that saves, restores and acts on preemption notices."""
 
-import hashlib
 import itertools
 import json
 import logging
@@ -269,13 +268,12 @@ class BackupAndRestore(keras.callbacks.Callback):
                 self.model, self.backup_dir, epoch, step, reason, self.keep
             )
             return self.last_backup
-        # One fixed local folder per worker and backup_dir: what a killed save leaves is replaced by
-        # the next one, and no copy goes to a shared (possibly remote) filesystem.
-        tag = hashlib.sha256(self.backup_dir.encode()).hexdigest()[:12]
+        # A private local folder made by the operating system (a name no other user can plant a
+        # link at), removed after the save: no copy goes to a shared (possibly remote)
+        # filesystem, and a killed save leaves only a folder of this user's in the temporary
+        # folder.
         task = self._cluster.me.replace("/job:", "").replace("/replica:0/task:", "")
-        private = os.path.join(tempfile.gettempdir(), f"tpu_scale_backup_{tag}_{task}")
-        shutil.rmtree(private, ignore_errors=True)
-        os.makedirs(private)
+        private = tempfile.mkdtemp(prefix=f"tpu_scale_backup_{task}_")
         try:
             self.model.save_weights(os.path.join(private, WEIGHTS_FILE))
         finally:

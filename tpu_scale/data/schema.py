@@ -32,6 +32,8 @@ from collections.abc import Mapping, Sequence
 
 import tensorflow as tf
 
+from tpu_scale import _files
+
 IMAGE_KEY = "image/encoded"
 LABEL_KEY = "image/class/label"
 
@@ -185,8 +187,7 @@ def write_label_map(
     path = os.path.join(output_dir, LABEL_MAP_FILE)
     with tf.io.gfile.GFile(os.path.join(output_dir, LABELS_TXT_FILE), "w") as f:
         f.write("".join(name + "\n" for name in class_names))
-    with tf.io.gfile.GFile(path, "w") as f:
-        f.write(json.dumps(content, indent=2) + "\n")
+    _files.write_json(path, content)  # whole or not at all: readers trust what they find
     return path
 
 
@@ -210,13 +211,14 @@ def _parse_label_map(path, text):
             raise ValueError(f"class ids {ids} are not 0, 1, 2, ...")
         label_offset = int(content["label_offset"])
         class_names = tuple(str(entry["name"]) for entry in classes)
-    except (KeyError, TypeError, ValueError) as error:
+        counts = {str(k): int(v) for k, v in content.get("examples", {}).items()}
+        class_counts = {
+            str(k): tuple(int(n) for n in v)
+            for k, v in content.get("examples_per_class", {}).items()
+        }
+        record_counts = {str(k): int(v) for k, v in content.get("records_per_file", {}).items()}
+    except (AttributeError, KeyError, TypeError, ValueError) as error:
         raise ValueError(f"The label map {path!r} is not a valid {LABEL_MAP_FILE} ({error}). Rewrite it with python -m tpu_scale.data.convert, or delete it and pass label_offset= and num_classes=.") from None
-    counts = {str(k): int(v) for k, v in content.get("examples", {}).items()}
-    class_counts = {
-        str(k): tuple(int(n) for n in v) for k, v in content.get("examples_per_class", {}).items()
-    }
-    record_counts = {str(k): int(v) for k, v in content.get("records_per_file", {}).items()}
     return LabelMap(class_names, label_offset, counts, class_counts, path, record_counts)
 
 
