@@ -442,6 +442,30 @@ def test_a_plain_mirrored_strategy_takes_the_torus_as_its_cross_device_ops(caplo
     assert any("int64 values" in r.getMessage() for r in caplog.records)
 
 
+def test_the_seam_sums_a_functions_inputs_and_leaves_the_host_to_tensorflow(monkeypatch, caplog):
+    """Per-replica values handed to a tf.function (placed nowhere inside it) are the replicas'
+    own: the torus sums them; a reduction to the host (`strategy.reduce`) is TensorFlow's."""
+    calls = []
+    original = torus.sum_across_devices
+    monkeypatch.setattr(
+        torus, "sum_across_devices", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
+    caplog.set_level("INFO", logger="tpu_scale")
+    strategy = _strategy((2, 4), algorithm="torus_2d")
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.fill([5], tf.cast(ctx.replica_id_in_sync_group, tf.float32))
+    )
+
+    @tf.function
+    def summed(v):
+        return strategy.run(lambda x: tf.distribute.get_replica_context().all_reduce("sum", x), args=(v,))
+
+    for part in strategy.experimental_local_results(summed(values)):
+        np.testing.assert_allclose(part.numpy(), np.full([5], 28.0))
+    assert calls
+    np.testing.assert_allclose(strategy.reduce("SUM", values, axis=None).numpy(), np.full([5], 28.0))
+
+
 class OwnStep(keras.Model):
     """A Keras model with its own `train_step`, as keras.io's "Customizing what happens in fit"."""
 

@@ -437,7 +437,7 @@ class TorusAllReduce(tf.distribute.CrossDeviceOps):
             return f"{parts[0].dtype.name} values (the torus sums {', '.join(SUPPORTED_DTYPES)})"
         if not parts[0].shape.is_fully_defined():
             return "values without a static shape"
-        if _destination_devices(strategy, destinations) != devices:
+        if destinations is not value and not _on_the_replicas(strategy, devices, destinations):
             return "reductions to other devices than the replicas' (e.g. strategy.reduce)"
         if tf.executing_eagerly() and len(devices) != strategy.num_replicas_in_sync:
             return "sums across processes outside tf.function"
@@ -469,15 +469,17 @@ class TorusAllReduce(tf.distribute.CrossDeviceOps):
             logger.info(message, *args)
 
 
-def _destination_devices(strategy, destinations):
-    """The canonical devices `destinations` names (a device string, a variable or a tensor, a
-    distributed value)."""
-    if isinstance(destinations, str):
-        return [device_util.canonicalize(destinations)]
+def _on_the_replicas(strategy, devices, destinations):
+    """Whether `destinations` (a device string, a variable or a tensor, a distributed value) are
+    the replicas' own devices, one each, in order: an all-reduce. A tensor placed nowhere yet (a
+    function's input) counts as on its replica's device."""
     if isinstance(destinations, tf.distribute.DistributedValues):
-        parts = strategy.experimental_local_results(destinations)
-        return [device_util.canonicalize(p.device) for p in parts]
-    return [device_util.canonicalize(destinations.device)]
+        found = [p.device for p in strategy.experimental_local_results(destinations)]
+    else:
+        found = [destinations if isinstance(destinations, str) else destinations.device]
+    return len(found) == len(devices) and all(
+        not d or device_util.canonicalize(d) == mine for d, mine in zip(found, devices)
+    )
 
 
 @tf.autograph.experimental.do_not_convert
