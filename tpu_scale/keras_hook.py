@@ -108,7 +108,7 @@ class Settings:
 
     @property
     def torus_sum(self):
-        """True when `model.fit` sums gradients with the package's torus sum."""
+        """True when the strategy sums with the package's torus sum (`TorusAllReduce`)."""
         return self.reduction == "torus"
 
 

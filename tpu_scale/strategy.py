@@ -13,10 +13,11 @@ One call for every platform:
 * otherwise the CPU: `MirroredStrategy` over `num_cpu_replicas` logical CPU devices (virtual
   replicas).
 
-The returned object is a real strategy (a thin subclass of the TensorFlow one) with two extra
-attributes: `mesh` (a `ReplicaMesh`) and `gradient_reduction` (`"torus"` or `"native"`, how
-`model.fit` sums gradients). The fixes these classes carry for TensorFlow and Keras behaviour live
-in `tpu_scale._workarounds`.
+The returned object is a real strategy (a thin subclass of the TensorFlow one) with extra
+attributes: `mesh` (a `ReplicaMesh`), `gradient_reduction` (`"torus"` or `"native"`) and
+`cross_device_ops` (the `tpu_scale.TorusAllReduce` that makes every sum of the strategy, or None
+for TensorFlow's own). The fixes these classes carry for TensorFlow and Keras behaviour live in
+`tpu_scale._workarounds`.
 """
 
 import logging
@@ -60,7 +61,8 @@ class _MeshMixin:
 
     @property
     def gradient_reduction(self):
-        """`"torus"` or `"native"`: how `model.fit` sums gradients (`settings.reduction`)."""
+        """`"torus"` or `"native"`: how the strategy sums, in `fit` and any other program
+        (`settings.reduction`)."""
         return self.settings.reduction
 
     def run(self, fn, args=(), kwargs=None, options=None):
@@ -292,7 +294,8 @@ def create_strategy(
         most nearly square grid of one host's replicas (2x4 for 8), and the natural mesh on a TPU
         or several workers, so one script runs anywhere. Multi-host meshes are workers x local
         replicas and TPU meshes follow the torus.
-      gradient_reduction: `"torus"` (the 2-D reduction of `tpu_scale.torus`, used by `model.fit`) or
+      gradient_reduction: `"torus"` (the 2-D reduction of `tpu_scale.torus`, as the strategy's
+        cross-device ops, `tpu_scale.TorusAllReduce`: every sum of every program under it) or
         `"native"` (TensorFlow's own all-reduce).
       gradient_algorithm: with `"torus"`: `"auto"`, `"native"` or one of
         `tpu_scale.torus.ALGORITHMS`. `"auto"` is decided at the first gradient sum by the cost

@@ -314,7 +314,8 @@ class TorusAllReduce(tf.distribute.CrossDeviceOps):
     phase's groups that stay on this process's CPU devices are plain ops in the step's graph,
     every other group one collective op per device (`collectives.across_devices`). What the torus
     does not sum goes to `fallback`, as TensorFlow's strategy would have summed it: values that
-    are not floating point or not dense (`tf.IndexedSlices`), reductions to other devices than the
+    are not floating point, sparse or ragged (an embedding's `tf.IndexedSlices` is densified, as
+    `all_reduce_sum` densifies it), reductions to other devices than the
     replicas' (`strategy.reduce` to the host), sums across processes outside `tf.function`, and
     every sum when the algorithm is `"native"`. Broadcasts and gathers go there too. Which
     algorithm summed, and anything handed to the fallback, is logged once (Python's `tpu_scale`
@@ -431,12 +432,16 @@ class TorusAllReduce(tf.distribute.CrossDeviceOps):
         parts = strategy.experimental_local_results(value)
         if len(parts) != len(devices):
             return "values on other devices than the replicas'"
-        if not all(isinstance(p, tf.Tensor) for p in parts):
-            return "tf.IndexedSlices or other composite values"
+        # An embedding's gradient (`tf.IndexedSlices`) is densified, as `all_reduce_sum` does.
+        if all(isinstance(p, tf.IndexedSlices) for p in parts):
+            if tf.get_static_value(parts[0].dense_shape) is None:
+                return "tf.IndexedSlices without a static dense shape"
+        elif not all(isinstance(p, tf.Tensor) for p in parts):
+            return "composite values (sparse or ragged tensors)"
+        elif not parts[0].shape.is_fully_defined():
+            return "values without a static shape"
         if parts[0].dtype.name not in SUPPORTED_DTYPES:
             return f"{parts[0].dtype.name} values (the torus sums {', '.join(SUPPORTED_DTYPES)})"
-        if not parts[0].shape.is_fully_defined():
-            return "values without a static shape"
         if destinations is not value and not _on_the_replicas(strategy, devices, destinations):
             return "reductions to other devices than the replicas' (e.g. strategy.reduce)"
         if tf.executing_eagerly() and len(devices) != strategy.num_replicas_in_sync:
@@ -457,6 +462,9 @@ class TorusAllReduce(tf.distribute.CrossDeviceOps):
     def _sum(self, strategy, devices, mesh, algorithm, values):
         """Per value, the sum on every local device (`sum_across_devices`), logged once."""
         per_device = [list(p) for p in zip(*(strategy.experimental_local_results(v) for v in values))]
+        for device, parts in zip(devices, per_device):
+            with tf.device(device):
+                parts[:] = [_densify(p) for p in parts]
         first = collectives.process_index(strategy) * len(devices)
         summed = sum_across_devices(per_device, devices, first, mesh, algorithm, self.pack_bytes, self.gradient_dtype)
         size = sum(t.shape.num_elements() * t.dtype.size for t in per_device[0])
