@@ -343,6 +343,10 @@ def test_sharding_advice_prices_the_users_model_on_the_strategys_hardware():
     assert "to 50.1 kB" in plan.sharding_advice(strategy(plan.gpu_cluster(8, 1)), model(SGD))
     assert plan.sharding_advice(strategy(None), model(SGD)) == ""
     assert plan.sharding_advice(strategy(gpus), model(RMSprop)) == ""
+    # A wrapped optimizer is priced as the one it holds, and the advice names the wrapper.
+    wrapped = types.SimpleNamespace(inner_optimizer=SGD())
+    assert plan.sharding_advice(strategy(gpus), model(lambda: wrapped)) == advice
+    assert advice.endswith("(tpu_scale.DistributedOptimizer(optimizer, weight_update_sharding=True))")
 
 
 def test_cli_table_and_gpu(capsys):

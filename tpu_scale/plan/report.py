@@ -81,7 +81,7 @@ def plan(
 
 
 def sharding_advice(strategy, model):
-    """One line on what `create_strategy(..., weight_update_sharding=True)` would save for `model`
+    """One line on what `DistributedOptimizer(..., weight_update_sharding=True)` would save for `model`
     under `strategy`, priced on the strategy's hardware (`strategy.gradient_planner.cluster`); ""
     when the planner has no figure (unknown hardware, an optimizer it does not price) or nothing
     to save (a single replica, a TPU).
@@ -91,7 +91,10 @@ def sharding_advice(strategy, model):
       model: a compiled Keras model (its trainable variables and optimizer).
     """
     cluster = getattr(getattr(strategy, "gradient_planner", None), "cluster", None)
-    optimizer = type(getattr(model, "optimizer", None)).__name__.lower()
+    optimizer = getattr(model, "optimizer", None)
+    while getattr(optimizer, "inner_optimizer", None) is not None:  # a wrapper's own optimizer
+        optimizer = optimizer.inner_optimizer
+    optimizer = type(optimizer).__name__.lower()
     if cluster is None or optimizer not in UPDATE_BYTES_PER_PARAM:
         return ""
     params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
@@ -103,7 +106,8 @@ def sharding_advice(strategy, model):
         f"tpu_scale.plan: weight_update_sharding=True would cut the {optimizer} update from "
         f"{format_seconds(w['replicated_seconds'])} to {format_seconds(w['sharded_seconds'])} per "
         f"step and its state per replica from {format_bytes(state['replicated'])} to "
-        f"{format_bytes(state['sharded'])} on this hardware"
+        f"{format_bytes(state['sharded'])} on this hardware "
+        "(tpu_scale.DistributedOptimizer(optimizer, weight_update_sharding=True))"
     )
 
 

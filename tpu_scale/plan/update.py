@@ -1,5 +1,5 @@
 """The optimizer update's cost per step, every replica updating every weight against each replica
-updating 1/N of them (`create_strategy(..., weight_update_sharding=True)`).
+updating 1/N of them (`DistributedOptimizer(..., weight_update_sharding=True)`).
 
 The update is priced as memory traffic: per parameter it reads and writes a fixed number of
 float32 values (`UPDATE_BYTES_PER_PARAM`), at the bandwidth of the memory one replica's update
