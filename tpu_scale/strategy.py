@@ -97,7 +97,8 @@ def _run(strategy, fn, args, kwargs, options, status):
 class GradientPlanner:
     """What `"auto"` means on one strategy: the planner's cheapest option, decided at first use.
 
-    `torus.all_reduce_sum(..., algorithm="auto")` calls it with the gradient's tensors; the decision
+    The strategy's `TorusAllReduce` (and `torus.all_reduce_sum(..., algorithm="auto")`) calls it
+    with the gradient's tensors; the decision
     is priced by `tpu_scale.plan.choose_algorithm` on the strategy's hardware (`cluster`), cached
     per gradient signature and logged once (absl, INFO) with every option's predicted time.
 
