@@ -59,6 +59,55 @@ def test_plain_strategies_get_a_derived_mesh():
     assert tpu_scale.mesh_of(strategy).shape == (1, 4)
 
 
+# --------------------------------------------------------------------------- what a script reads
+
+
+def cluster_answers(strategy):
+    """What a script written for several workers reads of a strategy's cluster: the resolver (as
+    TensorFlow's multi-worker tutorial reads it) and the extended's public answers."""
+    resolver, extended = strategy.cluster_resolver, strategy.extended
+    return {
+        "resolver": type(resolver).__name__,
+        "task_type": resolver.task_type,
+        "task_id": resolver.task_id,
+        "cluster_spec": resolver.cluster_spec().as_dict(),
+        "rpc_layer": resolver.rpc_layer,
+        "should_checkpoint": extended.should_checkpoint,
+        "should_save_summary": extended.should_save_summary,
+        "experimental_should_init": extended.experimental_should_init,
+        # Read by Keras's trainer to choose how it gathers predictions and reduces losses.
+        "in_multi_worker_mode": extended._in_multi_worker_mode(),
+    }
+
+
+def one_worker_answers():
+    """Runs in a worker of a one-worker TF_CONFIG: the package's strategy's answers and
+    TensorFlow's own multi-worker strategy's, for the same cluster."""
+    # TensorFlow's first: with a cluster it starts the runtime's collectives, which must come first.
+    tensorflows = cluster_answers(tf.distribute.MultiWorkerMirroredStrategy())
+    return cluster_answers(tpu_scale.create_strategy()), tensorflows
+
+
+def test_one_process_answers_what_tensorflows_multi_worker_strategy_answers():
+    ours = cluster_answers(tpu_scale.create_strategy(num_cpu_replicas=4))
+    tensorflows = cluster_answers(tf.distribute.MultiWorkerMirroredStrategy())
+    assert ours == tensorflows
+    assert (ours["resolver"], ours["task_type"], ours["task_id"]) == (
+        "TFConfigClusterResolver", None, None,
+    )  # fmt: skip
+    assert ours["cluster_spec"] == {} and ours["should_checkpoint"] is True
+
+
+@pytest.mark.multiprocess
+def test_a_one_worker_tf_config_is_answered_as_tensorflow_answers():
+    # A TF_CONFIG naming this process as its only worker: one process, worker 0, the chief.
+    (ours, tensorflows), = run_workers(f"{__name__}:one_worker_answers", num_workers=1, timeout=120)
+    assert ours == tensorflows
+    assert (ours["task_type"], ours["task_id"], len(ours["cluster_spec"]["worker"])) == (
+        "worker", 0, 1,
+    )  # fmt: skip
+
+
 # --------------------------------------------------------------------------- multi-worker, two
 # processes
 

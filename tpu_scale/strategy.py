@@ -146,6 +146,22 @@ class MirroredStrategy(_MeshMixin, tf.distribute.MirroredStrategy):
     def __init__(self, devices=None, cross_device_ops=None):
         self._collective_key_base = _workarounds.next_collective_key_base()
         super().__init__(devices, cross_device_ops)
+        # What TensorFlow's MultiWorkerMirroredStrategy resolves on one process: TensorFlow's own
+        # TF_CONFIG resolver, made when the strategy is.
+        self._one_process_resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+
+    @property
+    def cluster_resolver(self):
+        """The cluster resolver TensorFlow's `MultiWorkerMirroredStrategy` has on one process.
+
+        Why: a script written for several workers (TensorFlow's multi-worker tutorial, a chief
+        test) reads `strategy.cluster_resolver.task_type` and `.task_id` wherever it runs.
+        TensorFlow's `MirroredStrategy` has no resolver (None); its multi-worker strategy, on one
+        process, has a `TFConfigClusterResolver`: `task_type` and `task_id` None and an empty
+        `cluster_spec()` without `TF_CONFIG`, worker 0 of a one-worker `TF_CONFIG`. This strategy
+        answers the same, with the same resolver, so one script runs on one process and on many.
+        """
+        return self._one_process_resolver
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         """`tf.distribute.Strategy.distribute_datasets_from_function`; with one replica on the
