@@ -22,6 +22,7 @@ import keras
 import tensorflow as tf
 
 from tpu_scale.data import image_ops, sources
+from tpu_scale.data.names import stored
 from tpu_scale.data.schema import LABEL_MAP_FILE
 
 logger = logging.getLogger("tpu_scale")
@@ -124,7 +125,8 @@ class BadRecords:
     def _report(self, names, codes):
         # Never raises: the pipeline must get a message.
         try:
-            names = [name.decode("utf-8", "replace") for name in names.numpy().tolist()]
+            # Escaped: a file name holding a newline must not forge a line of the log.
+            names = [stored(name) for name in names.numpy().tolist()]
             codes = codes.numpy().tolist()
             records_read = self.records_read
             with self._lock:

@@ -174,12 +174,13 @@ def remove_stale_staging_dirs(output_dir):
         else:
             stale = not _writer_is_running(path)
         if not stale:
-            logger.info("Left the staging folder %s alone: its writer may still be running.", path)
+            logger.info("Left the staging folder %r alone: its writer may still be running.", path)
             continue
         remove_tree(path)
         removed.append(path)
         logger.warning(
-            "Removed %s, the staging folder of an earlier writer of %s that did not finish.",
+            # %r: escaped, so that a folder name holding a newline cannot forge a log line.
+            "Removed %r, the staging folder of an earlier writer of %r that did not finish.",
             path,
             output_dir,
         )
@@ -187,5 +188,5 @@ def remove_stale_staging_dirs(output_dir):
 
 
 def _first_names(names, count):
-    shown = ", ".join(names[:count])
+    shown = ", ".join(repr(name) for name in names[:count])
     return shown + (f" and {len(names) - count} more" if len(names) > count else "")

@@ -17,11 +17,13 @@ import os
 
 import tensorflow as tf
 
+from tpu_scale._files import is_local
 from tpu_scale.data.convert import image_folder_records
 from tpu_scale.data.evaluation import exact_evaluation
 from tpu_scale.data.image_folder import IMAGE_EXTENSIONS
 from tpu_scale.data.input_config import InputConfig
 from tpu_scale.data.input_pipeline import ImageNetInput
+from tpu_scale.data.names import as_bytes, inline
 from tpu_scale.data.schema import LabelMap, read_label_map
 from tpu_scale.data.sources import TFDSSplit
 
@@ -180,7 +182,7 @@ def inputs(
         return Inputs(**_tfds(name, tfds_data_dir, label_offset, *counts), **common)
     folder = os.path.expanduser(source) if source.startswith("~") else source
     if not tf.io.gfile.isdir(folder):
-        raise ValueError(f"The data folder {folder} does not exist (or is not a folder).")
+        raise ValueError(f"The data folder {inline(folder)} does not exist (or is not a folder).")
     if _holds_class_folders(folder):
         records = records_dir or folder.rstrip("/") + "_records"
         folder = image_folder_records(folder, records, seed=config.seed or 0, strict=config.strict)
@@ -196,7 +198,7 @@ def _records(folder, label_offset, num_classes, train_examples, validation_examp
     label_map = read_label_map(folder)
     if label_map is not None:
         if num_classes not in (None, label_map.num_classes):
-            raise ValueError(f"num_classes={num_classes} but the label map {label_map.path} lists {label_map.num_classes} classes. Drop num_classes (the label map gives it).")
+            raise ValueError(f"num_classes={num_classes} but the label map {inline(label_map.path)} lists {label_map.num_classes} classes. Drop num_classes (the label map gives it).")
         num_classes = label_map.num_classes
         counts = label_map.counts
         train_examples = train_examples or counts.get("train") or _count_records(train_pattern)
@@ -204,12 +206,12 @@ def _records(folder, label_offset, num_classes, train_examples, validation_examp
             validation_examples or counts.get("validation") or _count_records(validation_pattern)
         )
         if validation_examples == 0:
-            raise ValueError(f"The records in {folder} hold no validation split (its label map counts 0 validation images). Write them again with a validation set: {CONVERT_COMMAND} --image_dir IMAGES --output_dir {folder} --overwrite (it keeps at least one image of every class with two or more for validation).")
+            raise ValueError(f"The records in {inline(folder)} hold no validation split (its label map counts 0 validation images). Write them again with a validation set: {CONVERT_COMMAND} --image_dir IMAGES --output_dir {inline(folder)} --overwrite (it keeps at least one image of every class with two or more for validation).")
     else:
         imagenet = _is_classic_imagenet(train_pattern)
         if num_classes is None:
             if not imagenet:
-                raise ValueError(f"{folder} has no label map (labels.json) and is not the classic ImageNet layout, so the number of classes is unknown. Write the records with {CONVERT_COMMAND} (it writes the label map), or pass num_classes.")
+                raise ValueError(f"{inline(folder)} has no label map (labels.json) and is not the classic ImageNet layout, so the number of classes is unknown. Write the records with {CONVERT_COMMAND} (it writes the label map), or pass num_classes.")
             num_classes = IMAGENET_CLASSES
         imagenet = imagenet and num_classes == IMAGENET_CLASSES
         if label_offset is None:
@@ -221,9 +223,9 @@ def _records(folder, label_offset, num_classes, train_examples, validation_examp
             IMAGENET_VALIDATION_EXAMPLES if imagenet else _count_records(validation_pattern)
         )
     if train_examples == 0:
-        raise ValueError(f"No training records match {train_pattern}.")
+        raise ValueError(f"No training records match {inline(train_pattern)}.")
     if validation_examples == 0:
-        raise ValueError(f"No validation records match {validation_pattern}. Write them with {CONVERT_COMMAND} (it splits off a validation set by default).")
+        raise ValueError(f"No validation records match {inline(validation_pattern)}. Write them with {CONVERT_COMMAND} (it splits off a validation set by default).")
     return dict(
         train_data=train_pattern,
         validation_data=validation_pattern,
@@ -252,7 +254,7 @@ def _tfds(name, data_dir, label_offset, num_classes, train_examples, validation_
 
 
 def _log(folder, found):
-    source = f"label map {found.label_map.path}" if found.label_map is not None else folder
+    source = f"label map {inline(found.label_map.path)}" if found.label_map is not None else inline(folder)
     logger.info(
         "Records %s: %d classes, %d train / %d validation examples",
         source,
@@ -281,14 +283,22 @@ def _is_classic_imagenet(train_pattern):
     return len(files) == _IMAGENET_TRAIN_FILES and all(f.endswith(suffix) for f in files)
 
 
+def _list(folder):
+    # A local folder through `os`, which hands a name that is not UTF-8 over with surrogates where
+    # `tf.io.gfile.listdir` fails on it.
+    if is_local(folder):
+        return os.listdir(folder)
+    return [name.rstrip("/") for name in tf.io.gfile.listdir(folder)]
+
+
 def _holds_class_folders(folder):
     """Whether `folder` holds class folders of images rather than records."""
     if tf.io.gfile.glob(os.path.join(folder, "train-*")):
         return False
-    for name in sorted(tf.io.gfile.listdir(folder))[:50]:
-        path = os.path.join(folder, name.rstrip("/"))
-        if tf.io.gfile.isdir(path) and any(
-            entry.lower().endswith(IMAGE_EXTENSIONS) for entry in tf.io.gfile.listdir(path)
+    for name in sorted(_list(folder))[:50]:
+        path = os.path.join(folder, name)
+        if tf.io.gfile.isdir(as_bytes(path)) and any(
+            entry.lower().endswith(IMAGE_EXTENSIONS) for entry in _list(path)
         ):
             return True
     return False
