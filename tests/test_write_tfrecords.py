@@ -193,7 +193,7 @@ def test_summary_counts_and_names_every_skipped_file(converted, digits_folder):
     assert summary.num_reencoded == sum(name.endswith(".png") for name in sources)
     report = summary.describe(max_names=1)
     assert "empty_class" in report
-    assert re.search(r"unsupported file type \(2\): \S+notes\.txt and 1 more", report)
+    assert re.search(r"unsupported file type \(2\): '\S+notes\.txt' and 1 more", report)
     assert "cut_in_half.jpg" in report and "text_named.jpg" in report
     assert f"train: {summary.split_counts['train']} images in 8 shards" in report
 
@@ -229,11 +229,11 @@ def test_strict_fails_naming_the_files_and_writes_nothing(digits_folder, tmp_pat
     for name in ["notes.txt", "scan.tiff", "empty_class"]:
         assert name in str(error.value)
     assert os.listdir(tmp_path) == []
-    # Undecodable images are only found by decoding them: strict fails after the (discarded) pass.
+    # Undecodable images are only found by decoding them: strict stops at the first, naming it.
     clean = tmp_path / "clean"
     write_digit_folders(str(clean), indices=range(20), bad_files=False)
     (clean / "1" / "text_named.jpg").write_text("text")
-    with pytest.raises(ValueError, match=r"strict: images that cannot be stored.*text_named\.jpg"):
+    with pytest.raises(ValueError, match=r"strict: '[^']*text_named\.jpg' cannot be stored"):
         write_tfrecords(str(clean), str(tmp_path / "out"), strict=True)
     assert sorted(os.listdir(tmp_path)) == ["clean"]
 
@@ -610,10 +610,10 @@ def test_the_decoding_pipeline_stores_what_the_per_image_path_stores(tmp_path, m
 
     own_reads = []
 
-    def counted(path, *args, read=None):
+    def counted(path, *args, read=None, **limits):
         if read is None:
             own_reads.append(os.path.basename(path))
-        return convert_image(path, *args, read=read)
+        return convert_image(path, *args, read=read, **limits)
 
     monkeypatch.setattr(write_module, "convert_image", counted)
     summary = write_tfrecords(

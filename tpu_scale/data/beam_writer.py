@@ -45,6 +45,7 @@ from tpu_scale.data.conversion import (
     convert_image,
     write_shard,
 )
+from tpu_scale.data.names import inline
 
 # The pipeline's own files in the staging folder: each shard's image list and, once it is written,
 # its counts. Removed before the staging folder is published.
@@ -125,9 +126,11 @@ def _shard_images(shard_number, scratch, names):
             yield shard_number, position, path, class_id
 
 
-def _convert(image, class_names, label_offset, base_dir):
+def _convert(image, class_names, label_offset, base_dir, limits):
     shard_number, position, path, class_id = image
-    converted = convert_image(_absolute(path, base_dir), class_id, class_names, label_offset)
+    converted = convert_image(
+        _absolute(path, base_dir), class_id, class_names, label_offset, **limits
+    )
     # Named as the listing names it, as the local writer reports it.
     return shard_number, (position, dataclasses.replace(converted, path=path))
 
@@ -165,13 +168,17 @@ def write_shards(plan: ConversionPlan, staging_dir: str, options) -> list[ShardR
         with tf.io.gfile.GFile(os.path.join(scratch, name + ".images"), "w") as f:
             f.write("".join(json.dumps(image) + "\n" for image in shard.images))
     num_classes = len(plan.class_names)
+    # The same caps as the local writer's: a worker reads no file above the size cap and decodes
+    # no image above the pixel cap (the listing here skipped the local files above the size cap).
+    limits = dict(max_pixels=plan.max_pixels, max_file_bytes=plan.max_file_bytes)
     with beam.Pipeline(options=options) as pipeline:
         _ = (
             pipeline
             | "Shards" >> beam.Create(range(len(names)))
             | "Images" >> beam.FlatMap(_shard_images, scratch, names)
             | "Spread" >> beam.Reshuffle()
-            | "Convert" >> beam.Map(_convert, plan.class_names, plan.label_offset, base_dir)
+            | "Convert"
+            >> beam.Map(_convert, plan.class_names, plan.label_offset, base_dir, limits)
             | "By shard" >> beam.GroupByKey()
             | "Write" >> beam.Map(_write, names, staging_dir, scratch, num_classes)
         )
@@ -179,7 +186,7 @@ def write_shards(plan: ConversionPlan, staging_dir: str, options) -> list[ShardR
     for name in names:
         path = os.path.join(scratch, name + ".json")
         if not tf.io.gfile.exists(path):
-            raise RuntimeError(f"The Beam pipeline finished without writing the shard {name} (no {path}): can its workers reach {staging_dir}?")
+            raise RuntimeError(f"The Beam pipeline finished without writing the shard {name} (no {inline(path)}): can its workers reach {inline(staging_dir)}?")
         with tf.io.gfile.GFile(path) as f:
             results.append(ShardResult(**json.load(f)))
     remove_tree(scratch)

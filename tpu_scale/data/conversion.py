@@ -21,10 +21,19 @@ from collections.abc import Iterable, Sequence
 
 import tensorflow as tf
 
-from tpu_scale.data.image_folder import IMAGE_EXTENSIONS, list_class_folders
+from tpu_scale._files import is_local
+from tpu_scale.data.image_folder import (
+    DEFAULT_MAX_FILE_BYTES,
+    IMAGE_EXTENSIONS,
+    TOO_LARGE,
+    list_class_folders,
+)
+from tpu_scale.data.names import inline, shown, stored
 from tpu_scale.data.output_dir import SKIPPED_FILE, publish
 from tpu_scale.data.reencode import (
     CORRUPT_JPEG,
+    DEFAULT_MAX_PIXELS,
+    TOO_MANY_PIXELS,
     UNDECODABLE,
     UNREADABLE,
     Decoded,
@@ -41,8 +50,10 @@ _MIN_SHARDS = 8
 _MAX_NAMES = 10
 
 # Why a file was skipped (the keys of `TFRecordSummary.skipped`): `reencode.UNDECODABLE`,
-# `CORRUPT_JPEG`, `UNREADABLE`, and those of the folders' listing (`image_folder`: unsupported type,
-# hidden folder, ...).
+# `CORRUPT_JPEG`, `UNREADABLE`, `TOO_MANY_PIXELS`, and those of the folders' listing
+# (`image_folder`: unsupported type, hidden folder, above the size cap, link leaving the folder...).
+# Those found as an image is converted, which `strict` turns into an error:
+IMAGE_FAULTS = (UNDECODABLE, CORRUPT_JPEG, UNREADABLE, TOO_MANY_PIXELS, TOO_LARGE)
 
 
 @dataclasses.dataclass
@@ -106,36 +117,38 @@ class TFRecordSummary:
         """
         lines = [
             f"Wrote {self.num_examples} images of {len(self.class_names)} classes to "
-            f"{self.output_dir}"
+            f"{inline(self.output_dir)}"
             + (" (replacing the earlier conversion)." if self.replaced_existing else ".")
         ]
         for split, count in self.split_counts.items():
             lines.append(f"  {split}: {count} images in {len(self.split_paths[split])} shards")
         last = len(self.class_names) - 1 + self.label_offset
         lines.append(
-            f"  classes: {_names(self.class_names, max_names)}, ids 0-{len(self.class_names) - 1}, "
+            f"  classes: {_names(self.class_names, max_names, quoted=False)}, ids 0-{len(self.class_names) - 1}, "
             f"stored as labels {self.label_offset}-{last} (label_offset={self.label_offset})"
         )
-        lines.append(f"  label map: {self.label_map_path}")
+        lines.append(f"  label map: {inline(self.label_map_path)}")
         lines.append(f"  re-encoded as JPEG: {self.num_reencoded}")
         if self.empty_classes:
             lines.append(
                 f"Skipped {len(self.empty_classes)} class folder(s) without images (they get no "
                 "id): "
-                f"{_names(self.empty_classes, max_names)}"
+                f"{_names(self.empty_classes, max_names, quoted=False)}"
             )
         if self.skipped:
             lines.append(f"Skipped {self.num_skipped} file(s):")
             for reason, paths in sorted(self.skipped.items()):
                 lines.append(f"  {reason} ({len(paths)}): {_names(paths, max_names)}")
-            lines.append(f"  all listed in {self.skipped_report_path}")
+            lines.append(f"  all listed in {inline(self.skipped_report_path)}")
         return "\n".join(lines)
 
 
-def _names(names, max_names=_MAX_NAMES):
+def _names(names, max_names=_MAX_NAMES, quoted=True):
+    # Quoted and escaped: a name holding a newline must not start a line of its own in the log.
+    # Class names are listed as stored (`names.stored`: printable already).
     names = list(names)
-    shown = ", ".join(names[:max_names])
-    return shown + (f" and {len(names) - max_names} more" if len(names) > max_names else "")
+    listed = ", ".join((shown(name) if quoted else name) for name in names[:max_names])
+    return listed + (f" and {len(names) - max_names} more" if len(names) > max_names else "")
 
 
 def _validation_count(num_images, fraction):
@@ -175,7 +188,7 @@ class ConvertedImage:
       class_id: its class id (0-based).
       record: the serialized `tf.train.Example`, or None for a file that is skipped.
       reencoded: whether the stored JPEG is a re-encoding (other formats, CMYK, EXIF-rotated).
-      skip_reason: why the file is skipped (`UNREADABLE`, `UNDECODABLE`, `CORRUPT_JPEG`), or None.
+      skip_reason: why the file is skipped (one of `IMAGE_FAULTS`), or None.
     """
 
     path: str
@@ -191,14 +204,17 @@ def convert_image(
     class_names: Sequence[str],
     label_offset: int,
     *,
-    read: tuple[bytes, Decoded] | None = None,
+    read: tuple[bytes, Decoded | None] | None = None,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
 ) -> ConvertedImage:
     """The per-image work, the same for the local writer and the Beam pipeline's workers.
 
-    Reads the file (through `tf.io.gfile`, so `gs://` paths work), decodes it in full, turns it
-    upright, re-encodes it as JPEG when the pipeline could not decode it as it is, and makes its
-    record (`schema.make_example`). A file that is not a usable image is not an error: the result
-    says why it is skipped.
+    Reads the file (through `tf.io.gfile`, so `gs://` paths work; no more than `max_file_bytes`
+    of it), decodes it in full, turns it upright, re-encodes it as JPEG when the pipeline could not
+    decode it as it is, and makes its record (`schema.make_example`; the file name stored escaped,
+    `names.stored`). A file that is not a usable image is not an error: the result says why it is
+    skipped.
 
     Args:
       image_path: the image file.
@@ -206,22 +222,22 @@ def convert_image(
       class_names: the class names in id order (the record stores the name).
       label_offset: the stored label of class 0.
       read: the file's bytes and their `Decoded`, when a `tf.data` pipeline has read and decoded
-        the file already (`reencode.decode_in_graph`); None to read and decode it here.
+        the file already (`reencode.decode_in_graph`; a None `Decoded`: read, not decoded); None
+        to read and decode it here.
+      max_pixels: images with more pixels are skipped (`TOO_MANY_PIXELS`) before any decoder
+        sees them.
+      max_file_bytes: a file larger than this is skipped (`TOO_LARGE`) with no more than that
+        read (the listing skips local ones unread; this bounds a remote file, or one that grew).
 
     Returns:
       A `ConvertedImage`.
     """
     try:
         if read is None:
-            try:
-                with tf.io.gfile.GFile(image_path, "rb") as f:
-                    raw = f.read()
-            except (OSError, tf.errors.OpError):
-                raise Skip(UNREADABLE) from None
-            decoded = None
+            raw, decoded = read_capped(image_path, max_file_bytes), None
         else:
             raw, decoded = read
-        jpeg, height, width, was_reencoded = checked_jpeg(raw, decoded)
+        jpeg, height, width, was_reencoded = checked_jpeg(raw, decoded, max_pixels=max_pixels)
     except Skip as skip:
         return ConvertedImage(image_path, class_id, None, skip_reason=skip.reason)
     example = make_example(
@@ -230,11 +246,35 @@ def convert_image(
         height=height,
         width=width,
         synset=class_names[class_id],
-        filename=os.path.basename(image_path),
+        filename=stored(os.path.basename(image_path)),
     )
     # Deterministic: map fields in key order, so every process writes the same bytes.
     record = example.SerializeToString(deterministic=True)
     return ConvertedImage(image_path, class_id, record, was_reencoded)
+
+
+def open_image_file(path):
+    """A binary file object of `path`: a local one by the bytes the system knows it by (its name
+    need not be UTF-8), a remote one (`gs://...`) through `tf.io.gfile`."""
+    if is_local(path):
+        return open(path, "rb")
+    return tf.io.gfile.GFile(path, "rb")
+
+
+def read_capped(path, max_file_bytes):
+    """The bytes of the file `path`, no more than `max_file_bytes + 1` of them ever read.
+
+    Raises:
+      Skip: `TOO_LARGE` for a larger file, `UNREADABLE` for a file that cannot be read.
+    """
+    try:
+        with open_image_file(path) as f:
+            raw = f.read(max_file_bytes + 1)
+    except (OSError, tf.errors.OpError):
+        raise Skip(UNREADABLE) from None
+    if len(raw) > max_file_bytes:
+        raise Skip(TOO_LARGE)
+    return raw
 
 
 @dataclasses.dataclass
@@ -311,6 +351,8 @@ class ConversionPlan:
       skipped: the files the listing left out, by reason.
       empty_classes: class folders without images.
       strict: whether a skipped image is an error.
+      max_pixels: the pixel cap of every image (`convert_image`).
+      max_file_bytes: the size cap of every file (`convert_image`).
     """
 
     image_dir: str
@@ -320,6 +362,8 @@ class ConversionPlan:
     skipped: dict[str, list[str]]
     empty_classes: list[str]
     strict: bool = False
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
 
     @property
     def num_images(self) -> int:
@@ -344,6 +388,9 @@ def plan_conversion(
     label_offset: int = 1,
     seed: int = 0,
     strict: bool = False,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    follow_links: bool = False,
 ) -> ConversionPlan:
     """The split, the label map and the shards of a conversion, from the folders' listing.
 
@@ -367,24 +414,30 @@ def plan_conversion(
     ):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be at least 1, got {value}.")
-
-    listing = list_class_folders(image_dir, "image_dir")
+    for flag, value, unit in (
+        ("max_pixels", max_pixels, "pixels of the largest image decoded"),
+        ("max_file_bytes", max_file_bytes, "bytes of the largest file read"),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{flag} must be a positive integer ({unit}), got {value!r}.")
+    limits = dict(max_file_bytes=max_file_bytes, follow_links=follow_links)
+    listing = list_class_folders(image_dir, "image_dir", **limits)
     class_names = list(listing.files_by_class)
     class_ids = {name: index for index, name in enumerate(class_names)}
     skipped = {reason: list(paths) for reason, paths in listing.skipped.items()}
     empty_classes = list(listing.empty_classes)
     if not class_names:
-        raise ValueError(f"No images ({', '.join(IMAGE_EXTENSIONS)}) in the class folders of {image_dir!r}" + (f"; {_error_listing('skipped', skipped)}" if skipped else "."))
+        raise ValueError(f"No images ({', '.join(IMAGE_EXTENSIONS)}) in the class folders of {shown(image_dir)}" + (f"; {_error_listing('skipped', skipped)}" if skipped else "."))
     if len(class_names) < 2:
-        raise ValueError(f"{image_dir!r} has images in one class folder only ({class_names[0]!r}): a classifier needs at least two classes, one sub-folder of images each (image_dir/<class>/<image>)." + (f" Skipped: {', '.join(empty_classes)} (no images)." if empty_classes else ""))
+        raise ValueError(f"{shown(image_dir)} has images in one class folder only ({shown(class_names[0])}): a classifier needs at least two classes, one sub-folder of images each (image_dir/<class>/<image>)." + (f" Skipped: {_names(empty_classes)} (no images)." if empty_classes else ""))
     train, validation = _stratified_split(
         listing.files_by_class, class_ids, validation_fraction, seed
     )
     if validation_dir is not None:
-        val_listing = list_class_folders(validation_dir, "validation_dir")
+        val_listing = list_class_folders(validation_dir, "validation_dir", **limits)
         unknown = sorted(set(val_listing.files_by_class) - set(class_ids))
         if unknown:
-            raise ValueError(f"validation_dir {validation_dir!r} has classes with no training images in {image_dir!r}: {_names(unknown)}. Give each validation class its training images.")
+            raise ValueError(f"validation_dir {shown(validation_dir)} has classes with no training images in {shown(image_dir)}: {_names(unknown)}. Give each validation class its training images.")
         for class_name, paths in val_listing.files_by_class.items():
             validation.extend((path, class_ids[class_name]) for path in paths)
         for reason, paths in val_listing.skipped.items():
@@ -406,7 +459,15 @@ def plan_conversion(
         count = min(requested[split] or default_num_shards(len(items)), len(items))
         shards.extend(PlannedShard(split, index, items[index::count]) for index in range(count))
     return ConversionPlan(
-        image_dir, class_names, label_offset, shards, skipped, empty_classes, strict
+        image_dir,
+        class_names,
+        label_offset,
+        shards,
+        skipped,
+        empty_classes,
+        strict,
+        max_pixels=max_pixels,
+        max_file_bytes=max_file_bytes,
     )
 
 
@@ -453,11 +514,11 @@ def finish_conversion(
             written_shards[shard.split].append((path, result.written))
         else:
             tf.io.gfile.remove(path)  # every image of the shard was skipped
-    failed = {r: p for r, p in skipped.items() if r in (UNDECODABLE, CORRUPT_JPEG, UNREADABLE)}
+    failed = {r: p for r, p in skipped.items() if r in IMAGE_FAULTS}
     if plan.strict and failed:
         raise ValueError(_error_listing("strict: images that cannot be stored", failed) + ". Remove or fix them, or run without strict to skip them.")
     if not sum(split_counts.values()):
-        raise ValueError(f"No usable image in {plan.image_dir!r}; {_error_listing('skipped', skipped)}.")
+        raise ValueError(f"No usable image in {shown(plan.image_dir)}; {_error_listing('skipped', skipped)}.")
     split_paths, record_counts = {}, {}
     for split, shards in written_shards.items():
         split_paths[split] = []

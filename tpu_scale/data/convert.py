@@ -44,7 +44,18 @@ What is checked, so that training never meets a bad image:
     types (`.txt`, `.tiff`, ...) are skipped, counted and named (`tpu_scale.data.image_folder`).
   - Class folders without images are skipped with a warning and get no id: the ids are those of the
     non-empty classes in sorted folder order, and the summary lists the skipped folders.
-  - `--strict` turns every skipped file and empty class folder into an error naming them.
+  - No single file stops the conversion or exhausts its memory. A file above the size cap
+    (`--max_file_mib`, 64 by default) is skipped unread; an image above the pixel cap
+    (`--max_pixels`, 89,478,485 by default, Pillow's own limit) is skipped by its header before
+    any decoder (TensorFlow's or Pillow's) sees it, so a decompression bomb costs nothing; a pipe
+    or device named `.jpg` is skipped; a link whose target is outside the folder is skipped unless
+    `--follow_links`. A name that is not UTF-8, or holds a newline, is converted like any other,
+    stored escaped (`names.stored`), and every log line and error shows names quoted and escaped,
+    so that no name can forge a line. The large images are converted as many at once as a 2 GiB
+    budget holds (at least one): with the default caps the conversion stays under about 3.5
+    GiB plus 0.1 GiB per thread, whatever the files hold.
+  - `--strict` turns every skipped file and empty class folder into an error naming them; the
+    local writer stops at the first image it cannot store.
   - No shard is empty: a split with fewer images than shards gets fewer shards.
 
 The output appears atomically: the shards and label map are written into a hidden folder next to
@@ -58,11 +69,13 @@ unfinished.)
 """
 
 import argparse
+import collections
 import concurrent.futures
 import itertools
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -73,25 +86,33 @@ if __name__ == "__main__":
 
 import tensorflow as tf  # noqa: E402
 
-from tpu_scale._files import remove_tree  # noqa: E402
+from tpu_scale._files import is_local, remove_tree  # noqa: E402
 from tpu_scale.data.conversion import (  # noqa: E402
     DEFAULT_VALIDATION_FRACTION,
+    IMAGE_FAULTS,
     TFRecordSummary,
     convert_image,
     default_num_shards,  # noqa: F401 - part of this module's interface
     finish_conversion,
+    open_image_file,
     plan_conversion,
     write_shard,
 )
+from tpu_scale.data.image_folder import DEFAULT_MAX_FILE_BYTES  # noqa: E402
+from tpu_scale.data.names import as_bytes, inline, shown  # noqa: E402
 from tpu_scale.data.output_dir import (  # noqa: E402
     check_output_dir,
     make_staging_dir,
     remove_stale_staging_dirs,
 )
 from tpu_scale.data.reencode import (  # noqa: E402
+    DEFAULT_MAX_PIXELS,
+    NOT_DECODED,
     Decoded,
+    Skip,
     as_rgb_jpeg,  # noqa: F401 - part of this module's interface
     decode_in_graph,
+    header_size,
 )
 from tpu_scale.data.schema import LABEL_MAP_FILE  # noqa: E402
 from tpu_scale.data.sources import graph_function  # noqa: E402
@@ -99,37 +120,129 @@ from tpu_scale.data.sources import graph_function  # noqa: E402
 logger = logging.getLogger(__name__)
 
 # Images handed from the decoding pipeline to Python at a time: enough to spread the hand-over's
-# cost, few enough that a batch of camera photos (a few MB each) stays small.
+# cost, few enough that a batch of them stays small.
 _DECODED_BATCH = 16
 
+# What the decoding pipeline takes: files up to 2 MiB (an ImageNet JPEG is about 110 KB) of up to
+# 4 megapixels (12 MB as RGB). The pipeline holds up to 2 batches and a decode per thread, so these
+# bound its memory: about (num_threads + 48) x 14 MB at worst. Larger files and images go to the
+# memory budget below.
+_PIPELINE_FILE_BYTES = 2 * 2**20
+_PIPELINE_PIXELS = 4 * 2**20
 
-def _read_and_decode(index, path):
+# The memory that the images converted at once outside the pipeline may take (their files, their
+# pixels and the copies the decode, the EXIF turn and the re-encoding make): images wait for
+# their share, in the plan's order. One image is always let through, however large (it is bounded
+# by max_file_bytes and max_pixels).
+MEMORY_BUDGET_BYTES = 2 * 2**30
+# Bytes per pixel at the peak of an image's conversion (RGB pixels, 3 bytes each: Pillow's decode,
+# its turned copy, the array and the tensor handed to the encoder, and the allocator's slack): a
+# rotated 88-megapixel photo peaked at 1.7 GB above the process's start.
+_BYTES_PER_PIXEL = 20
+
+
+class _MemoryBudget:
+    """Bytes granted to images in the order of their tickets (the plan's order), so that the
+    oldest image, the one the shard writer waits for, is never kept waiting by a later one."""
+
+    def __init__(self, limit):
+        self.limit, self.used = limit, 0
+        self._tickets = itertools.count()
+        self._serving = 0
+        self._open = False
+        self._changed = threading.Condition()
+
+    def ticket(self):
+        return next(self._tickets)
+
+    def acquire(self, ticket, size):
+        with self._changed:
+            self._changed.wait_for(
+                lambda: self._open
+                or (
+                    self._serving == ticket
+                    and (self.used == 0 or self.used + size <= self.limit)
+                )
+            )
+            self.used += size
+            self._serving += 1
+            self._changed.notify_all()
+
+    def release(self, size):
+        with self._changed:
+            self.used -= size
+            self._changed.notify_all()
+
+    def open(self):
+        """Lets every waiter through: the conversion stops, and the images in flight must end."""
+        with self._changed:
+            self._open = True
+            self._changed.notify_all()
+
+
+def _file_size(path):
+    """A local file's size, or None (a remote file, or one that cannot be stat'ed)."""
+    if not is_local(path):
+        return None
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return None
+
+
+def _read_and_decode(index, path, max_pixels):
     raw = tf.io.read_file(path)
-    return (index, raw, *decode_in_graph(raw))
+    return (index, raw, *decode_in_graph(raw, max_pixels))
 
 
-def _converted_images(plan, num_threads):
+def _memory_needed(path, size, pixels, plan):
+    """The bytes an image's conversion may take at its peak, for the memory budget.
+
+    `size` and `pixels` are those known already (None: not known). A local image's pixels are read
+    from its header by Pillow (header only); when they cannot be, the caps are assumed.
+    """
+    size = plan.max_file_bytes if size is None else min(size, plan.max_file_bytes)
+    if pixels is None:
+        try:
+            with open_image_file(path) as f:
+                height, width, frames = header_size(f)
+            pixels = height * width * frames
+        except (Skip, OSError, tf.errors.OpError):
+            pixels = plan.max_pixels
+    # An image above the cap is skipped before it is decoded.
+    decoded = pixels if pixels <= plan.max_pixels else 0
+    return 2 * size + _BYTES_PER_PIXEL * decoded
+
+
+def _converted_images(plan, num_threads, budget_bytes=MEMORY_BUDGET_BYTES):
     """`convert_image` of every image of `plan`, shard after shard, in the plan's order.
 
-    The reading and decoding, most of the per-image work, run in a `tf.data` pipeline of
-    `num_threads` parallel calls (default: the CPU count), outside Python's global lock. What is
-    left, the header checks and the records, and for a photo its EXIF turn (Pillow's decode and a
-    re-encode, which release the lock too), runs on as many threads, a batch of decoded images at
-    a time, in order. A file the pipeline could not read or decode is left out of it
-    (`ignore_errors`) and goes through `convert_image`'s own reading, which says why it is skipped.
+    The reading and decoding of small images (most of a dataset's), most of the per-image work,
+    run in a `tf.data` pipeline of `num_threads` parallel calls (default: the CPU count), outside
+    Python's global lock. What is left, the header checks and the records, and for a photo its EXIF
+    turn (Pillow's decode and a re-encode, which release the lock too), runs on as many threads,
+    in order. A file the pipeline could not read or decode is left out of it (`ignore_errors`) and
+    goes through `convert_image`'s own reading, which says why it is skipped. Larger files and
+    images (`_PIPELINE_FILE_BYTES`, `_PIPELINE_PIXELS`) are read and decoded on those threads too,
+    as many at once as `budget_bytes` holds, so that memory stays bounded whatever the files hold.
     """
     images = [image for shard in plan.shards for image in shard.images]
-    paths = tf.constant([path for path, _ in images], dtype=tf.string)
+    sizes = [_file_size(path) for path, _ in images]
+    # The pipeline reads a file whole: only local files whose size was seen to be small go there.
+    small = [i for i, size in enumerate(sizes) if size is not None and size <= _PIPELINE_FILE_BYTES]
+    # By the bytes the system knows them by: a name need not be UTF-8.
+    paths = tf.constant([as_bytes(images[i][0]) for i in small], dtype=tf.string)
     threads = num_threads or os.cpu_count() or 1
     # Fixed parallelism, autotuning off: with it on, the iterator's end (or its destruction, when
     # left early) sometimes waits idle on the autotuner (`_workarounds.batch_scheduling`'s stall).
     options = tf.data.Options()
     options.autotune.enabled = False
+    pipeline_pixels = min(plan.max_pixels, _PIPELINE_PIXELS)
     decoded = (
-        tf.data.Dataset.from_tensor_slices((tf.range(len(images), dtype=tf.int64), paths))
+        tf.data.Dataset.from_tensor_slices((tf.constant(small, dtype=tf.int64), paths))
         # In order (whatever the pipeline's options say): a missing index is a dropped file.
         .map(
-            graph_function(_read_and_decode),
+            graph_function(lambda index, path: _read_and_decode(index, path, pipeline_pixels)),
             num_parallel_calls=threads,
             deterministic=True,
         )
@@ -138,24 +251,69 @@ def _converted_images(plan, num_threads):
         .prefetch(1)
         .with_options(options)
     )
+    budget = _MemoryBudget(budget_bytes)
+    limits = dict(max_pixels=plan.max_pixels, max_file_bytes=plan.max_file_bytes)
 
-    def convert(item):
-        (path, class_id), read = item
-        return convert_image(path, class_id, plan.class_names, plan.label_offset, read=read)
+    def convert(ticket, index, read, pixels):
+        path, class_id = images[index]
+        size = len(read[0]) if read is not None else sizes[index]
+        # Every ticket is served, whatever happens, or the images after it would wait forever.
+        needed = 2 * plan.max_file_bytes + _BYTES_PER_PIXEL * plan.max_pixels
+        try:
+            needed = _memory_needed(path, size, pixels, plan)
+        finally:
+            budget.acquire(ticket, needed)
+        try:
+            converted = convert_image(
+                path, class_id, plan.class_names, plan.label_offset, read=read, **limits
+            )
+        except BaseException:
+            budget.release(needed)
+            raise
+        return converted, needed
 
-    position = 0
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+    def items():
+        """`(index, read, pixels)` of every image in order: read and decoded by the pipeline, read
+        but left undecoded, or left to `convert_image` (None, None)."""
+        position = 0
         for indices, raws, heights, widths, jpegs, channels in decoded.as_numpy_iterator():
-            work = []
             for index, raw, height, width, jpeg, channel_count in zip(
                 indices, raws, heights, widths, jpegs, channels
             ):
-                work += [(image, None) for image in images[position:index]]  # dropped
+                yield from ((i, None, None) for i in range(position, index))  # dropped, or large
                 decoded_image = Decoded(int(height), int(width), jpeg, int(channel_count))
-                work.append((images[index], (raw, decoded_image)))
+                if decoded_image.channels == NOT_DECODED:
+                    yield index, (raw, None), decoded_image.height * decoded_image.width
+                else:
+                    yield index, (raw, decoded_image), decoded_image.height * decoded_image.width
                 position = index + 1
-            yield from pool.map(convert, work)
-        yield from pool.map(convert, [(image, None) for image in images[position:]])
+        yield from ((i, None, None) for i in range(position, len(images)))
+
+    # Submitted in order, a few ahead of the writer; each image's memory is given back once the
+    # writer has taken its record (when this generator is resumed).
+    pending = collections.deque()
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        try:
+            for index, read, pixels in items():
+                pending.append(pool.submit(convert, budget.ticket(), index, read, pixels))
+                while len(pending) > 2 * threads:
+                    converted, needed = pending.popleft().result()
+                    try:
+                        yield converted
+                    finally:
+                        budget.release(needed)
+            while pending:
+                converted, needed = pending.popleft().result()
+                try:
+                    yield converted
+                finally:
+                    budget.release(needed)
+        finally:
+            # Left early (strict, or an error): the queued images are not converted; those running
+            # finish, and the budget's waiters are let through to end.
+            for future in pending:
+                future.cancel()
+            budget.open()
 
 
 def _write_shard(path, converted, num_classes, progress):
@@ -206,11 +364,21 @@ class _ProgressLine:
         print(line, end=end, file=self.stream, flush=True)
 
 
+def _stop_at_first_fault(converted):
+    """`converted`, ending with an error naming the first image that cannot be stored (strict)."""
+    for image in converted:
+        if image.record is None and image.skip_reason in IMAGE_FAULTS:
+            raise ValueError(f"strict: {shown(image.path)} cannot be stored: {image.skip_reason}. Remove or fix it, or run without strict to skip it.")
+        yield image
+
+
 def _write_shards_locally(plan, staging_dir, num_threads, progress):
     """The local writer: the shards of `plan` written into `staging_dir`, one after another, from
     one decoding pipeline over all their images."""
     taken = _counter(progress, plan.num_images)
     converted = _converted_images(plan, num_threads)
+    if plan.strict:
+        converted = _stop_at_first_fault(converted)
     return [
         _write_shard(
             os.path.join(staging_dir, shard.staging_name),
@@ -237,6 +405,9 @@ def write_tfrecords(
     num_threads: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     beam_options=None,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    follow_links: bool = False,
 ) -> TFRecordSummary:
     """Writes the images of `image_dir/<class>/` as `train-*` and `validation-*` TFRecord shards.
 
@@ -271,6 +442,17 @@ def write_tfrecords(
         (`tpu_scale.data.beam_writer`) with these pipeline options: a
         `apache_beam.options.pipeline_options.PipelineOptions`, or a string of comma-separated
         `key=value` options ("runner=DirectRunner,direct_num_workers=2"). None: the local writer.
+      max_pixels: images with more pixels (by their header, read before any decoder sees them)
+        are skipped as decompression bombs. Default: 89,478,485, Pillow's own limit (0.25 GiB as
+        RGB, about 9500 x 9500).
+      max_file_bytes: files larger than this are skipped without being read whole. Default 64 MiB.
+      follow_links: take links whose target is outside `image_dir` (or `validation_dir`); by
+        default they are skipped and named.
+
+    The local writer's memory stays bounded whatever the files hold: about 3.5 GiB plus 0.1 GiB
+    per thread at most with the default caps (`MEMORY_BUDGET_BYTES` for the large images, at least one
+    at a time, and the decoding pipeline's small ones); a Beam worker holds one image of at most
+    `max_file_bytes` and `max_pixels` per conversion it runs at once.
 
     Returns:
       A `TFRecordSummary`; `summary.describe()` is the report `main` prints.
@@ -278,7 +460,8 @@ def write_tfrecords(
     Raises:
       ValueError: if the folders are not class folders, no image is usable, `output_dir` holds
         something that must not be replaced, (with `strict=True`) any file or class folder was
-        skipped, or `beam_options` are not valid Beam pipeline options.
+        skipped (the local writer stops at the first image that cannot be stored, naming it), or
+        `beam_options` are not valid Beam pipeline options.
       ImportError: `beam_options` is given and Apache Beam is not installed.
     """
     if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1):
@@ -299,6 +482,9 @@ def write_tfrecords(
         label_offset=label_offset,
         seed=seed,
         strict=strict,
+        max_pixels=max_pixels,
+        max_file_bytes=max_file_bytes,
+        follow_links=follow_links,
     )
     replace = check_output_dir(output_dir, overwrite)
     remove_stale_staging_dirs(output_dir)
@@ -340,8 +526,8 @@ def image_folder_records(
 
     if tf.io.gfile.exists(os.path.join(records_dir, LABEL_MAP_FILE)):
         logger.info(
-            f"Reading the records of {image_dir} written earlier to {records_dir} (delete that "
-            "folder to convert the images again)."
+            f"Reading the records of {inline(image_dir)} written earlier to {inline(records_dir)} "
+            "(delete that folder to convert the images again)."
         )
         return records_dir
     start = time.monotonic()
@@ -350,11 +536,22 @@ def image_folder_records(
     return records_dir
 
 
+def _mib_to_bytes(mib):
+    if not mib > 0:
+        raise ValueError(f"--max_file_mib must be a positive number of MiB (the largest image file read), got {mib}.")
+    return max(1, int(mib * 2**20))
+
+
 def main(argv: Sequence[str] | None = None) -> TFRecordSummary:
     """The command line: converts, prints the summary; errors exit with status 1 and one message."""
     parser = argparse.ArgumentParser(
         prog="python -m tpu_scale.data.convert",
         description=__doc__.split("\n\n")[0],
+        epilog="Memory: no file above --max_file_mib is read whole and no image above "
+        "--max_pixels is decoded; the large images wait for a 2 GiB budget, so with the default "
+        "caps the conversion stays under about 3.5 GiB plus 0.1 GiB per thread (--num_threads), "
+        "whatever the files hold. Files skipped (bombs, files above the cap, links out of the "
+        "folder, pipes, broken images) are named and counted in the summary and skipped.json.",
     )
     parser.add_argument(
         "--image_dir", required=True, help="folder with one sub-folder of images per class"
@@ -381,7 +578,29 @@ def main(argv: Sequence[str] | None = None) -> TFRecordSummary:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the split and the shuffles")
     parser.add_argument(
-        "--strict", action="store_true", help="fail on any file or class folder skipped"
+        "--strict",
+        action="store_true",
+        help="fail on any file or class folder skipped, naming it (the local writer stops at the "
+        "first image it cannot store)",
+    )
+    parser.add_argument(
+        "--max_pixels",
+        type=int,
+        default=DEFAULT_MAX_PIXELS,
+        help="skip images with more pixels than this, by their header, before any decoder sees "
+        f"them (decompression bombs; default {DEFAULT_MAX_PIXELS:,}, Pillow's own limit)",
+    )
+    parser.add_argument(
+        "--max_file_mib",
+        type=float,
+        default=DEFAULT_MAX_FILE_BYTES / 2**20,
+        help="skip files larger than this many MiB without reading them whole (default "
+        f"{DEFAULT_MAX_FILE_BYTES // 2**20})",
+    )
+    parser.add_argument(
+        "--follow_links",
+        action="store_true",
+        help="take links whose target is outside the image folder (skipped and named by default)",
     )
     parser.add_argument(
         "--overwrite", action="store_true", help="replace a conversion in output_dir"
@@ -412,6 +631,9 @@ def main(argv: Sequence[str] | None = None) -> TFRecordSummary:
             num_threads=args.num_threads,
             progress=None if args.beam_pipeline_options is not None else _ProgressLine(),
             beam_options=args.beam_pipeline_options,
+            max_pixels=args.max_pixels,
+            max_file_bytes=_mib_to_bytes(args.max_file_mib),
+            follow_links=args.follow_links,
         )
     except (ValueError, ImportError) as error:
         print(f"{parser.prog}: error: {error}", file=sys.stderr)

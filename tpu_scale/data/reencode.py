@@ -4,6 +4,13 @@ The input pipeline's fused decode reads JPEG only, and a file that is truncated 
 must fail here rather than in training: every image is decoded in full. JPEGs are kept byte for
 byte; other formats (PNG, GIF, BMP, WebP), CMYK JPEGs and JPEGs whose EXIF orientation tag says
 they are rotated or mirrored (turned upright, as a viewer shows them) are re-encoded as RGB JPEGs.
+
+No decoder sees an image of more than `max_pixels` pixels (a "decompression bomb": a few KB of file
+that decodes to gigabytes): the size is read from the header first, by TensorFlow's
+`extract_jpeg_shape` for a JPEG (before Pillow, which reads a photo's orientation and turns it, or
+TensorFlow's decoder see it) and by Pillow's `Image.open`, which reads the header only, for the
+other formats. Such a file is skipped (`TOO_MANY_PIXELS`). Pillow's own process-wide limit
+(`Image.MAX_IMAGE_PIXELS`) is left as the user set it.
 """
 
 import io
@@ -13,11 +20,18 @@ import numpy as np
 import tensorflow as tf
 
 from tpu_scale.data import image_ops
+from tpu_scale.data.names import shown
 
 # Why a file was skipped (keys of the writer's `TFRecordSummary.skipped`).
 UNDECODABLE = "not a decodable image"
 CORRUPT_JPEG = "truncated or corrupt JPEG"
 UNREADABLE = "unreadable file"
+TOO_MANY_PIXELS = "image above the pixel cap (max_pixels, --max_pixels): a decompression bomb?"
+
+# Pillow's own default limit (Image.MAX_IMAGE_PIXELS, a 0.25 GiB RGB image, about 9500 x 9500): an
+# image this package takes never makes Pillow warn, and most camera photos (up to 89 megapixels)
+# are below it.
+DEFAULT_MAX_PIXELS = 89_478_485
 
 _REENCODE_QUALITY = 95
 _EXIF_ORIENTATION = 0x0112
@@ -52,7 +66,7 @@ class Skip(Exception):
         self.reason = reason
 
 
-def as_rgb_jpeg(image_bytes, path=""):
+def as_rgb_jpeg(image_bytes, path="", *, max_pixels=DEFAULT_MAX_PIXELS):
     """Returns `(jpeg_bytes, height, width, reencoded)`: JPEG bytes the pipeline can decode.
 
     The image is decoded in full, so a file that is truncated or corrupt anywhere fails here rather
@@ -61,6 +75,7 @@ def as_rgb_jpeg(image_bytes, path=""):
     Args:
       image_bytes: the file's bytes (JPEG, PNG, GIF, BMP or WebP).
       path: the file's path, for error messages.
+      max_pixels: images with more pixels are refused before they are decoded.
 
     Returns:
       The JPEG bytes (unchanged for grey or RGB JPEGs), the image height and width, and whether it
@@ -70,12 +85,12 @@ def as_rgb_jpeg(image_bytes, path=""):
       ValueError: if the bytes are not a decodable image.
     """
     try:
-        return checked_jpeg(image_bytes)
+        return checked_jpeg(image_bytes, max_pixels=max_pixels)
     except Skip as skip:
-        raise ValueError(f"{path!r} is not usable: {skip.reason}.") from None
+        raise ValueError(f"{shown(path)} is not usable: {skip.reason}.") from None
 
 
-def checked_jpeg(image_bytes, decoded=None):
+def checked_jpeg(image_bytes, decoded=None, *, max_pixels=DEFAULT_MAX_PIXELS):
     """`as_rgb_jpeg`, raising `Skip` with the reason for a file that is not usable.
 
     Args:
@@ -83,24 +98,42 @@ def checked_jpeg(image_bytes, decoded=None):
       decoded: the `Decoded` that `decode_in_graph` returned for these bytes, when TensorFlow has
         already decoded them (the local writer decodes in a `tf.data` pipeline, off Python's lock);
         None to decode them here. Either way the same ops decide, so the result is the same.
+        A `Decoded` with `channels` 0 (`decode_in_graph` left the image to this function) counts
+        as None.
+      max_pixels: images with more pixels are skipped (`TOO_MANY_PIXELS`) before any decoder
+        sees them.
     """
+    if decoded is not None and decoded.channels == NOT_DECODED:
+        decoded = None
     if image_bytes[:3] == image_ops.JPEG_START:
         # The reader's structural check must accept what is stored: a JPEG without its end-of-image
         # marker is truncated even when libjpeg decodes the part that is there.
         if not image_ops.is_complete_jpeg_bytes(image_bytes):
             raise Skip(CORRUPT_JPEG)
+        if decoded is None:
+            # The size from the frame header, before Pillow's header parse or a decoder sees it.
+            try:
+                size = tf.io.extract_jpeg_shape(image_bytes).numpy().tolist()[:2]
+            except tf.errors.InvalidArgumentError:
+                raise Skip(CORRUPT_JPEG) from None
+            check_pixels(*size, max_pixels)
         try:
             # The header (size, components, orientation), and TensorFlow's decoder, the one the
             # input pipeline runs, on the whole file.
             height, width, channels, orientation = _jpeg_header(image_bytes, decoded)
             pixels = None if decoded is not None else tf.io.decode_jpeg(image_bytes, channels=3)
+        except _pillow_bomb_error():
+            raise Skip(TOO_MANY_PIXELS) from None  # Pillow's own limit, lower than max_pixels
         except (tf.errors.InvalidArgumentError, OSError, SyntaxError, ValueError):
             raise Skip(CORRUPT_JPEG) from None
         # Cameras store the sensor's pixels and a tag saying how to turn them; the decoder
         # ignores the tag, so such photos are turned here, as a viewer shows them.
         if orientation != 1:
+            del pixels  # TensorFlow's decode proved the file whole; Pillow's is the one kept
             try:
                 image = _upright(image_bytes)
+            except _pillow_bomb_error():
+                raise Skip(TOO_MANY_PIXELS) from None
             except (OSError, SyntaxError, ValueError):
                 raise Skip(CORRUPT_JPEG) from None
         elif channels in (1, 3):
@@ -111,6 +144,8 @@ def checked_jpeg(image_bytes, decoded=None):
     elif decoded is not None:
         return decoded.jpeg, decoded.height, decoded.width, True
     else:
+        height, width, frames = header_size(image_bytes)
+        check_pixels(height, width * frames, max_pixels)
         try:
             image = tf.io.decode_image(image_bytes, channels=3, expand_animations=False)
         except tf.errors.InvalidArgumentError:
@@ -119,23 +154,107 @@ def checked_jpeg(image_bytes, decoded=None):
     return jpeg, int(image.shape[0]), int(image.shape[1]), True
 
 
-def decode_in_graph(image_bytes):
+def check_pixels(height, width, max_pixels):
+    """Raises `Skip(TOO_MANY_PIXELS)` for an image of more than `max_pixels` pixels."""
+    if height * width > max_pixels:
+        raise Skip(TOO_MANY_PIXELS)
+
+
+def _pillow_bomb_error():
+    from PIL import Image
+
+    return Image.DecompressionBombError
+
+
+def header_size(image):
+    """`(height, width, frames)` from an image's header, read by Pillow (`Image.open` reads the
+    header only, whatever the file holds after it). `frames` counts a GIF's frames, which
+    TensorFlow's GIF decoder decodes all of (an animation of many tiny frames on a large canvas is
+    a bomb too; Pillow finds them by skipping through the file, without decoding); 1 for the other
+    formats, whose first frame alone is decoded.
+
+    Args:
+      image: the file's bytes, or a binary file object (positioned at its start).
+
+    Raises:
+      Skip: `TOO_MANY_PIXELS` when Pillow's own limit refuses the header, `UNDECODABLE` when it
+        cannot read one.
+    """
+    from PIL import Image
+
+    source = io.BytesIO(image) if isinstance(image, (bytes, bytearray, memoryview)) else image
+    try:
+        with Image.open(source) as opened:
+            width, height = opened.size
+            frames = opened.n_frames if opened.format == "GIF" else 1
+    except Image.DecompressionBombError:
+        raise Skip(TOO_MANY_PIXELS) from None
+    except Exception:  # noqa: BLE001 - a header Pillow cannot parse fails in many ways; all mean
+        # the same here: no size, so the file is not decoded.
+        raise Skip(UNDECODABLE) from None
+    return height, width, frames
+
+
+# `Decoded.channels` of an image `decode_in_graph` left to `checked_jpeg` (too many pixels for
+# the pipeline, or a format whose header only Pillow reads).
+NOT_DECODED = 0
+
+
+def _graph_header_size(image_bytes):
+    # A 0-d array of bytes when run eagerly, the bytes themselves in a tf.data pipeline.
+    if isinstance(image_bytes, np.ndarray):
+        image_bytes = image_bytes.item()
+    try:
+        height, width, frames = header_size(image_bytes)
+    except Skip as skip:
+        if skip.reason != TOO_MANY_PIXELS:
+            raise  # no header: the pipeline drops the file, and `checked_jpeg` says why
+        # Above Pillow's own limit: left undecoded, as any image above the cap.
+        height, width, frames = 2**31, 2**31, 1
+    return np.int64(height), np.int64(width * frames)
+
+
+def decode_in_graph(image_bytes, max_pixels=DEFAULT_MAX_PIXELS):
     """The decode of `checked_jpeg` as graph ops, for a `tf.data` map: `Decoded` as tensors.
 
     A JPEG is decoded by `tf.io.decode_jpeg`, any other format by `tf.io.decode_image` and
     re-encoded at `checked_jpeg`'s quality, so the bytes are those the eager path makes. Bytes
     TensorFlow cannot decode raise an error, as the eager decode does (a `tf.data` pipeline drops
     them with `ignore_errors`; `checked_jpeg` without `decoded` then says why).
+
+    An image of more than `max_pixels` pixels (by its header: TensorFlow's for a JPEG, Pillow's for
+    the other formats) is not decoded: its `Decoded` has `channels` `NOT_DECODED` (and a JPEG's
+    size), and `checked_jpeg` decides what it is. The local writer passes a small `max_pixels`,
+    so that the pipeline's parallel decodes stay small and larger images go to its
+    memory-budgeted path.
     """
 
     def jpeg():
-        shape = tf.shape(tf.io.decode_jpeg(image_bytes, channels=3))[:2]
-        return shape, tf.constant(b""), tf.io.extract_jpeg_shape(image_bytes)[2]
+        header = tf.io.extract_jpeg_shape(image_bytes, output_type=tf.int64)
+
+        def decode():
+            shape = tf.shape(tf.io.decode_jpeg(image_bytes, channels=3), out_type=tf.int64)[:2]
+            return shape, tf.constant(b""), tf.cast(header[2], tf.int32)
+
+        def leave():
+            return header[:2], tf.constant(b""), tf.constant(NOT_DECODED)
+
+        return tf.cond(header[0] * header[1] <= max_pixels, decode, leave)
 
     def other():
-        pixels = tf.io.decode_image(image_bytes, channels=3, expand_animations=False)
-        reencoded = tf.io.encode_jpeg(pixels, quality=_REENCODE_QUALITY)
-        return tf.shape(pixels)[:2], reencoded, tf.constant(3)
+        height, width = tf.numpy_function(
+            _graph_header_size, [image_bytes], [tf.int64, tf.int64], stateful=False
+        )
+
+        def decode():
+            pixels = tf.io.decode_image(image_bytes, channels=3, expand_animations=False)
+            reencoded = tf.io.encode_jpeg(pixels, quality=_REENCODE_QUALITY)
+            return tf.shape(pixels, out_type=tf.int64)[:2], reencoded, tf.constant(3)
+
+        def leave():
+            return tf.stack([height, width]), tf.constant(b""), tf.constant(NOT_DECODED)
+
+        return tf.cond(height * width <= max_pixels, decode, leave)
 
     shape, reencoded, channels = tf.cond(image_ops.is_jpeg(image_bytes), jpeg, other)
     return Decoded(shape[0], shape[1], reencoded, channels)
@@ -173,4 +292,8 @@ def _upright(jpeg_bytes):
     from PIL import Image, ImageOps
 
     with Image.open(io.BytesIO(jpeg_bytes)) as image:
-        return np.asarray(ImageOps.exif_transpose(image).convert("RGB"))
+        upright = ImageOps.exif_transpose(image)
+    # One copy fewer of a large photo: the file's pixels are let go before the array is made,
+    # and an RGB image is not converted to RGB.
+    del image
+    return np.asarray(upright if upright.mode == "RGB" else upright.convert("RGB"))
