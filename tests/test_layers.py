@@ -121,6 +121,7 @@ CASES = {
 def _check_against_groups(results, x, dy, group_size, kwargs, weights, tolerance, mask=None):
     ys, dxs, dgammas, dbetas, means, variances = results
     rtol, atol = tolerance
+    group_moving = []
     for first in range(0, NUM_REPLICAS, group_size):
         members = list(range(first, first + group_size))
         group_mask = None if mask is None else tf.concat([mask[r] for r in members], 0)
@@ -143,9 +144,19 @@ def _check_against_groups(results, x, dy, group_size, kwargs, weights, tolerance
         np.testing.assert_allclose(
             sum(dbetas[r] for r in members), dbeta_ref, rtol=rtol, atol=atol * 10
         )
-        for r in members:
-            np.testing.assert_allclose(means[r], mean_ref, rtol=1e-5, atol=1e-5)
-            np.testing.assert_allclose(variances[r], var_ref, rtol=1e-5, atol=1e-5)
+        group_moving.append((mean_ref, var_ref))
+    # One set of moving statistics: every replica moved by the mean of the groups' updates.
+    _check_shared_moving_statistics(means, variances, group_moving)
+
+
+def _check_shared_moving_statistics(means, variances, updates):
+    """Every replica holds the mean of `updates` (each group's `(moving mean, moving variance)` as
+    plain batch norm over its batch leaves them; they all started equal, so this is Keras's update
+    from the groups' mean statistics)."""
+    expected_mean, expected_variance = np.mean(updates, axis=0)
+    for mean, variance in zip(means, variances):
+        np.testing.assert_allclose(mean, expected_mean, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(variance, expected_variance, rtol=1e-5, atol=1e-5)
 
 
 def _case_inputs(shape, dtype, seed):
@@ -205,6 +216,7 @@ def _check_against_virtual_batches(results, x, dy, size, kwargs, weights, tolera
     elements each counted."""
     ys, dxs, dgammas, dbetas, means, variances = results
     close = dict(rtol=tolerance[0], atol=tolerance[1])
+    replica_moving = []
     for r in range(len(ys)):
         expected, counts = [], []
         for first in range(0, x.shape[1], size):
@@ -225,10 +237,9 @@ def _check_against_virtual_batches(results, x, dy, size, kwargs, weights, tolera
         # Each reference moved from the same start, so their count-weighted average moved
         # towards the count-weighted average of the runs' statistics.
         share = np.asarray(counts) / np.sum(counts)
-        np.testing.assert_allclose(means[r], np.tensordot(share, mean_ref, 1), rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(
-            variances[r], np.tensordot(share, var_ref, 1), rtol=1e-5, atol=1e-5
-        )
+        replica_moving.append((np.tensordot(share, mean_ref, 1), np.tensordot(share, var_ref, 1)))
+    # Every replica then takes the mean of the replicas' updates.
+    _check_shared_moving_statistics(means, variances, replica_moving)
 
 
 @pytest.mark.parametrize(
@@ -353,10 +364,11 @@ def test_one_group_sum_per_training_call(strategy):
 
     graph = forward.get_concrete_function(tf.TensorSpec([4, 3], tf.float32)).graph
     # On one host the members' statistics are gathered in the step's graph: one ConcatV2 per
-    # group and training call (2 + 4 + 2 groups), nothing summed; the inference call communicates
-    # nothing, and no collective op is launched.
+    # group and training call (2 + 4 + 2 groups); each training call's moving statistics are
+    # summed over all 8 replicas by one AddN; the inference call communicates nothing, and no
+    # collective op is launched.
     assert _count_ops(graph, "ConcatV2") == 2 + 4 + 2
-    assert _count_ops(graph, "AddN") == 0
+    assert _count_ops(graph, "AddN") == 3
     assert not [op for op in graph.get_operations() if op.type.startswith("Collective")]
 
 
@@ -455,6 +467,7 @@ def test_empty_and_uneven_replica_batches_match_the_reference(
     for values in (ys, dxs, dgammas, dbetas, stats):
         assert all(np.all(np.isfinite(v)) for v in values)
     close = {"rtol": 1e-5, "atol": 2e-5}
+    group_moving = []
     counted = [n if masks is None else int(np.sum(m)) for n, m in zip(sizes, masks or sizes)]
     for first in range(0, NUM_REPLICAS, group_size):
         members = range(first, first + group_size)
@@ -463,11 +476,6 @@ def test_empty_and_uneven_replica_batches_match_the_reference(
             if sizes[r] == 0:  # an empty replica contributes nothing
                 np.testing.assert_array_equal(dgammas[r], 0.0)
                 np.testing.assert_array_equal(dbetas[r], 0.0)
-        if sum(counted[r] for r in members) == 0:
-            # No statistics: the moving statistics (all of them with renorm) keep their values.
-            for r in members:
-                for got, initial in zip(stats[r], weights[2:]):
-                    np.testing.assert_array_equal(got, initial)
         if sum(sizes[r] for r in members) == 0:
             continue
         group_mask = None if masks is None else tf.concat([masks[r] for r in members], 0)
@@ -482,9 +490,24 @@ def test_empty_and_uneven_replica_batches_match_the_reference(
         for got, want in ((dgammas, dgamma_ref), (dbetas, dbeta_ref)):
             np.testing.assert_allclose(sum(got[r] for r in members), want, rtol=1e-5, atol=2e-4)
         if sum(counted[r] for r in members) > 0:
-            for r in members:
-                np.testing.assert_allclose(stats[r][0], mean_ref, rtol=1e-5, atol=1e-5)
-                np.testing.assert_allclose(stats[r][1], var_ref, rtol=1e-5, atol=1e-5)
+            group_moving.append((mean_ref, var_ref))
+    # One set of moving statistics (all of them with renorm): the mean of the updates of the groups
+    # that counted something; groups that counted nothing add nothing to it.
+    assert group_moving
+    _check_shared_moving_statistics([s[0] for s in stats], [s[1] for s in stats], group_moving)
+    for r in range(NUM_REPLICAS):
+        for got, first in zip(stats[r], stats[0]):
+            np.testing.assert_array_equal(got, first)
+
+
+def test_no_replica_counting_anything_keeps_the_moving_statistics(strategy):
+    weights = _initial_weights(3, seed=9)
+    layer = _layer_under(strategy, (3,), weights, group_size=2, momentum=0.7)
+    xs = [tf.zeros((0, 3))] * NUM_REPLICAS
+    *_, stats = _run_uneven_replicas(strategy, layer, xs, xs)
+    for r in range(NUM_REPLICAS):
+        for got, initial in zip(stats[r], weights[2:]):
+            np.testing.assert_array_equal(got, initial)
 
 
 def test_empty_batch_without_a_strategy_keeps_the_moving_statistics():
@@ -543,12 +566,27 @@ def _tpu_training_graph(mesh, per_replica_shape, group_size, calls=2, gradients=
         if gradients:
             tape.gradient(y, x)
     # The forward pass gathers the members' statistics (an all-to-all of copies on TPU), the
-    # backward pass sums the upstream gradients.
+    # backward pass sums the upstream gradients. Where groups are smaller than the mesh, each
+    # training call also sums its moving statistics' update over all replicas: [mean, variance,
+    # weight] x channels, in one group.
     found = [op for op in graph.get_operations() if op.type in ("AllToAll", "CrossReplicaSum")]
-    assignments = [
-        sorted(tuple(g) for g in tf.get_static_value(op.inputs[1]).tolist()) for op in found
+    everyone = [tuple(range(mesh.num_replicas))]
+
+    def groups(op):
+        return sorted(tuple(g) for g in tf.get_static_value(op.inputs[1]).tolist())
+
+    shared = [
+        op
+        for op in found
+        if op.type == "CrossReplicaSum"
+        and groups(op) == everyone
+        and op.inputs[0].shape[0] == 3
     ]
-    return found, assignments
+    found = [op for op in found if op not in shared]
+    resolved = layer._resolved[1] if group_size is None else group_size
+    expected_shared = 0 if resolved == mesh.num_replicas else calls
+    assert len(shared) == expected_shared, [op.inputs[0].shape for op in shared]
+    return found, [groups(op) for op in found]
 
 
 @pytest.mark.parametrize(
@@ -750,9 +788,9 @@ def _dataset(steps=3, per_replica_batch=2):
     )
 
 
-def _fit(strategy, group_size, run_eagerly):
+def _fit(strategy, group_size, run_eagerly, norm=DistributedBatchNormalization):
     with strategy.scope():
-        model = _conv_model(group_size)
+        model = _conv_model(group_size, norm=norm)
         model.compile(
             keras.optimizers.SGD(0.1),
             keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -767,10 +805,9 @@ def _fit(strategy, group_size, run_eagerly):
 def test_fit_under_the_strategy_graph_and_eager_agree(strategy):
     graph_model, history, moving = _fit(strategy, group_size=4, run_eagerly=False)
     assert np.isfinite(history.history["loss"][0])
-    # Both groups of 4 keep their own moving statistics, identical inside a group.
+    # The two groups of 4 saw different examples, yet all replicas hold one set of statistics.
     for r in range(NUM_REPLICAS):
-        np.testing.assert_array_equal(moving[r], moving[4 * (r // 4)])
-    assert not np.allclose(moving[0], moving[4])
+        np.testing.assert_array_equal(moving[r], moving[0])
     eager_model, _, eager_moving = _fit(strategy, group_size=4, run_eagerly=True)
     for a, b in zip(graph_model.get_weights(), eager_model.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
@@ -784,8 +821,14 @@ def test_default_group_in_fit(strategy):
         np.testing.assert_array_equal(moving[r], moving[0])
 
 
+def _keras_local(group_size, **kwargs):
+    assert group_size == 1
+    return keras.layers.BatchNormalization(**kwargs)
+
+
 def test_average_moving_statistics_gives_every_replica_the_mean(strategy):
-    model, _, _ = _fit(strategy, group_size=4, run_eagerly=False)
+    # Keras's own layer: each replica's copy moves with its own batch.
+    model, _, _ = _fit(strategy, group_size=1, run_eagerly=False, norm=_keras_local)
     bn = model.layers[1]
     before = {
         name: np.stack([np.asarray(v) for v in getattr(bn, name).value.values])
@@ -804,6 +847,9 @@ def test_average_moving_statistics_gives_every_replica_the_mean(strategy):
     for value in bn.moving_mean.value.values:
         np.testing.assert_allclose(np.asarray(value), before["moving_mean"].mean(axis=0), 1e-6)
     assert average_moving_statistics(_conv_model(4)) == 0
+    # The package's layer keeps one set at every step: nothing to average.
+    grouped, _, _ = _fit(strategy, group_size=4, run_eagerly=False)
+    assert average_moving_statistics(grouped) == 0
 
 
 def _partial_last_batch_dataset():
@@ -824,18 +870,20 @@ def _fit_reference(weights, steps, group_size, momentum=0.5, epsilon=1e-3, learn
 
     Each replica's loss is the mean over its own examples (0 without any) divided by the number of
     replicas; the gradients of all replicas add up into one SGD step. Batch normalization uses the
-    statistics of the group's concatenated batch, and a group without examples keeps its moving
-    statistics. Returns the trainable weights and each group's moving mean and variance.
+    statistics of the group's concatenated batch; the one set of moving statistics moves by the
+    mean of the updates of the groups that have examples. Returns the trainable weights and the
+    moving mean and variance.
     """
     kernel, gamma, beta, moving_mean, moving_variance, dense_kernel, dense_bias = weights
     params = [tf.Variable(w) for w in (kernel, gamma, beta, dense_kernel, dense_bias)]
-    moving = [[moving_mean, moving_variance] for _ in range(NUM_REPLICAS // group_size)]
+    moving = [moving_mean, moving_variance]
     cross_entropy = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     for xs, ys in steps:
         with tf.GradientTape() as tape:
             kernel, gamma, beta, dense_kernel, dense_bias = params
             features = [tf.einsum("bhwc,cd->bhwd", x, kernel) for x in xs]
             loss = 0.0
+            updates = []
             for group in range(NUM_REPLICAS // group_size):
                 members = range(group * group_size, (group + 1) * group_size)
                 members = [r for r in members if len(xs[r])]
@@ -843,14 +891,17 @@ def _fit_reference(weights, steps, group_size, momentum=0.5, epsilon=1e-3, learn
                     continue
                 batch = tf.concat([features[r] for r in members], 0)
                 mean, variance = tf.nn.moments(batch, [0, 1, 2])
-                moving[group] = [
-                    old * momentum + new.numpy() * (1.0 - momentum)
-                    for old, new in zip(moving[group], (mean, variance))
-                ]
+                updates.append(
+                    [
+                        old * momentum + new.numpy() * (1.0 - momentum)
+                        for old, new in zip(moving, (mean, variance))
+                    ]
+                )
                 for r in members:
                     h = (features[r] - mean) * tf.math.rsqrt(variance + epsilon) * gamma + beta
                     logits = tf.reduce_mean(tf.nn.relu(h), [1, 2]) @ dense_kernel + dense_bias
                     loss += cross_entropy(ys[r], logits) / NUM_REPLICAS
+        moving = list(np.mean(updates, axis=0))
         for param, gradient in zip(params, tape.gradient(loss, params)):
             param.assign_sub(learning_rate * gradient)
     return [p.numpy() for p in params], moving
@@ -885,7 +936,7 @@ def test_fit_with_a_partial_last_batch_trains_as_the_reference(strategy, group_s
     for got, want in zip(weights, expected_weights):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     for r in range(NUM_REPLICAS):
-        for got, want in zip((moving[0][r], moving[1][r]), expected_moving[r // group_size]):
+        for got, want in zip((moving[0][r], moving[1][r]), expected_moving):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     if group_size == NUM_REPLICAS:
         # Over all replicas, Keras's synchronized layer computes the same (its local one turns gamma
@@ -1009,12 +1060,6 @@ def worker_fit():
                 }
             ),
         }
-        if size == 2:
-            # The workers' groups differ; averaging is one all-reduce across both workers.
-            average_moving_statistics(model)
-            results["averaged_means"] = [
-                np.asarray(v) for v in model.layers[1].moving_mean.value.values
-            ]
     return results
 
 
@@ -1023,31 +1068,22 @@ def test_two_workers_fit_with_a_group_across_workers():
         f"{__name__}:worker_fit", num_workers=2, cpus_per_worker=2, timeout=300
     )
     assert first["mesh"] == second["mesh"] == (2, 2)
-    # With local statistics the four replicas disagree (they saw different examples)...
-    local_means = first[1]["moving_means"] + second[1]["moving_means"]
-    assert len(local_means) == 4 and not np.allclose(local_means[0], local_means[2])
-    # ...with one group of 4 spanning both workers they all hold the same statistics.
-    grouped_means = first[4]["moving_means"] + second[4]["moving_means"]
-    for mean in grouped_means[1:]:
-        np.testing.assert_allclose(mean, grouped_means[0], rtol=1e-6)
-    for a, b in zip(first[4]["weights"], second[4]["weights"]):
-        np.testing.assert_allclose(a, b, rtol=1e-6)
-    assert np.all(np.isfinite(first[4]["loss"]))
-    assert first[4]["bn_collectives"] == [4]  # the group crosses the workers: collective ops
-    # Groups of 2 = each worker's own replicas: the statistics agree inside a worker, differ
-    # between workers, and are summed by plain ops in each worker's graph, no collective op.
-    np.testing.assert_allclose(first[2]["moving_means"][0], first[2]["moving_means"][1], rtol=1e-6)
-    np.testing.assert_allclose(
-        second[2]["moving_means"][0], second[2]["moving_means"][1], rtol=1e-6
-    )
-    assert not np.allclose(first[2]["moving_means"][0], second[2]["moving_means"][0])
-    assert first[2]["bn_collectives"] == second[2]["bn_collectives"] == []
-    for a, b in zip(first[2]["weights"], second[2]["weights"]):
-        np.testing.assert_allclose(a, b, rtol=1e-6)
-    # average_moving_statistics on both workers: all four replicas hold the mean of the four.
-    expected = np.mean(first[2]["moving_means"] + second[2]["moving_means"], axis=0)
-    for mean in first["averaged_means"] + second["averaged_means"]:
-        np.testing.assert_allclose(mean, expected, rtol=1e-5)
+    # Whatever the groups, all four replicas on both workers hold one set of moving statistics.
+    for size in (1, 2, 4):
+        means = first[size]["moving_means"] + second[size]["moving_means"]
+        assert len(means) == 4
+        for mean in means[1:]:
+            np.testing.assert_array_equal(mean, means[0])
+        for a, b in zip(first[size]["weights"], second[size]["weights"]):
+            np.testing.assert_allclose(a, b, rtol=1e-6)
+        assert np.all(np.isfinite(first[size]["loss"]))
+    # Local statistics and groups of 2 (each worker's own replicas) saw different examples...
+    assert not np.allclose(first[1]["moving_means"][0], first[2]["moving_means"][0])
+    # ...and their group sums are plain ops in each worker's graph; the one collective op, across
+    # both workers, shares the moving statistics. One group of 4 spans the workers: its sums are
+    # collective ops, and its statistics are already shared.
+    assert first[1]["bn_collectives"] == first[2]["bn_collectives"] == [4]
+    assert first[4]["bn_collectives"] == second[4]["bn_collectives"] == [4]
 
 
 def test_renorm_on_a_keras_without_it_names_the_fix(monkeypatch):

@@ -354,8 +354,9 @@ class AverageMovingStatistics(keras.callbacks.Callback):
     """Puts every replica on the mean of the batch-norm moving statistics wherever `fit` hands the
     model on.
 
-    Each replica keeps its own copy of a batch-norm layer's moving statistics and updates it from
-    its own group's batch (see `tpu_scale.layers.average_moving_statistics`), so without this a
+    For Keras's own `BatchNormalization` layers (the package's `DistributedBatchNormalization`
+    keeps one set at every step and needs none of this). Each replica keeps its own copy of such a
+    layer's moving statistics and updates it from its own batch, so without this a
     strategy's `evaluate`, fit's validation metrics, the checkpoints and the saved model each see
     other statistics, and the top-1 a run reports is not the saved model's. This callback averages
     them over the replicas before every evaluation (fit's validation included) and prediction, at

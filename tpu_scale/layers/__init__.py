@@ -2,7 +2,7 @@
 
 DistributedBatchNormalization   batch norm over groups of replicas (batch_normalization.py)
 convert_batch_normalization     an existing model's batch norms made grouped, weights kept
-average_moving_statistics       every replica on the mean of the batch norms' moving statistics
+average_moving_statistics       every replica on the mean of Keras batch norms' moving statistics
 ImageNormalization              uint8 (or float) pixels -> normalized values, on the device
 SpaceToDepth                    2x2 pixel blocks into channels (the space-to-depth stem's input)
 """

@@ -10,6 +10,7 @@ Reference:
   Ying et al., "Image Classification at Supercomputer Scale", 2018 (arXiv:1811.06992), section 3.
 """
 
+import logging
 import weakref
 
 import keras
@@ -22,6 +23,8 @@ from tpu_scale.mesh import smallest_group_for_span
 # The BN span (examples normalized together) `group_size=None` aims for: the smallest group reaching
 # it.
 DEFAULT_SPAN = 64
+
+logger = logging.getLogger(__name__)
 
 
 _RENORM_ARGUMENTS = ("renorm", "renorm_clipping", "renorm_momentum")
@@ -69,12 +72,13 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
     shorter (on one host every replica of a group runs the ops after the group sum at the same
     time).
 
-    Moving statistics are updated from the group statistics, so all members of a group hold the same
-    values. As with Keras's own layer under a mirrored strategy, each
-    replica keeps its own copy; different groups may differ, and saving or reading the weights
-    outside `strategy.run` gives replica 0's group. `average_moving_statistics(model)`, or the
-    `tpu_scale.callbacks.AverageMovingStatistics` callback in `fit`, gives every replica their
-    mean, so that evaluation, checkpoints and the saved model agree. Batch renormalization
+    One set of moving statistics: every replica moves them towards the mean, over all replicas,
+    of Keras's update from its group's batch statistics, so after any step every replica holds the
+    same values, and `evaluate` and `predict` under the strategy, checkpoints and the saved model
+    all use them. Where groups are smaller than the replicas this costs one more sum per training
+    call, of a few kilobytes, over all replicas; nothing in the step waits for it. (Keras's own
+    layer keeps a copy per replica that drifts apart; `average_moving_statistics` is for it.)
+    Batch renormalization
     (`renorm=True`) runs Keras's algorithm unchanged on the group statistics: its `r`/`d`
     corrections and all its moving statistics use the group mean and deviation.
 
@@ -82,7 +86,9 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
       group_size: replicas per group. `1` gives local statistics, `strategy.num_replicas_in_sync`
         global ones. `None` picks the smallest group whose span (per-replica batch size x group
         size) reaches 64 examples, from the static batch size of the first training call, and keeps
-        it for the layer's life; with `synchronized=True`, `None` means all replicas. Must divide
+        it for the layer's life; where that batch size is unknown (a dataset batched without
+        `drop_remainder`), the replicas of one host. With `synchronized=True`, `None` means all
+        replicas. The choice is logged once. Must divide
         the number of replicas (and tile the torus on TPU).
       virtual_batch_size: examples per virtual batch ("ghost" batch normalization, Hoffer et al.,
         2017; tf.keras's argument of the same name): in training, each run of this many examples
@@ -181,7 +187,7 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
         if self._renorm:
             r, d, mean, variance = self._renorm_correction_and_moments(mean, variance)
             gamma, beta = self._compose_transforms(r, d, gamma, beta, dtype)
-        self._update_moving_statistics(mean, variance, filled)
+        self._update_moving_statistics(mean, variance, filled, inputs)
         if fused:
             channels = x.shape[-1]
             gamma = tf.ones([channels], dtype) if gamma is None else gamma
@@ -263,14 +269,19 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
         filled = None if not self._may_be_empty(inputs, mask) else total > 0
         batch_mean = tf.math.divide_no_nan(tf.reduce_sum(counted * mean, axis=0), total)
         batch_variance = tf.math.divide_no_nan(tf.reduce_sum(counted * variance, axis=0), total)
-        self._update_moving_statistics(batch_mean, batch_variance, filled)
+        self._update_moving_statistics(batch_mean, batch_variance, filled, inputs)
         return tf.cast(outputs, self.compute_dtype)
 
-    def _update_moving_statistics(self, mean, variance, filled):
-        """Keras's moving-average updates from the batch statistics, except where `filled` is False.
+    def _update_moving_statistics(self, mean, variance, filled, inputs):
+        """Keras's moving-average updates from the batch statistics, shared by every replica.
 
-        Where the statistics cover no element there is nothing to average in, and the moving
-        statistics (all five of them with renorm) keep their values exactly.
+        Each replica computes Keras's update from its own (group's) batch statistics. Where groups
+        are smaller than the replicas those updates differ, so every replica then takes their mean
+        over the replicas that counted something: one sum of the updated values over all replicas
+        per call (a few kilobytes, which nothing in the step waits for). As every copy starts equal,
+        every replica holds the same moving statistics after every step, and evaluation under the
+        strategy, checkpoints and the saved model all read them. Where nothing was counted (this
+        replica's group, or all of them) there is nothing to average in: the values stay exactly.
         """
         if self._renorm:
             tracked = [
@@ -280,15 +291,30 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
                 self.renorm_mean,
                 self.renorm_stddev,
             ]
-            previous = [] if filled is None else [tf.identity(v.value) for v in tracked]
-            self._update_renorm_statistics(mean, variance)
-            for variable, value in zip(tracked, previous):
-                variable.assign(tf.where(filled, variable.value, value))
-            return
-        for variable, batch_value in ((self.moving_mean, mean), (self.moving_variance, variance)):
-            current = tf.cast(variable, batch_value.dtype)
-            updated = current * self.momentum + batch_value * (1.0 - self.momentum)
-            variable.assign(updated if filled is None else tf.where(filled, updated, current))
+            previous = [tf.identity(v.value) for v in tracked]
+            self._update_renorm_statistics(mean, variance)  # Keras's arithmetic, then agreed below
+            updated = [tf.identity(v.value) for v in tracked]
+        else:
+            tracked = [self.moving_mean, self.moving_variance]
+            previous = [tf.identity(v.value) for v in tracked]
+            updated = [
+                tf.cast(v, batch_value.dtype) * self.momentum + batch_value * (1.0 - self.momentum)
+                for v, batch_value in zip(tracked, (mean, variance))
+            ]
+        everyone = self._all_replicas_if_statistics_differ(inputs)
+        if everyone is not None:
+            updated, filled = _mean_over_replicas(updated, filled, everyone)
+        for variable, value, kept in zip(tracked, updated, previous):
+            value = tf.cast(value, variable.dtype)
+            variable.assign(value if filled is None else tf.where(filled, value, kept))
+
+    def _all_replicas_if_statistics_differ(self, inputs):
+        """The one group of all replicas where replicas' batch statistics can differ (groups
+        smaller than the replicas, virtual batches, local statistics), else None."""
+        mesh = context.current_mesh()
+        if mesh is None or self._group_size_for(mesh, inputs) == mesh.num_replicas:
+            return None
+        return self._checked_assignment(mesh, mesh.num_replicas)
 
     # ----------------------------------------------------------------- statistics
 
@@ -399,11 +425,21 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
         if self._resolved is not None and self._resolved[0] == mesh:
             return self._resolved[1]
         per_replica_batch = inputs.shape[0]
+        if per_replica_batch is None and mesh.is_torus:
+            raise ValueError(f"Layer {self.name!r}: group_size=None picks the group from the per-replica batch size, but the batch dimension is unknown here (inputs.shape={tuple(inputs.shape)}), and a TPU step needs static shapes anyway. Batch with drop_remainder=True, or pass group_size explicitly.")
         if per_replica_batch is None:
-            raise ValueError(f"Layer {self.name!r}: group_size=None picks the group from the per-replica batch size, but the batch dimension is unknown here (inputs.shape={tuple(inputs.shape)}). Pass group_size explicitly, or give the input a static batch size (e.g. batch with drop_remainder=True).")
-        group_size = smallest_group_for_span(
-            mesh, int(per_replica_batch), DEFAULT_SPAN, tiled=mesh.is_torus
-        )
+            # A batch of unknown size (a dataset batched without drop_remainder, as
+            # image_dataset_from_directory makes): group the replicas of one host, whose sums stay
+            # on the host; the statistics stay exact whatever the batches hold.
+            local = _replicas_per_host(mesh)
+            group_size = smallest_group_for_span(mesh, 1, local, tiled=mesh.is_torus)
+            reason = f"the per-replica batch is unknown when the step is traced; the {local} replicas of one host"
+        else:
+            group_size = smallest_group_for_span(
+                mesh, int(per_replica_batch), DEFAULT_SPAN, tiled=mesh.is_torus
+            )
+            reason = f"the smallest group of {per_replica_batch}-example replicas spanning {DEFAULT_SPAN} examples"
+        _say_once(f"DistributedBatchNormalization group_size=None: groups of {group_size} of the {mesh.num_replicas} replicas ({reason}).")
         self._resolved = (mesh, group_size)
         return group_size
 
@@ -414,6 +450,22 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
             raise ValueError(f"Layer {self.name!r} (DistributedBatchNormalization): {e}") from None
 
 
+def _replicas_per_host(mesh):
+    """How many of the mesh's replicas one host (this process) drives."""
+    strategy = tf.distribute.get_strategy()
+    local = len(strategy.extended.worker_devices)
+    return local if 0 < local <= mesh.num_replicas and mesh.num_replicas % local == 0 else mesh.num_replicas
+
+
+_SAID = set()  # messages already logged: each layer of a model resolves the same group
+
+
+def _say_once(message):
+    if message not in _SAID:
+        _SAID.add(message)
+        logger.info(message)
+
+
 def _positive_int_or_none(value, name, unit):
     """`value` as an int, None kept; a ValueError naming `name` for anything but a positive int."""
     if value is None:
@@ -421,6 +473,25 @@ def _positive_int_or_none(value, name, unit):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name} must be a positive int ({unit}) or None, got {value!r}.")
     return int(value)
+
+
+def _mean_over_replicas(values, filled, everyone):
+    """`values` averaged over the replicas whose `filled` holds (all where it is None), and where
+    any replica's does.
+
+    One sum over all replicas of the values weighted by `filled` and of the weights; each replica
+    gets the same sum, hence the same mean. Nothing here is differentiated.
+    """
+    dtype = tf.float64 if values[0].dtype == tf.float64 else tf.float32
+    values = [tf.cast(tf.stop_gradient(v), dtype) for v in values]
+    weight = tf.ones([], dtype) if filled is None else tf.cast(filled, dtype)
+    weight = tf.broadcast_to(weight, tf.shape(values[0]))
+    summed = collectives.group_sum(
+        tf.stack([v * weight for v in values] + [weight]), everyone, latency_bound=True
+    )
+    counted = summed[-1]
+    means = [tf.math.divide_no_nan(summed[i], counted) for i in range(len(values))]
+    return means, (None if filled is None else counted > 0)
 
 
 def _moments_from_members(x, members, weights, groups, broadcast_shape):
@@ -562,9 +633,9 @@ _AVERAGING_STEPS = weakref.WeakKeyDictionary()
 def average_moving_statistics(model):
     """Gives every replica the mean over all replicas of the model's batch-norm moving statistics.
 
-    Under a strategy every replica keeps its own copy of a batch-norm layer's moving mean and
-    variance, updated from its own group's batch statistics (from its own batch, for Keras's
-    layer), so the copies drift apart. The strategy's `evaluate` normalizes each example with the
+    Under a strategy every replica keeps its own copy of a Keras `BatchNormalization` layer's
+    moving mean and variance, updated from its own batch, so the copies drift apart (this
+    package's `DistributedBatchNormalization` keeps them equal at every step, and needs no call). The strategy's `evaluate` normalizes each example with the
     statistics of the replica it lands on, while the saved model, the checkpoints and the model
     called outside `strategy.run` read replica 0's: the same weights would report different
     metrics. After this call every replica holds the mean of the copies, every group weighted by
@@ -576,11 +647,11 @@ def average_moving_statistics(model):
     every worker must call it at the same point (callbacks do).
 
     Args:
-      model: a Keras model; every built `keras.layers.BatchNormalization` inside it (this
-        package's `DistributedBatchNormalization` included) at any depth is averaged.
+      model: a Keras model; every built `keras.layers.BatchNormalization` inside it at any depth
+        is averaged (not `DistributedBatchNormalization`, whose copies already agree).
 
     Returns:
-      The number of variables averaged: 0 on one replica or without batch normalization.
+      The number of variables averaged: 0 on one replica or without Keras batch normalization.
     """
     strategy = model.distribute_strategy
     if strategy.num_replicas_in_sync == 1:
@@ -588,7 +659,9 @@ def average_moving_statistics(model):
     variables = [
         variable
         for layer in keras_hook.all_layers(model)
-        if isinstance(layer, keras.layers.BatchNormalization) and layer.built
+        if isinstance(layer, keras.layers.BatchNormalization)
+        and not isinstance(layer, DistributedBatchNormalization)
+        and layer.built
         for variable in layer.non_trainable_variables
     ]
     if not variables:
