@@ -270,3 +270,80 @@ def test_one_cpu_replica_reads_its_pipeline_without_fanning_out():
     assert [b.numpy().tolist() for b in given] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     two = tpu_scale.create_strategy(num_cpu_replicas=2, gradient_reduction="native")
     assert isinstance(reader(two.distribute_datasets_from_function(dataset_fn)), OwnedMultiDeviceIterator)
+
+
+# --------------------------------------------------------------------------- any number of examples
+
+
+def _small_convnet():
+    """A small convnet as keras.io's image-classification examples write one."""
+    import keras
+
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input(shape=(12, 12, 3))
+    x = keras.layers.Rescaling(1.0 / 255)(inputs)
+    x = keras.layers.Conv2D(8, 3, strides=2, padding="same")(x)
+    x = keras.layers.BatchNormalization()(x)
+    x = keras.layers.Activation("relu")(x)
+    x = keras.layers.SeparableConv2D(16, 3, padding="same")(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    x = keras.layers.Dropout(0.25)(x)
+    outputs = keras.layers.Dense(5)(x)
+    model = keras.Model(inputs, outputs)
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=[keras.metrics.SparseCategoricalAccuracy(name="acc")],
+    )
+    return model
+
+
+@pytest.mark.parametrize("replicas", [4, 2])
+def test_predict_and_evaluate_any_number_of_examples_as_on_one_device(replicas):
+    # One image on 4 replicas leaves 3 of them without an example (TensorFlow splits it 1, 0, 0,
+    # 0), and a CPU's convolution fails on an empty batch: those replicas do not run the model.
+    strategy = tpu_scale.create_strategy(num_cpu_replicas=replicas)
+    one_device = _small_convnet()
+    with strategy.scope():
+        model = _small_convnet()
+    model.set_weights(one_device.get_weights())
+    rng = np.random.default_rng(0)
+    for n in (1, 3, 5, 7):
+        x = rng.uniform(0, 255, size=(n, 12, 12, 3)).astype("float32")
+        y = rng.integers(0, 5, size=(n,))
+        predicted = model.predict(x, verbose=0)
+        assert predicted.shape == (n, 5)
+        np.testing.assert_allclose(predicted, one_device.predict(x, verbose=0), atol=1e-5)
+        # A batch size smaller than the examples: the last batch is partial too.
+        np.testing.assert_allclose(
+            model.predict(x, batch_size=2, verbose=0), one_device.predict(x, verbose=0), atol=1e-5
+        )
+        got = model.evaluate(x, y, verbose=0, return_dict=True)
+        want = one_device.evaluate(x, y, verbose=0, return_dict=True)
+        assert set(got) == set(want) == {"loss", "acc"}
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], atol=1e-5, err_msg=f"{name}, {n}")
+
+
+def test_a_training_step_still_runs_on_every_replica():
+    # A replica function that sums over the replicas is never skipped: with 5 examples on 4
+    # replicas (2, 2, 1, 0), fit trains as TensorFlow's own strategy does on the same batches.
+    import keras
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(13, 4)).astype("float32")
+    y = rng.normal(size=(13, 1)).astype("float32")
+
+    def fit(strategy):
+        with strategy.scope():
+            keras.utils.set_random_seed(2)
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        return model.get_weights()
+
+    ours = fit(tpu_scale.create_strategy(num_cpu_replicas=4, gradient_reduction="native"))
+    devices = [f"/cpu:{i}" for i in range(4)]
+    reference = fit(tf.distribute.MirroredStrategy(devices, tf.distribute.ReductionToOneDevice()))
+    for got, want in zip(ours, reference):
+        np.testing.assert_allclose(got, want, atol=1e-6)

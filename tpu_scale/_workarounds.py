@@ -18,6 +18,8 @@ Applied by the package's own strategy classes and functions, to their own object
   local_device_type         which kind of device a multi-worker strategy's replicas run on
   convolution_drops_empty_batches  oneDNN convolutions give an empty batch the wrong shape on some
                             CPUs; the exact evaluation never hands a replica an empty batch
+  skip_empty_batches        predict and evaluate of fewer examples than replicas leave replicas
+                            empty: the strategies' `run` skips the model on them
   slurm_cluster_resolver    TensorFlow's SlurmClusterResolver fails on nodes without GPUs
   slurm_node_order          TensorFlow's SlurmClusterResolver sorts host names as strings (n10 < n9)
   tensor_seeds              a tensor seed fails after `tf.random.set_seed(0)`
@@ -343,8 +345,10 @@ def convolution_drops_empty_batches():
     How the package avoids it, on every CPU: its exact evaluation (`data.exact_evaluation`) pads
     the last global batch with zero-weight examples, so every replica's batch is full, and
     training batches are whole (`drop_remainder=True`). Keras's layers are left as they are. A
-    dataset of the user's own whose last batch is smaller than the number of replicas meets the
-    fault on such a CPU, as it does under TensorFlow's own `MirroredStrategy`.
+    dataset of the user's own whose last batch is smaller than the number of replicas, in
+    `predict` or `evaluate`, runs the model only on the replicas that hold examples
+    (`skip_empty_batches`); a training step runs on every replica and meets the fault on such a
+    CPU, as it does under TensorFlow's own `MirroredStrategy`.
 
     Upstream: no report found; seen with TF 2.21.0 (oneDNN on) on AMD EPYC and Intel Xeon CPUs
     with AVX-512 (the same TF on another x86-64 CPU gave the right shape). How to tell it can go:
@@ -359,6 +363,147 @@ def convolution_drops_empty_batches():
     with tf.init_scope(), tf.device("/CPU:0"):
         output = tf.nn.conv2d(tf.zeros([0, 2, 2, 1]), tf.zeros([1, 1, 1, 2]), 1, "VALID")
     return tuple(output.shape) != (0, 2, 2, 2)
+
+
+_synchronizing = None  # weakref.WeakSet of the replica functions found to synchronize
+
+
+class _Synchronizes(Exception):
+    """A replica function that no replica may skip: it holds collective ops."""
+
+
+def skip_empty_batches(run, strategy, fn, converted, args, kwargs, options):
+    """`Strategy.run`, where a replica whose batch holds no example does not run `fn`.
+
+    Why: the last batch of a `predict` or `evaluate` (a numpy array, a dataset without
+    `drop_remainder`) is split over the replicas by TensorFlow, and a batch smaller than the
+    replica count leaves replicas with no example: one image on 4 replicas is 1, 0, 0, 0 rows,
+    5 images are 2, 2, 1, 0. On such a CPU the convolution of an empty batch has the wrong shape
+    (`convolution_drops_empty_batches`) and the model fails ("Shape must be rank 1 but is rank 2
+    ... BiasAdd"), under TensorFlow's own `MirroredStrategy` too. A replica with an empty batch
+    now does not run the replica function: its outputs are empty (no rows; zero for a scalar) and
+    nothing the function would have updated changes. Predictions have one row per example and
+    every metric counts each example once, as on one device, with no padding to remove.
+
+    A replica may skip only a function that does not synchronize the replicas (a training step's
+    gradient sum, a collective): the others would wait for it. Such a function is found when it
+    is traced (TensorFlow refuses a merge call inside the condition; a collective or NCCL op is
+    seen in it), and it is traced again as TensorFlow traces it, and so from then on.
+
+    Upstream: the convolution's: none found (see `convolution_drops_empty_batches`); TensorFlow's
+    split that leaves replicas empty is by design. Seen with TF 2.21.0 and Keras 3.15.1. How to
+    tell it can go: `tests/test_strategy.py::test_predict_and_evaluate_any_number_of_examples_as_
+    on_one_device` passes under `tf.distribute.MirroredStrategy` on such a CPU.
+
+    Args:
+      run: TensorFlow's `run(fn, args, kwargs, options)` of the strategy.
+      strategy: the strategy (for its replicas' inputs).
+      fn: the replica function as the caller gave it (what is remembered to synchronize).
+      converted: `fn` as it runs (converted by AutoGraph as the caller's status says).
+      args, kwargs, options: as for `Strategy.run`.
+    """
+    global _synchronizing
+    import weakref
+
+    if _synchronizing is None:
+        _synchronizing = weakref.WeakSet()
+    code = getattr(fn, "__func__", fn)  # a bound method's function: its code decides
+    if _may_skip(strategy, code, args, kwargs):
+        try:
+            return run(_skipping_empty(converted), args, kwargs, options)
+        except _Synchronizes:
+            pass
+        except RuntimeError as e:
+            if "called while defining a new graph" not in str(e):
+                raise
+        try:
+            _synchronizing.add(code)
+        except TypeError:  # not weakly referable: found again at each trace
+            pass
+    return run(converted, args, kwargs, options)
+
+
+def _may_skip(strategy, code, args, kwargs):
+    """Whether a replica's batch may be empty and the function is not known to synchronize."""
+    import tensorflow as tf
+
+    if tf.executing_eagerly() or isinstance(strategy, tf.distribute.TPUStrategy):
+        return False  # eagerly: TensorFlow's run; a TPU's shapes are static
+    try:
+        if code in _synchronizing:
+            return False
+    except TypeError:
+        pass
+    for value in tf.nest.flatten((args, kwargs or {})):
+        if isinstance(value, tf.distribute.DistributedValues):
+            parts = strategy.experimental_local_results(value)
+        elif isinstance(value, tf.Tensor):
+            parts = [value]
+        else:
+            continue
+        if all(isinstance(p, tf.Tensor) and p.shape.rank for p in parts):
+            return any(not p.shape[0] for p in parts)  # unknown (None) or 0 rows
+    return False
+
+
+def _leading_batch(args, kwargs):
+    """The first tensor of a replica's inputs with a batch dimension, or None."""
+    import tensorflow as tf
+
+    for value in tf.nest.flatten((args, kwargs or {})):
+        if isinstance(value, tf.Tensor) and value.shape.rank:
+            return value
+    return None
+
+
+def _skipping_empty(fn):
+    """`fn`, run only when the replica's batch holds at least one example."""
+    import tensorflow as tf
+
+    def replica_fn(*args, **kwargs):
+        batch = _leading_batch(args, kwargs)
+        if batch is None or batch.shape[0]:  # examples known to be there
+            return fn(*args, **kwargs)
+        traced = {}
+
+        def run():
+            traced["graph"] = tf.compat.v1.get_default_graph()
+            traced["outputs"] = fn(*args, **kwargs)
+            return traced["outputs"]
+
+        def skip():
+            # Traced after `run`: its outputs' structure and its ops are known.
+            if _holds_collectives(traced["graph"]):
+                raise _Synchronizes()
+            return tf.nest.map_structure(_empty_like, traced["outputs"])
+
+        return tf.cond(tf.shape(batch)[0] > 0, run, skip)
+
+    return replica_fn
+
+
+def _holds_collectives(graph):
+    """Whether `graph` or a function it calls holds a collective or NCCL op."""
+    definition = graph.as_graph_def()
+    nodes = list(definition.node)
+    for function in definition.library.function:
+        nodes.extend(function.node_def)
+    return any(node.op.startswith(("Collective", "Nccl")) for node in nodes)
+
+
+def _empty_like(value):
+    """What a replica with no example gives for `value`: no rows, or zero for a scalar."""
+    import tensorflow as tf
+
+    if not isinstance(value, tf.Tensor):
+        if tf.is_tensor(value):  # sparse, ragged: no empty form here; run as TensorFlow does
+            raise _Synchronizes()
+        return value
+    if value.shape.rank is None:
+        raise _Synchronizes()
+    if value.shape.rank == 0:
+        return tf.zeros([], value.dtype)
+    return tf.zeros([0] + [d or 0 for d in value.shape[1:]], value.dtype)
 
 
 # --------------------------------------------------------------------------- Slurm, CPU-only

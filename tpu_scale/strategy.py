@@ -66,8 +66,10 @@ class _MeshMixin:
         return self.settings.reduction
 
     def run(self, fn, args=(), kwargs=None, options=None):
-        """`tf.distribute.Strategy.run`; a replica function that synchronizes the replicas inside a
-        condition (Keras's own `gradient_accumulation_steps`) fails naming the fix."""
+        """`tf.distribute.Strategy.run`; a replica whose batch holds no example (the last batch of
+        a `predict` or `evaluate`) does not run a function that leaves it free to
+        (`_workarounds.skip_empty_batches`), and a replica function that synchronizes the replicas
+        inside a condition (Keras's own `gradient_accumulation_steps`) fails naming the fix."""
         # AutoGraph converts this method when a user's tf.function calls it; the work happens in
         # `_run`, which it leaves alone, with the caller's AutoGraph status for `fn`.
         return _run(self, fn, args, kwargs, options, autograph_ctx.control_status_ctx())
@@ -85,9 +87,11 @@ def _run(strategy, fn, args, kwargs, options, status):
     """TensorFlow's `run`, with `fn` converted by AutoGraph as the caller's `status` says (as
     TensorFlow's own `run` does), not as this unconverted frame's."""
     keras_hook.check_jit_compile(strategy)
-    fn = autograph.tf_convert(fn, status, convert_by_default=False)
+    converted = autograph.tf_convert(fn, status, convert_by_default=False)
+    run = super(_MeshMixin, strategy).run
     try:
-        return super(_MeshMixin, strategy).run(fn, args=args, kwargs=kwargs, options=options)
+        # A replica with no example does not run `fn` when `fn` lets it (predict, evaluate).
+        return _workarounds.skip_empty_batches(run, strategy, fn, converted, args, kwargs, options)
     except RuntimeError as e:
         if "called while defining a new graph" not in str(e):
             raise
