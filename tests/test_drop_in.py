@@ -1,6 +1,8 @@
 """Ordinary Keras code, written as keras.io writes it, under the package's strategy and layers."""
 
 import os
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -108,3 +110,25 @@ def test_after_fit_one_set_of_moving_statistics_and_the_saved_model_agrees(tmp_p
         keras.models.load_model(path).evaluate(train_ds, verbose=0),
         rtol=1e-5,
     )
+
+
+def test_import_tpu_scale_is_enough_to_load_a_saved_model(tmp_path):
+    path = os.path.join(tmp_path, "converted.keras")
+    model = convert_batch_normalization(make_model((24, 24, 3), 2), group_size=2)
+    model.save(path)
+    images, _ = _photos(count=4)
+    np.save(os.path.join(tmp_path, "images.npy"), images)
+    np.save(os.path.join(tmp_path, "expected.npy"), model.predict(images, verbose=0))
+    # A fresh process, as a user's serving script: `import tpu_scale` and Keras's own loader.
+    code = (
+        "import sys, numpy as np, keras, tpu_scale\n"
+        f"model = keras.models.load_model({path!r})\n"
+        "kinds = {type(x).__name__ for x in model.layers}\n"
+        "assert 'DistributedBatchNormalization' in kinds, kinds\n"
+        f"got = model.predict(np.load({os.path.join(tmp_path, 'images.npy')!r}), verbose=0)\n"
+        f"np.testing.assert_array_equal(got, np.load({os.path.join(tmp_path, 'expected.npy')!r}))\n"
+        "print('loaded')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("loaded")

@@ -18,9 +18,14 @@ summation), `data` (records to inputs, exact evaluation, the input pipeline), `o
 Slurm), `launch` (`python -m tpu_scale.launch`, local workers), `process` (process-wide settings
 for TensorFlow's sake, opt-in by name), `testing`.
 
-Importing the package, and `create_strategy`, change nothing global in your process
+Importing the package registers its Keras classes (layers, losses, optimizers, schedules) with
+Keras, so that `keras.models.load_model` reads a model saved with them; that imports Keras and
+TensorFlow where they are installed (without them, the planner and the mesh still import).
+Otherwise importing the package, and `create_strategy`, change nothing global in your process
 (`tpu_scale.process` says what stays untouched and what you can ask for).
 """
+
+import importlib
 
 from tpu_scale import _lazy
 from tpu_scale.mesh import ReplicaMesh
@@ -57,3 +62,27 @@ __getattr__ = _lazy.attributes(
 )
 
 __all__ = ["DistributedOptimizer", "ReplicaMesh", "TorusAllReduce", "create_strategy", "mesh_of"]
+
+
+# Keras finds a saved model's custom classes ("tpu_scale>DistributedBatchNormalization") only in its
+# registry, which each of these modules fills when imported; Keras itself imports no module of a
+# package outside its own.
+_KERAS_CLASSES = (
+    "tpu_scale.layers",
+    "tpu_scale.losses",
+    "tpu_scale.optimizers",
+    "tpu_scale.schedules",
+    "tpu_scale.keras_hook",
+)
+
+
+def _register_keras_classes():
+    try:
+        import keras  # noqa: F401
+    except ImportError:  # no Keras (or no backend for it): nothing could load a model anyway
+        return
+    for module in _KERAS_CLASSES:
+        importlib.import_module(module)
+
+
+_register_keras_classes()
