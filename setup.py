@@ -37,6 +37,8 @@ setup(
             # The Beam writer's tests run the DirectRunner (Beam pins protobuf<7, within
             # TensorFlow 2.21's range, pillow<13 and pyarrow<26).
             "apache-beam",
+            # keras_hub's image classifiers, built from small configs (no download), converted.
+            "keras-hub",
         ],
         "tfds": ["tensorflow-datasets"],
         # The own-images writer as an Apache Beam pipeline (--beam_pipeline_options): Dataflow,

@@ -6,6 +6,7 @@ import sys
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tpu_scale
@@ -123,8 +124,8 @@ def test_import_tpu_scale_is_enough_to_load_a_saved_model(tmp_path):
     code = (
         "import sys, numpy as np, keras, tpu_scale\n"
         f"model = keras.models.load_model({path!r})\n"
-        "kinds = {type(x).__name__ for x in model.layers}\n"
-        "assert 'DistributedBatchNormalization' in kinds, kinds\n"
+        "kinds = {type(x) for x in model.layers}\n"
+        "assert tpu_scale.layers.DistributedBatchNormalization in kinds, kinds\n"
         f"got = model.predict(np.load({os.path.join(tmp_path, 'images.npy')!r}), verbose=0)\n"
         f"np.testing.assert_array_equal(got, np.load({os.path.join(tmp_path, 'expected.npy')!r}))\n"
         "print('loaded')\n"
@@ -132,3 +133,30 @@ def test_import_tpu_scale_is_enough_to_load_a_saved_model(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("loaded")
+
+
+@pytest.mark.parametrize("suffix", [".weights.h5", ".keras"])
+def test_weights_files_move_both_ways_between_keras_and_grouped_batch_norm(tmp_path, suffix):
+    images, _ = _photos(count=4)
+    keras_model = make_model((24, 24, 3), 2)
+    grouped = convert_batch_normalization(make_model((24, 24, 3), 2), group_size=2)
+    rng = np.random.default_rng(5)
+    keras_model.set_weights([rng.normal(0.5, 0.2, w.shape) for w in keras_model.get_weights()])
+    # Keras's model's file into the grouped model...
+    path = os.path.join(tmp_path, "keras" + suffix)
+    if suffix == ".keras":
+        keras_model.save(path)
+    else:
+        keras_model.save_weights(path)
+    grouped.load_weights(path)
+    expected = keras_model.predict(images, verbose=0)
+    np.testing.assert_allclose(grouped.predict(images, verbose=0), expected, rtol=1e-6)
+    # ...and the grouped model's file back into a fresh Keras model.
+    path = os.path.join(tmp_path, "grouped" + suffix)
+    if suffix == ".keras":
+        grouped.save(path)
+    else:
+        grouped.save_weights(path)
+    fresh = make_model((24, 24, 3), 2)
+    fresh.load_weights(path)
+    np.testing.assert_allclose(fresh.predict(images, verbose=0), expected, rtol=1e-6)

@@ -1006,13 +1006,50 @@ def test_convert_resnet50_keeps_inference_outputs():
     np.testing.assert_array_equal(converted(x, training=False), model(x, training=False))
 
 
-def test_convert_rejects_subclassed_models():
-    class Net(keras.Model):
-        def call(self, x):
-            return x
+def test_convert_keeps_a_subclassed_model_and_its_blocks_whole():
+    class Block(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(3)
+            self.norm = keras.layers.BatchNormalization()
 
-    with pytest.raises(ValueError, match="subclassed"):
-        convert_batch_normalization(Net())
+        def call(self, x, training=None):
+            return self.norm(self.dense(x), training=training)
+
+    class Net(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.block = Block()
+            self.norm = keras.layers.BatchNormalization()
+
+        def call(self, x, training=None):
+            return self.norm(self.block(x, training=training), training=training)
+
+    net = Net()
+    x = np.random.default_rng(0).normal(size=(4, 5)).astype(np.float32)
+    net(x)
+    for layer in (net.norm, net.block.norm):
+        layer.set_weights(_initial_weights(3, seed=len(layer.name)))
+    converted = convert_batch_normalization(net, group_size=2)
+    assert type(converted) is Net
+    assert type(converted.norm) is type(converted.block.norm) is DistributedBatchNormalization
+    assert converted.norm.group_size == converted.block.norm.group_size == 2
+    np.testing.assert_array_equal(converted(x, training=False), net(x, training=False))
+
+
+def test_convert_refuses_a_class_it_cannot_rebuild():
+    class Fixed(keras.Model):
+        def __init__(self, width):
+            super().__init__()
+            self.dense = keras.layers.Dense(width)
+
+        def call(self, x):
+            return self.dense(x)
+
+    model = Fixed(3)
+    model(np.zeros((1, 2), np.float32))
+    with pytest.raises(ValueError, match="Fixed cannot be.*tpu_scale.layers"):
+        convert_batch_normalization(model)
 
 
 # --------------------------------------------------------------------------- multi-worker

@@ -40,7 +40,8 @@ Every use of `keras.src` and of Keras's private names (Keras versions seen: 3.12
   `_distribution_strategy`                    read       the strategy an optimizer was made under
   `_learning_rate`                            read       `learning_rate_of` (the schedule itself)
   `Model._flatten_layers`, `_initial_epoch`   called/set `all_layers`; resuming `fit` at an epoch
-  `keras.src.models.functional.Functional`    read       `is_functional_or_sequential`
+  `keras.src.models.functional.Functional`    read       `is_functional_or_sequential`,
+                                                         `clones_as_itself`
   `BatchNormalization._moments`               overridden grouped statistics, as Keras's own
                                               (subclass) synchronized BN does (layers/)
   `BatchNormalization._reduction_axes`        read       the axes `_moments` reduces
@@ -470,10 +471,19 @@ def accumulation_needs_phases():
 
 
 def is_functional_or_sequential(model):
-    """True for a Keras functional or `Sequential` model: one whose layer graph can be cloned."""
+    """True for a Keras functional or `Sequential` model, or an instance of a subclass of either."""
     from keras.src.models.functional import Functional
 
     return isinstance(model, (keras.Sequential, Functional))
+
+
+def clones_as_itself(model):
+    """True for a model `keras.models.clone_model` copies into its own class: a plain functional
+    or `Sequential` model. (It rebuilds a functional subclass, such as a keras_hub `Task` or
+    `Backbone`, as a plain `Functional`, without what its class adds.)"""
+    from keras.src.models.functional import Functional
+
+    return type(model) in (keras.Sequential, Functional)
 
 
 def all_layers(model):

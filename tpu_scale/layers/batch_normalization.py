@@ -34,12 +34,15 @@ keras_has_renorm = keras_hook.keras_has_renorm
 
 
 @keras.saving.register_keras_serializable(package="tpu_scale")
-class DistributedBatchNormalization(keras.layers.BatchNormalization):
+class BatchNormalization(keras.layers.BatchNormalization):
     """Batch normalization whose training statistics cover a group of replicas.
 
-    A drop-in replacement for `keras.layers.BatchNormalization`: it takes every argument of that
-    layer and behaves exactly like it outside a multi-replica strategy, at inference, and with
-    `group_size=1` (except for batches with no element, below). In training under a strategy with
+    `tpu_scale.layers.DistributedBatchNormalization` (the paper's name) is this class. A drop-in
+    replacement for `keras.layers.BatchNormalization`: it takes every argument of that layer and
+    behaves exactly like it outside a multi-replica strategy, at inference, and with `group_size=1`
+    (except for batches with no element, below). It carries Keras's class name, so Keras saves
+    its weights under the same names as its own layer's: weights files (`.weights.h5`, `.keras`)
+    move both ways between a model with Keras's layer and the same model with this one. In training under a strategy with
     several replicas, the mean and variance are those of the concatenated batch of the replica's
     group, so each replica's output (and gradient) is what plain batch normalization would give on
     the group's whole batch.
@@ -450,6 +453,11 @@ class DistributedBatchNormalization(keras.layers.BatchNormalization):
             raise ValueError(f"Layer {self.name!r} (DistributedBatchNormalization): {e}") from None
 
 
+# The paper's name for the same class. Models saved before the class took Keras's name recorded
+# this one; the registry reads them too.
+DistributedBatchNormalization = BatchNormalization
+keras.saving.get_custom_objects()["tpu_scale>DistributedBatchNormalization"] = BatchNormalization
+
 def _replicas_per_host(mesh):
     """How many of the mesh's replicas one host (this process) drives."""
     strategy = tf.distribute.get_strategy()
@@ -581,39 +589,117 @@ def _fused_normalization(x, mean, variance, gamma, beta, epsilon):
 
 
 def convert_batch_normalization(model, group_size=None):
-    """A copy of `model` whose `BatchNormalization` layers are `DistributedBatchNormalization`s.
+    """A copy of `model` whose batch norms, at any depth, are this package's grouped ones.
 
     Every layer keeps its configuration and every weight is carried over, so the copy computes
-    exactly what the original does in inference. Layers that already are
-    `DistributedBatchNormalization` get the new `group_size`. Create the copy under
-    `strategy.scope()` to place its variables on the strategy's replicas. The copy is not compiled.
+    exactly what the original does in inference, and it is of the original's class, with all it
+    carries: a keras_hub `ImageClassifier` keeps its preprocessor and head. Layers that already are
+    the package's get the new `group_size`. Create the copy under `strategy.scope()` to place its
+    variables on the strategy's replicas. The copy is not compiled.
+
+    Plain functional and sequential models are cloned layer by layer, and reload from `.keras`
+    with grouped batch norm. A model of a class of its own (a keras_hub `Backbone` or `Task`, a
+    user's functional subclass, a layer that builds its own sublayers) is rebuilt from its config;
+    the Keras `BatchNormalization` layers its class made then become grouped ones in place. Such a
+    class records its arguments, not its layers, so its `.keras` file reloads with Keras's layer
+    (inference is identical; the weights load either way): convert the reloaded model again to
+    train with groups.
+
+    `tpu_scale.layers.restore_batch_normalization` converts back to Keras's layer, for a model to
+    share with users who do not have the package.
 
     Args:
-      model: a functional or sequential `keras.Model` (nested ones are converted too), e.g.
-        `keras.applications.ResNet50()`. Subclassed models cannot be copied this way: build them
-        with `DistributedBatchNormalization` directly.
+      model: a `keras.Model`, e.g. `keras.applications.ResNet50()` or a keras_hub
+        `ResNetImageClassifier`.
       group_size: the `group_size` of every converted layer (see `DistributedBatchNormalization`).
 
     Returns:
-      A new, uncompiled `keras.Model` with the same weights.
+      A new, uncompiled model of `model`'s class with the same weights.
+
+    Raises:
+      ValueError: for a model whose class cannot be rebuilt from its config, naming it and the
+        way that works.
     """
+    return _converted(model, BatchNormalization, {"group_size": group_size})
+
+
+def restore_batch_normalization(model):
+    """A copy of `model` whose batch norms are Keras's own again: for a model to share with users
+    who do not have this package. Inference is identical; the weights carry over.
+
+    Args:
+      model: a `keras.Model`, e.g. one made by `convert_batch_normalization`.
+
+    Returns:
+      A new, uncompiled model of `model`'s class with the same weights.
+    """
+    return _converted(model, keras.layers.BatchNormalization, {})
+
+
+def _converted(model, target, arguments):
     if not isinstance(model, keras.Model):
-        raise TypeError(
-            f"convert_batch_normalization expects a keras.Model, got {type(model).__name__}."
-        )
-    if not keras_hook.is_functional_or_sequential(model):
-        raise ValueError(f"convert_batch_normalization copies functional and sequential models; {type(model).__name__} is a subclassed model. Use DistributedBatchNormalization in its definition instead.")
+        raise TypeError(f"Batch-norm conversion expects a keras.Model, got {type(model).__name__}.")
+    if keras_hook.clones_as_itself(model):
 
-    def clone(layer):
-        config = layer.get_config()
-        if isinstance(layer, keras.layers.BatchNormalization):
-            config["group_size"] = group_size
-            return DistributedBatchNormalization.from_config(config)
-        return layer.__class__.from_config(config)
+        def clone(layer):
+            if isinstance(layer, keras.Model):
+                return _converted(layer, target, arguments)
+            config = layer.get_config()
+            if type(layer) in (keras.layers.BatchNormalization, BatchNormalization):
+                config = {k: v for k, v in config.items() if k not in ("group_size", "virtual_batch_size")}
+                return target.from_config({**config, **arguments})
+            copy = layer.__class__.from_config(config)
+            _convert_in_place(copy, target, arguments)
+            return copy
 
-    copy = keras.models.clone_model(model, clone_function=clone, recursive=True)
+        copy = keras.models.clone_model(model, clone_function=clone)
+    else:
+        copy = _rebuilt(model)
+        _convert_in_place(copy, target, arguments)
     _copy_weights(model, copy)
     return copy
+
+
+def _rebuilt(model):
+    """A fresh instance of `model`'s own class from its config, or a ValueError naming the way."""
+    way = "Use BatchNormalization from tpu_scale.layers in its definition instead, or convert the functional parts it is built from (for a keras_hub Task: its backbone) and build it from those."
+    try:
+        copy = type(model).from_config(model.get_config())
+    except Exception as e:  # a class without a config to rebuild it from
+        said = " ".join(str(e).split())[:200]  # Keras's own message runs over many lines
+        raise ValueError(f"Batch-norm conversion copies a model by rebuilding it from its config, and {type(model).__name__} cannot be ({type(e).__name__}: {said}). Give the class a get_config() that records its arguments, or: {way}") from None
+    build_config = model.get_build_config()
+    if build_config is not None and not copy.built:  # a subclassed model, built by its first call
+        copy.build_from_config(build_config)
+    if type(copy) is not type(model):
+        raise ValueError(f"Batch-norm conversion copies a model by rebuilding it from its config, and {type(model).__name__}.from_config gives a {type(copy).__name__}: what the class adds would be lost. {way}")
+    return copy
+
+
+def _convert_in_place(layer, target, arguments):
+    """Makes every Keras batch norm inside `layer` (a copy the conversion just made, whose class
+    built its own sublayers) a `target`, keeping its variables.
+
+    The layers a class creates in its constructor cannot be swapped through a config, only made
+    the other class: the package's layer is Keras's with a few attributes more and no other
+    state, so the object keeps everything Keras gave it (variables, tracking, name).
+    """
+    for sublayer in [layer, *keras_hook.all_layers(layer)]:
+        if type(sublayer) not in (keras.layers.BatchNormalization, BatchNormalization):
+            continue
+        if target is BatchNormalization:
+            if not keras_has_renorm() and getattr(sublayer, "renorm", False):
+                raise ValueError(f"Layer {sublayer.name!r} uses batch renormalization, which needs a Keras whose BatchNormalization has it.")
+            sublayer.__class__ = BatchNormalization
+            sublayer.group_size = _positive_int_or_none(
+                arguments["group_size"], "group_size", "replicas per group"
+            )
+            sublayer.virtual_batch_size = None
+            sublayer._resolved = None
+        else:
+            sublayer.__class__ = keras.layers.BatchNormalization
+            for name in ("group_size", "virtual_batch_size", "_resolved"):
+                sublayer.__dict__.pop(name, None)
 
 
 def _copy_weights(source, target):
@@ -622,7 +708,7 @@ def _copy_weights(source, target):
         raise RuntimeError(f"The converted model has {len(target_weights)} weights but the original has {len(source_weights)}; the model may share layers in a way cloning cannot reproduce.")
     for src, dst in zip(source_weights, target_weights):
         if tuple(src.shape) != tuple(dst.shape):
-            raise RuntimeError(f"Weight {src.path} {tuple(src.shape)} does not match {dst.path} {tuple(dst.shape)}.")
+            raise RuntimeError(f"Weight {src.path} {tuple(src.shape)} does not match {dst.path} {tuple(dst.shape)} in the copy: {type(source).__name__}.get_config() does not record everything its layers were built with, so the rebuilt copy differs. Build the model with BatchNormalization from tpu_scale.layers instead, or convert the parts that rebuild exactly.")
         dst.assign(src.value)
 
 
