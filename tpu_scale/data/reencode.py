@@ -206,10 +206,10 @@ def _graph_header_size(image_bytes):
         image_bytes = image_bytes.item()
     try:
         height, width, frames = header_size(image_bytes)
-    except Skip as skip:
-        if skip.reason != TOO_MANY_PIXELS:
-            raise  # no header: the pipeline drops the file, and `checked_jpeg` says why
-        # Above Pillow's own limit: left undecoded, as any image above the cap.
+    except Skip:
+        # Above Pillow's own limit, or no header at all: left undecoded, as any image above the
+        # cap, and `checked_jpeg` says which. (An exception raised here would reach the user as
+        # TensorFlow's logged traceback of the pipeline's op.)
         height, width, frames = 2**31, 2**31, 1
     return np.int64(height), np.int64(width * frames)
 
