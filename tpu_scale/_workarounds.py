@@ -388,7 +388,8 @@ def skip_empty_batches(run, strategy, fn, converted, args, kwargs, options):
     A replica may skip only a function that does not synchronize the replicas (a training step's
     gradient sum, a collective): the others would wait for it. Such a function is found when it
     is traced (TensorFlow refuses a merge call inside the condition; a collective or NCCL op is
-    seen in it), and it is traced again as TensorFlow traces it, and so from then on.
+    seen in it), and it is traced again as TensorFlow traces it, and so from then on. On one
+    process only: across workers such a first trace would leave them waiting on each other.
 
     Upstream: the convolution's: none found (see `convolution_drops_empty_batches`); TensorFlow's
     split that leaves replicas empty is by design. Seen with TF 2.21.0 and Keras 3.15.1. How to
@@ -429,6 +430,11 @@ def _may_skip(strategy, code, args, kwargs):
 
     if tf.executing_eagerly() or isinstance(strategy, tf.distribute.TPUStrategy):
         return False  # eagerly: TensorFlow's run; a TPU's shapes are static
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        # Across workers a training step's first trace inside the condition builds the package's
+        # collective ops (a grouped batch norm's) before the merge call that gives it away, and
+        # the workers then wait on each other for good: left to TensorFlow's run.
+        return False
     try:
         if code in _synchronizing:
             return False
