@@ -344,7 +344,7 @@ def main(argv):
     tpu_scale.process.avoid_iterator_stalls()
     try:
         summary = train(config)
-    except (ValueError, TrainingDiverged, training.FolderBusy, checkpointing.BackupWriteError) as e:
+    except (ValueError, TrainingDiverged, training.FolderBusy, training.FinalSaveError, checkpointing.BackupWriteError) as e:
         print(f"error: {e}", file=sys.stderr)  # once: absl's logging.error would repeat it
         return 2
     print(training.summary_line(summary))

@@ -260,6 +260,29 @@ def test_a_full_disk_names_the_folder_and_the_last_good_backup(small_disk):
     assert checkpointing.latest_backup(backup_dir).path == first.path
 
 
+def test_a_full_disk_at_the_final_save_leaves_the_backup_to_resume_from(small_disk):
+    import tensorflow as tf
+
+    from tpu_scale import training
+
+    model = keras.Sequential([keras.Input((1000,)), keras.layers.Dense(100, use_bias=False)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+    model.fit(np.ones((4, 1000), "float32"), np.zeros((4, 100), "float32"), verbose=0)
+    model_dir = str(small_disk)
+    backup_dir = os.path.join(model_dir, training.BACKUP_DIR)
+    last = checkpointing.backups.write_backup(model, backup_dir, 3, 0, "epoch", keep=3)
+    with pytest.raises(training.FinalSaveError) as raised:
+        training.save_run(model_dir, model, {"epochs": 3}, tf.distribute.get_strategy())
+    message = str(raised.value)
+    final = os.path.join(model_dir, training.FINAL_MODEL)
+    assert f"Could not write the final model to {final!r}" in message
+    assert "MB is free there" in message
+    assert f"The last good backup, {last.path} (epoch 3, step 0), is intact" in message
+    # Nothing half-written where the next run reads: no final model, no run record, no temp file.
+    assert sorted(os.listdir(model_dir)) == [training.BACKUP_DIR]
+    assert checkpointing.latest_backup(backup_dir).path == last.path
+
+
 def test_backup_of_another_model_is_an_error_naming_it(tmp_path):
     backup_dir = str(tmp_path / "backup")
     _tiny_fit(_tiny_model(), checkpointing.BackupAndRestore(backup_dir, delete_checkpoint=False), 1)

@@ -28,6 +28,7 @@ weights; fit's validation, the checkpoints and the saved model see the same batc
 """
 
 import contextlib
+import gc
 import logging
 import math
 import os
@@ -58,6 +59,10 @@ _CHECKPOINT_NAME = re.compile(r"epoch_(\d{3,})\.weights\.h5")  # what it writes,
 
 class FolderBusy(RuntimeError):
     """Another run holds the run's folder (`folder_lock`)."""
+
+
+class FinalSaveError(OSError):
+    """The final model could not be written (a full disk, a lost mount); the backups are intact."""
 
 
 @contextlib.contextmanager
@@ -362,9 +367,39 @@ def save_run(model_dir, model, record, strategy):
         "settings it started with": os.path.join(model_dir, SETTINGS_FILE),
     }
     # The model first: a run.json always describes a final model that was written whole.
-    model.save(outputs["final model"])
+    _save_whole(model, outputs["final model"], outputs["backup"])
     _files.write_json(outputs["run record"], dict(record, model_dir=model_dir, outputs=outputs))
     return outputs
+
+
+def _save_whole(model, path, backup_dir):
+    """`model.save(path)`, written to a temporary name and renamed, so that `path` is a whole
+    model or absent; a failure is a `FinalSaveError` naming the folder, the space and the backup
+    the same command resumes from."""
+    folder = os.path.dirname(path)
+    temp = os.path.join(folder, f".tmp-{os.getpid()}-{os.path.basename(path)}")  # Keras: .keras
+    try:
+        model.save(temp)
+        tf.io.gfile.rename(temp, path, overwrite=True)
+        return
+    except (OSError, tf.errors.OpError) as e:
+        error = e
+    # Out of the handler the failed write's frames are gone, and with them the half-written file
+    # Keras leaves open: collected now, it is closed here, not at interpreter exit.
+    gc.collect()
+    with contextlib.suppress(OSError, tf.errors.OpError):
+        tf.io.gfile.remove(temp)
+    reason = getattr(error, "strerror", None) or str(error).strip().splitlines()[0]
+    need = sum(int(v.numpy().nbytes) for v in model.weights)
+    space = f"the model takes about {need / 1e6:.1f} MB"
+    if _files.is_local(folder):
+        space += f", and {shutil.disk_usage(folder).free / 1e6:.1f} MB is free there"
+    last = checkpointing.latest_backup(backup_dir)
+    if last is None:
+        resume = "There is no backup to resume from."
+    else:
+        resume = f"The last good backup, {last.path} (epoch {last.epoch}, step {last.step}), is intact: free space and run the same command again to resume from it and save."
+    raise FinalSaveError(f"Could not write the final model to {path!r} ({reason}); {space}. {resume}")
 
 
 class EpochLogger(keras.callbacks.Callback):
