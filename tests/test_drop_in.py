@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tpu_scale
-from tpu_scale.layers import convert_batch_normalization
+from tpu_scale.layers import convert_batch_normalization, restore_batch_normalization
 
 
 def _photos(count=56, size=24, seed=0):
@@ -160,3 +160,8 @@ def test_weights_files_move_both_ways_between_keras_and_grouped_batch_norm(tmp_p
     fresh = make_model((24, 24, 3), 2)
     fresh.load_weights(path)
     np.testing.assert_allclose(fresh.predict(images, verbose=0), expected, rtol=1e-6)
+    # Converted back to Keras's layer for sharing: the same model, Keras's classes only.
+    restored = restore_batch_normalization(grouped)
+    assert {type(x) for x in restored.layers} & {keras.layers.BatchNormalization}
+    assert not any(isinstance(x, tpu_scale.layers.BatchNormalization) for x in restored.layers)
+    np.testing.assert_allclose(restored.predict(images, verbose=0), expected, rtol=1e-6)
