@@ -18,8 +18,7 @@ import time
 
 import numpy as np
 import pytest
-
-from tpu_scale.testing.slurm import free_port_base
+from slurm_cluster import free_port_base
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 THIS = os.path.abspath(__file__)

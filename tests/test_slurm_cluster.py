@@ -1,5 +1,5 @@
 """examples/slurm/train_imagenet_cpu.sbatch on a real one-node Slurm cluster (munged, slurmctld,
-slurmd on this host, `tpu_scale.testing.slurm`): a job of two tasks, a preempted job and its
+slurmd on this host, `tests/slurm_cluster.py`): a job of two tasks, a preempted job and its
 resubmission, and a task that fails.
 
 Each job is the script as users submit it, with sbatch options that fit the one node (two tasks
@@ -17,8 +17,7 @@ import zipfile
 
 import numpy as np
 import pytest
-
-from tpu_scale.testing import slurm as slurm_lib
+import slurm_cluster as slurm_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join("examples", "slurm", "train_imagenet_cpu.sbatch")

@@ -6,8 +6,8 @@ group_size       the static group size of a collective op
 train_graphs     the graphs Keras traced for `model.fit`
 write_digits_folder  scikit-learn's digits as a folder of class folders (real images)
 
-tpu_scale.testing.slurm.SlurmCluster, a one-node Slurm cluster on this host (munged, slurmctld,
-slurmd from a generated slurm.conf), is imported from its module: it needs Slurm installed.
+The one-node Slurm cluster the tests start (root daemons) lives with them, in
+`tests/slurm_cluster.py`.
 """
 
 from tpu_scale.testing.digits import write_digits_folder

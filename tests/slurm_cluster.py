@@ -389,7 +389,7 @@ def wait_for_lines(path, pattern, count=1, timeout=120.0, job=None, cluster=None
 
 
 _CONF = """\
-# A one-node test cluster (tpu_scale.testing.slurm).
+# A one-node test cluster (tests/slurm_cluster.py).
 ClusterName=tpuscale
 SlurmctldHost={node}(127.0.0.1)
 SlurmctldPort={controller_port}
