@@ -4,10 +4,10 @@ A distributed evaluation hands one batch to every replica per step. The examples
 into whole steps, and Keras (3.15) makes a new iterator for every `evaluate`, inside `fit` too, so
 a pass that ends mid-step or a step count that overshoots would drop or repeat examples, and a
 pass that runs out of data makes Keras warn. `exact_evaluation` makes every pass exactly `steps`
-steps long: the pipeline's own batches, then empty batches (or, where shapes must be static, as on
-a TPU, full batches of zero weight) up to a whole number of steps, repeated for the next pass.
-Compiled metrics then count each example once (on a TPU, compile them as `weighted_metrics`, so
-that the padding's zero weights leave them unchanged).
+steps long: the pipeline's own batches, each replica's filled up to its size with zero-weight
+examples, then whole zero-weight batches up to a whole number of steps, repeated for the next pass.
+No replica gets an empty batch and every step has static shapes. Compile the metrics as
+`weighted_metrics`, so that the padding's zero weights leave them unchanged.
 
 A small evaluation set is decoded once: its pass is kept in host memory after the first one
 (`cache`), so the validation `fit` runs every epoch does not start the input pipeline again.
@@ -17,6 +17,8 @@ import collections
 import math
 
 import tensorflow as tf
+
+from tpu_scale.context import is_tpu_strategy
 
 # A pass whose decoded images take at most this many bytes per input pipeline is cached (`cache`).
 CACHE_LIMIT_BYTES = 512 * 2**20
@@ -187,13 +189,9 @@ def _zero_weights(spec):
     return tuple(tf.zeros(s.shape, s.dtype) for s in spec)
 
 
-def _is_tpu(strategy):
-    return isinstance(strategy, (tf.distribute.TPUStrategy, tf.distribute.experimental.TPUStrategy))
-
-
 def _input_pipelines(strategy):
     """How many input pipelines `distribute_datasets_from_function` makes: one per worker."""
-    if _is_tpu(strategy):
+    if is_tpu_strategy(strategy):
         return getattr(strategy.extended, "num_hosts", 1)
     resolver = getattr(strategy, "cluster_resolver", None)
     if resolver is None:
