@@ -9,10 +9,9 @@ one command that is not the training's is the model's: `small_resnet` pools its 
 
 import dataclasses
 import math
-import numbers
 
 from tpu_scale.data.input_config import InputConfig
-from tpu_scale.schedules import WarmupPolynomialDecay, reference_lars_hparams
+from tpu_scale.schedules import WarmupPolynomialDecay, is_whole_number, reference_lars_hparams
 
 # From this global batch on the recipe is LARS with the reference settings; below it, momentum SGD.
 LARS_MIN_BATCH = 16384
@@ -348,7 +347,7 @@ def recipe_for_batch(
         - [Krizhevsky, 2014](https://arxiv.org/abs/1404.5997)
         - [Hoffer et al., 2017](https://arxiv.org/abs/1705.08741)
     """
-    if _not_integer(global_batch_size) or global_batch_size <= 0:
+    if not is_whole_number(global_batch_size) or global_batch_size <= 0:
         raise ValueError(
             f"`global_batch_size` must be an integer > 0; received {global_batch_size!r}: "
             "pass the per-replica batch times the number of replicas."
@@ -370,7 +369,7 @@ def recipe_for_batch(
         ("num_classes", num_classes),
         ("image_size", image_size),
     ):
-        if value is not None and (_not_integer(value) or value <= 0):
+        if value is not None and (not is_whole_number(value) or value <= 0):
             raise ValueError(f"`{name}` must be an integer > 0 or None; received {value!r}.")
     if steps_per_epoch is None and train_examples is not None:
         steps_per_epoch = max(1, train_examples // global_batch_size)
@@ -519,8 +518,3 @@ def default_augmentation(train_examples=None, total_epochs=None):
     return "none"
 
 
-def _not_integer(value):
-    """True unless `value` is a whole number (an int, or a float such as 100.0)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return True
-    return not float(value).is_integer()

@@ -75,12 +75,12 @@ class WarmupPolynomialDecay(keras.optimizers.schedules.LearningRateSchedule):
                 f"`peak_learning_rate` must be > 0; received {peak_learning_rate}: "
                 "pass the rate reached after warmup, e.g. 25.0 for LARS at batch 16K."
             )
-        if _not_integer(warmup_steps) or warmup_steps < 0:
+        if not is_whole_number(warmup_steps) or warmup_steps < 0:
             raise ValueError(
                 f"`warmup_steps` must be an integer >= 0; received {warmup_steps!r}: "
                 "pass 0 for no warmup."
             )
-        if _not_integer(total_steps) or total_steps <= warmup_steps:
+        if not is_whole_number(total_steps) or total_steps <= warmup_steps:
             raise ValueError(
                 f"`total_steps` must be an integer > warmup_steps ({warmup_steps}); received "
                 f"{total_steps!r}: it is the length of the whole run, warmup included."
@@ -123,7 +123,7 @@ class WarmupPolynomialDecay(keras.optimizers.schedules.LearningRateSchedule):
         Returns:
             A `WarmupPolynomialDecay` with step counts rounded to the nearest integer.
         """
-        if _not_integer(steps_per_epoch) or steps_per_epoch <= 0:
+        if not is_whole_number(steps_per_epoch) or steps_per_epoch <= 0:
             raise ValueError(
                 f"`steps_per_epoch` must be an integer > 0; received {steps_per_epoch!r}: "
                 "use examples_per_epoch // global_batch_size."
@@ -231,7 +231,7 @@ def reference_lars_hparams(global_batch_size):
     Reference:
         - [Ying et al., 2018](https://arxiv.org/abs/1811.06992)
     """
-    if _not_integer(global_batch_size) or global_batch_size <= 0:
+    if not is_whole_number(global_batch_size) or global_batch_size <= 0:
         raise ValueError(
             f"`global_batch_size` must be an integer > 0; received {global_batch_size!r}: "
             "pass the per-replica batch times the number of replicas."
@@ -250,8 +250,8 @@ def reference_lars_hparams(global_batch_size):
     return {"peak_learning_rate": float(lr), "warmup_epochs": float(warmup)}
 
 
-def _not_integer(value):
-    """True unless `value` is a whole number (an int, or a float such as 100.0)."""
+def is_whole_number(value):
+    """True for a whole number: an int, or a float such as 100.0 (not a bool)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return True
-    return not float(value).is_integer()
+        return False
+    return float(value).is_integer()
