@@ -1,5 +1,5 @@
 """Turns a folder of class sub-folders of images into TFRecord shards in the classic ImageNet
-layout: the function `write_tfrecords` (`tpu_scale.data.write_tfrecords`) and its command line,
+layout: the function `write_tfrecords` (`tpu_scale.data.write_tfrecords`) and its command line.
 
     python -m tpu_scale.data.convert --image_dir photos --output_dir records
 
