@@ -113,17 +113,18 @@ def _torus(algorithm, pack_bytes=None, gradient_dtype=None):
 
 
 def _auto_choice(strategy, shapes, gradient_dtype=None):
-    """What "auto" picks for these gradients on `strategy`, and the planner's predictions."""
+    """What "auto" picks for these gradients on `strategy` (the run-time rule), and the planner's
+    predictions for the same cluster."""
     import numpy as np
 
     from tpu_scale.plan import choose_algorithm
+    from tpu_scale.plan.report import strategy_cluster
 
     tensors = [(int(np.prod(s)) * 4, "float32") for s in shapes]
-    choice = choose_algorithm(
-        strategy.gradient_planner.cluster, tensors, gradient_dtype=gradient_dtype
-    )
+    choice = choose_algorithm(strategy_cluster(strategy), tensors, gradient_dtype=gradient_dtype)
     return {
-        "algorithm": choice.algorithm,
+        "algorithm": strategy.auto_algorithm(strategy.mesh, tensors),
+        "planner_algorithm": choice.algorithm,
         "cluster": choice.cluster,
         "predicted_s": {
             a: (None if v is None else round(v, 4)) for a, v in choice.predicted.items()

@@ -132,24 +132,27 @@ def gradient_tensors(model):
 
 def transport_plan(strategy, tensors):
     """What the gradient sum ran on `strategy` for the gradient `tensors`: the algorithm (under
-    "auto", the planner's recorded choice and its predicted times), the dtype between processes,
+    "auto", the rule's recorded choice, and the planner's predicted times), the dtype between processes,
     the schedule's phases that cross between processes and the bytes they send per step."""
     from tpu_scale import keras_hook, torus, torus_schedule
     from tpu_scale.plan import choice as plan_choice
+    from tpu_scale.plan import report as plan_report
 
     settings = keras_hook.settings_for(strategy)
-    planner = strategy.gradient_planner
+    rule = strategy.auto_algorithm
     info = {"settings": repr(settings), "mesh": list(strategy.mesh.shape)}
     algorithm = settings.algorithm
     if algorithm == "auto":
-        # The planner decides at the first trace of `fit`'s step, keyed by the gradient it saw.
-        picked = [a for (_, key), a in planner.choices.items() if list(key) == tensors]
+        # The rule decides at the first trace of `fit`'s step, keyed by the gradient it saw.
+        picked = [a for (_, key), a in rule.choices.items() if list(key) == tensors]
         if len(picked) != 1:
-            raise RuntimeError(f"no planner choice for this gradient; it holds {planner.choices}")
+            raise RuntimeError(f"no 'auto' choice for this gradient; it holds {rule.choices}")
         algorithm = picked[0]
-        info["planner"] = plan_choice.choose_algorithm(
-            planner.cluster, tensors, planner.pack_bytes or 0, planner.gradient_dtype
-        ).summary()
+        cluster = plan_report.strategy_cluster(strategy)
+        if cluster is not None:  # what the planner would price for the same gradient
+            info["planner"] = plan_choice.choose_algorithm(
+                cluster, tensors, settings.pack_bytes or 0, settings.gradient_dtype
+            ).summary()
     info["algorithm"] = algorithm
     info["wire_dtype"] = settings.gradient_dtype or "float32"
     if algorithm == "native":

@@ -325,8 +325,14 @@ def test_sharding_advice_prices_the_users_model_on_the_strategys_hardware():
     class RMSprop:
         pass
 
-    def strategy(cluster):
-        return types.SimpleNamespace(gradient_planner=types.SimpleNamespace(cluster=cluster))
+    def strategy(**hardware):
+        # What create_strategy attaches: the hardware it found, and the mesh.
+        if not hardware:
+            return types.SimpleNamespace()
+        cluster = plan.hardware_cluster(**hardware)
+        return types.SimpleNamespace(
+            auto_algorithm=types.SimpleNamespace(hardware=hardware), mesh=cluster.mesh
+        )
 
     def model(optimizer):
         weights = [np.zeros((1000, 100)), np.zeros((100,))]
@@ -334,18 +340,20 @@ def test_sharding_advice_prices_the_users_model_on_the_strategys_hardware():
 
     gpus = plan.gpu_cluster(2, 8)
     w = plan.weight_update(gpus, 100_100, "sgd")
-    advice = plan.sharding_advice(strategy(gpus), model(SGD))
+    two_hosts = strategy(kind="gpu", hosts=2, replicas_per_host=8)
+    advice = plan.sharding_advice(two_hosts, model(SGD))
     assert advice.startswith("tpu_scale.plan: weight_update_sharding=True would cut the sgd update")
     assert "400.4 kB to 25.0 kB" in advice  # 100,100 float32 momenta, over 2 hosts' 16 GPUs
     assert f"{w['replicated_seconds'] * 1e6:.1f} us" in advice
-    assert plan.sharding_advice(strategy(plan.tpu_slice("v3-8")), model(SGD)) == ""
-    assert plan.sharding_advice(strategy(plan.gpu_cluster(1, 1)), model(SGD)) == ""
-    assert "to 50.1 kB" in plan.sharding_advice(strategy(plan.gpu_cluster(8, 1)), model(SGD))
-    assert plan.sharding_advice(strategy(None), model(SGD)) == ""
-    assert plan.sharding_advice(strategy(gpus), model(RMSprop)) == ""
+    assert plan.sharding_advice(strategy(kind="tpu", tpu_slice_name="v3-8"), model(SGD)) == ""
+    assert plan.sharding_advice(strategy(kind="gpu", replicas_per_host=1), model(SGD)) == ""
+    eight_hosts = strategy(kind="gpu", hosts=8, replicas_per_host=1)
+    assert "to 50.1 kB" in plan.sharding_advice(eight_hosts, model(SGD))
+    assert plan.sharding_advice(strategy(), model(SGD)) == ""
+    assert plan.sharding_advice(two_hosts, model(RMSprop)) == ""
     # A wrapped optimizer is priced as the one it holds, and the advice names the wrapper.
     wrapped = types.SimpleNamespace(inner_optimizer=SGD())
-    assert plan.sharding_advice(strategy(gpus), model(lambda: wrapped)) == advice
+    assert plan.sharding_advice(two_hosts, model(lambda: wrapped)) == advice
     assert advice.endswith("(tpu_scale.DistributedOptimizer(optimizer, weight_update_sharding=True))")
 
 

@@ -347,3 +347,22 @@ def test_a_training_step_still_runs_on_every_replica():
     reference = fit(tf.distribute.MirroredStrategy(devices, tf.distribute.ReductionToOneDevice()))
     for got, want in zip(ours, reference):
         np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def test_a_training_run_does_not_import_the_planner():
+    import subprocess
+    import sys
+
+    # "auto" is a rule at run time; the planner (tpu_scale.plan) is a tool the run never loads.
+    code = (
+        "import sys, numpy as np, keras, tpu_scale\n"
+        "strategy = tpu_scale.create_strategy(num_cpu_replicas=2)\n"
+        "with strategy.scope():\n"
+        "    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])\n"
+        "    model.compile(optimizer='sgd', loss='mse')\n"
+        "model.fit(np.ones((8, 3), 'float32'), np.zeros((8, 2), 'float32'), verbose=0)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('tpu_scale.plan')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"

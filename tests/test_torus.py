@@ -325,7 +325,7 @@ def test_fit_matches_native_and_sums_in_the_step_graph(shape, algorithm):
 
     # Plain ops in the training graph; no collective op of the torus (nor of TensorFlow) remains.
     if algorithm == "auto":
-        assert set(strategy.gradient_planner.choices.values()) == {"flat"}
+        assert set(strategy.auto_algorithm.choices.values()) == {"flat"}
     graphs = _train_graphs(model)
     assert not [op for g in graphs for op in _collective_ops(g)]
     assert sum(_graph_op_types(g).count("AddN") for g in graphs) >= len(model.trainable_weights)

@@ -105,7 +105,7 @@ def cluster_main():
                 if int(tf.get_static_value(op.inputs[2])) >= collectives.PRIVATE_KEY_BASE
             }
         )
-    out["auto"] = sorted(set(strategy.gradient_planner.choices.values()))
+    out["auto"] = sorted(set(strategy.auto_algorithm.choices.values()))
     return out
 
 

@@ -83,7 +83,7 @@ class Settings:
 
     Args:
       reduction: `"torus"` (the package's gradient sum) or `"native"` (the strategy's own).
-      algorithm: with `"torus"`: `"auto"` (the planner's choice, `tpu_scale.plan.choose_algorithm`),
+      algorithm: with `"torus"`: `"auto"` (`torus.resolve_algorithm`'s rule for the hardware),
         `"native"` or one of `tpu_scale.torus.ALGORITHMS`.
       pack_bytes: size of the fused gradient buffers (`None` or 0: one buffer per dtype).
       gradient_dtype: `"bfloat16"` to carry the phases between hosts in bfloat16 (sums within a host

@@ -28,7 +28,6 @@ from tpu_scale import _workarounds, keras_hook, tf_seam, torus
 from tpu_scale import cluster as cluster_lib
 from tpu_scale.context import mesh_of  # noqa: F401  (tpu_scale.mesh_of)
 from tpu_scale.mesh import ReplicaMesh, parse_mesh_shape
-from tpu_scale.plan import choice as plan_choice
 from tpu_scale.tf_seam import ag_ctx as autograph_ctx
 from tpu_scale.tf_seam import autograph_api as autograph
 
@@ -48,7 +47,7 @@ class _MeshMixin:
             raise ValueError(f"The mesh {mesh} holds {mesh.num_replicas} replicas but the strategy has {self.num_replicas_in_sync}.")
         self.mesh = mesh
         self.settings = settings  # as create_strategy declared them: keras_hook.Settings
-        self.gradient_planner = None
+        self.auto_algorithm = None
         sum_ops = self.cross_device_ops
         if sum_ops is not None:
             sum_ops.strategy = self
@@ -98,49 +97,39 @@ def _run(strategy, fn, args, kwargs, options, status):
         raise RuntimeError("A replica function synchronized the replicas (a gradient sum or a variable update) inside a condition or a nested tf.function, which a tf.distribute strategy cannot do. Keras's own gradient_accumulation_steps does this under every strategy (keras-team/keras#20582): wrap the optimizer, tpu_scale.DistributedOptimizer(keras.optimizers.SGD(..., gradient_accumulation_steps=k)), and it accumulates under the strategy.") from None
 
 
-class GradientPlanner:
-    """What `"auto"` means on one strategy: the planner's cheapest option, decided at first use.
+class AutoAlgorithm:
+    """What `"auto"` means on one strategy: `torus.resolve_algorithm`'s rule for its hardware.
 
     The strategy's `TorusAllReduce` (and `torus.all_reduce_sum(..., algorithm="auto")`) calls it
-    with the gradient's tensors; the decision
-    is priced by `tpu_scale.plan.choose_algorithm` on the strategy's hardware (`cluster`), cached
-    per gradient signature and logged once (absl, INFO) with every option's predicted time.
+    with the gradient's tensors; the choice is logged once per mesh, and kept in `choices`. The
+    planner (`tpu_scale.plan`) prices the options for `hardware` where asked
+    (`plan.sharding_advice`); training never imports it.
 
     Args:
-      cluster: the `tpu_scale.plan.Cluster` of the hardware, or None (then the fixed rule of
-        `torus_schedule.resolve_algorithm`).
-      pack_bytes: the fused buffer size the executor will use.
-      gradient_dtype: dtype name of the phases between hosts, or None.
+      hardware: what `create_strategy` found: `kind` ("cpu", "gpu", "tpu"), `hosts`,
+        `replicas_per_host`, and `gpu`, `mesh_shape` or `tpu_slice_name` where known (the
+        arguments of `tpu_scale.plan.hardware_cluster`).
     """
 
-    def __init__(self, cluster, pack_bytes, gradient_dtype=None):
-        self.cluster = cluster
-        self.pack_bytes = pack_bytes
-        self.gradient_dtype = gradient_dtype
+    def __init__(self, hardware):
+        self.hardware = dict(hardware)
         self.choices = {}
 
     def __call__(self, mesh, tensors):
         key = (mesh, tuple(tensors))
         if key not in self.choices:
-            if self.cluster is None or self.cluster.mesh.shape != mesh.shape:
-                algorithm = torus.resolve_algorithm("auto", mesh)
+            hosts = self.hardware.get("hosts", 1)
+            kind = self.hardware.get("kind")
+            algorithm = torus.resolve_algorithm("auto", mesh, kind, hosts)
+            if algorithm not in self.choices.values():
                 logger.info(
-                    "tpu_scale: gradient sum 'auto' -> %s (fixed rule: no cost figures for this "
-                    "hardware)",
+                    "tpu_scale: gradient sum 'auto' -> %s (%s, %d host(s), mesh %dx%d)",
                     algorithm,
+                    kind,
+                    hosts,
+                    *mesh.shape,
                 )
-                self.choices[key] = algorithm
-            else:
-                decision = plan_choice.choose_algorithm(
-                    self.cluster, list(tensors), self.pack_bytes or 0, self.gradient_dtype
-                )
-                logger.info(
-                    "tpu_scale: gradient sum 'auto' -> %s, %d tensors, %.1f MB",
-                    decision.summary(),
-                    len(tensors),
-                    sum(b for b, _ in tensors) / 1e6,
-                )
-                self.choices[key] = decision.algorithm
+            self.choices[key] = algorithm
         return self.choices[key]
 
 
@@ -319,10 +308,8 @@ def create_strategy(
         cross-device ops, `tpu_scale.TorusAllReduce`: every sum of every program under it) or
         `"native"` (TensorFlow's own all-reduce).
       gradient_algorithm: with `"torus"`: `"auto"`, `"native"` or one of
-        `tpu_scale.torus.ALGORITHMS`. `"auto"` is decided at the first gradient sum by the cost
-        model (`tpu_scale.plan.choice`, which says what it picks on TPU, GPU and CPU and why),
-        priced for this hardware and the real gradient, and logged once with every option's
-        predicted time.
+        `tpu_scale.torus.ALGORITHMS`. `"auto"` is `tpu_scale.torus.resolve_algorithm`'s rule
+        for this hardware (one host: "flat"; several: "torus_2d"; GPUs: "native"), logged once.
       gradient_pack_bytes: with `"torus"`: gradients are fused into buffers of about this many
         bytes; `None` or 0 fuses each dtype into one buffer.
       gradient_dtype: with `"torus"`: `"bfloat16"` carries the phases between hosts in bfloat16
@@ -418,19 +405,14 @@ def create_strategy(
         hardware = dict(kind="cpu", replicas_per_host=len(devices), mesh_shape=mesh.shape)
 
     strategy._attach(mesh, settings)
-    cluster = plan_choice.hardware_cluster(**hardware)
-    if cluster is not None and cluster.mesh.shape != mesh.shape:
-        cluster = None  # e.g. a one-host mesh_shape other than (1, n): priced by the fixed rule
-    strategy.gradient_planner = GradientPlanner(
-        cluster, gradient_pack_bytes, settings.gradient_dtype
-    )
+    strategy.auto_algorithm = AutoAlgorithm(hardware)
     if found.is_tpu:
         # TPUStrategy sums with XLA's all-reduce, which the TPU runtime already runs in two phases
         # on the torus; grouped batch norm still uses the mesh's group assignments.
         reduction = "the TPU runtime's (XLA's all-reduce on the torus)"
     elif settings.torus_sum:
-        # Which algorithm runs ("auto": the planner's cheapest for this mesh, e.g. one flat sum on
-        # one host) is logged at the first sum.
+        # Which algorithm runs ("auto": the rule for this hardware, e.g. one flat sum on one host)
+        # is logged at the first sum.
         reduction = f"tpu_scale.TorusAllReduce, algorithm {settings.algorithm!r}"
     else:
         reduction = "TensorFlow's own"

@@ -11,8 +11,8 @@ is a collective op on CPU/GPU (reduce-scatter as all-to-all plus a local sum: th
 reduce-scatter kernel) and a TPU op on TPU. With `gradient_dtype`, the phases between hosts carry
 bfloat16.
 
-`"auto"` is the planner's choice for the strategy's hardware (`tpu_scale.plan.choice`, attached by
-`create_strategy`): on one CPU host `"flat"`, the in-graph sum on one device.
+`"auto"` is `resolve_algorithm`'s rule for the strategy's hardware (`create_strategy` attaches
+what it found): on one CPU host `"flat"`, the in-graph sum on one device.
 
 Each gradient keeps its dtype: float32, bfloat16 and float16 travel as themselves.
 `tf.IndexedSlices` (embedding gradients) are densified before packing: every replica then
@@ -88,9 +88,8 @@ def all_reduce_sum(
       strategy: the strategy whose mesh to use; defaults to the current replica context's strategy.
       mesh: a `ReplicaMesh` to use instead of the strategy's.
       algorithm: one of `ALGORITHMS` (see `build_schedule`), `"native"` (the strategy's own
-        all-reduce) or `"auto"`: the planner's choice for the strategy's hardware and these
-        gradients when the strategy carries one (`create_strategy` attaches it, see
-        `tpu_scale.plan.choose_algorithm`), else the fixed rule of `resolve_algorithm`.
+        all-reduce) or `"auto"`: `resolve_algorithm`'s rule for the strategy's hardware
+        (`create_strategy` attaches what it found; elsewhere the rule for the mesh alone).
       pack_bytes: gradients of one dtype are fused into flat buffers of about this many bytes (a
         larger tensor gets its own buffer); `None` or 0 fuses each dtype into one buffer. When every
         phase runs as plain ops in the step graph (one CPU host) nothing is fused: there is no
@@ -126,11 +125,11 @@ def all_reduce_sum(
     if algorithm == "auto":
         if strategy is None and tf.distribute.get_replica_context() is not None:
             strategy = tf.distribute.get_replica_context().strategy
-        planner = getattr(strategy, "gradient_planner", None)
+        rule = getattr(strategy, "auto_algorithm", None)
         sizes = [
             (g.shape.num_elements() * g.dtype.size, g.dtype.name) for g in dense if g is not None
         ]
-        algorithm = planner(mesh, sizes) if planner is not None else resolve_algorithm("auto", mesh)
+        algorithm = rule(mesh, sizes) if rule is not None else resolve_algorithm("auto", mesh)
     if algorithm == "native":
         present = [i for i, g in enumerate(dense) if g is not None]
         summed = list(dense)
@@ -324,8 +323,8 @@ class TorusAllReduce(tf.distribute.CrossDeviceOps):
     Args:
       mesh: the `ReplicaMesh` to sum over; default: the strategy's (`tpu_scale.mesh_of`: the one
         `create_strategy` attached, else one row per worker).
-      algorithm: `"auto"` (the planner's choice where `create_strategy` attached one, else
-        `resolve_algorithm`'s rule), `"native"` (every sum to `fallback`) or one of `ALGORITHMS`.
+      algorithm: `"auto"` (`resolve_algorithm`'s rule for the hardware `create_strategy` found,
+        else for the mesh alone), `"native"` (every sum to `fallback`) or one of `ALGORITHMS`.
       pack_bytes: gradients of one dtype are fused into buffers of about this many bytes; `None` or
         0: one buffer per dtype. On one CPU host nothing is fused (no launch to amortize).
       gradient_dtype: `"bfloat16"` carries the phases between processes in bfloat16; None or
@@ -453,11 +452,11 @@ class TorusAllReduce(tf.distribute.CrossDeviceOps):
             raise ValueError(f"TorusAllReduce's mesh {mesh} holds {mesh.num_replicas} replicas but the strategy has {strategy.num_replicas_in_sync}. Pass the strategy's own mesh (ReplicaMesh.for_devices(n) or ReplicaMesh.for_workers(workers, local)), or none.")
         if self.algorithm != "auto":
             return self.algorithm
-        planner = getattr(strategy, "gradient_planner", None)
-        if planner is None:
+        rule = getattr(strategy, "auto_algorithm", None)
+        if rule is None:
             return resolve_algorithm("auto", mesh)
         parts = [strategy.experimental_local_results(v)[0] for v in values]
-        return planner(mesh, [(p.shape.num_elements() * p.dtype.size, p.dtype.name) for p in parts])
+        return rule(mesh, [(p.shape.num_elements() * p.dtype.size, p.dtype.name) for p in parts])
 
     def _sum(self, strategy, devices, mesh, algorithm, values):
         """Per value, the sum on every local device (`sum_across_devices`), logged once."""

@@ -288,22 +288,30 @@ DEFAULT_ALGORITHM = "auto"
 DEFAULT_PACK_BYTES = 32 * 1024 * 1024
 
 
-def resolve_algorithm(algorithm, mesh=None):
-    """The concrete algorithm for `"auto"` when no planner decision is at hand (a fixed rule).
+def resolve_algorithm(algorithm, mesh=None, device_kind=None, hosts=None):
+    """The concrete algorithm for `"auto"`: a fixed rule, the choices the measurements support.
 
-    Strategies from `tpu_scale.create_strategy` carry the planner's decision
-    (`tpu_scale.plan.choose_algorithm`, priced for the strategy's hardware and the real gradient),
-    and `torus.all_reduce_sum` uses it; this rule serves any other strategy. Bidirectional on a
-    physical torus (`mesh.is_torus`, every TPU slice: it keeps the links of both dimensions busy in
-    both phases); `"torus_2d"` on CPU/GPU meshes of hosts x local devices, where rows-first is the
-    hierarchical all-reduce (only a `1/cols` shard leaves a host).
+    - a physical torus (`mesh.is_torus`, a TPU slice): `"torus_2d_bidirectional"`, which keeps
+      the links of both dimensions busy in both phases;
+    - GPUs (`device_kind="gpu"`): `"native"`, TensorFlow's NCCL all-reduce, which the planner
+      prices below every torus phase on one host and across hosts;
+    - all replicas on one host (`hosts=1`): `"flat"`, one sum in the step's graph (measured at
+      0.80 of TensorFlow's fastest option on 8 CPU replicas, `benchmarks/README.md`);
+    - several hosts, or what is not known: `"torus_2d"`, rows first, the hierarchical all-reduce:
+      only a `1/cols` shard of the gradients leaves a host (measured at 0.58 of TensorFlow's
+      default on two processes).
+
+    `tpu_scale.plan` prices every option for a given cluster (`python -m tpu_scale.plan`) and
+    agrees with this rule on the clusters it has figures for; the rule decides at run time.
 
     Args:
-      algorithm: `"auto"` or one of `ALGORITHMS`.
+      algorithm: `"auto"` or one of `ALGORITHMS` (returned as given).
       mesh: the `ReplicaMesh` the sum runs on.
+      device_kind: `"cpu"`, `"gpu"` or `"tpu"`, where known.
+      hosts: how many hosts the replicas are on, where known.
 
     Returns:
-      One of `ALGORITHMS`.
+      One of `ALGORITHMS`, or `"native"` (for `"auto"` on GPUs).
     """
     if algorithm != "auto":
         if algorithm not in ALGORITHMS:
@@ -311,6 +319,10 @@ def resolve_algorithm(algorithm, mesh=None):
         return algorithm
     if mesh is not None and mesh.is_torus:
         return "torus_2d_bidirectional"
+    if device_kind == "gpu":
+        return "native"
+    if hosts == 1:
+        return "flat"
     return "torus_2d"
 
 

@@ -414,7 +414,7 @@ def build(optimizer, variables, strategy, keras_build, inner):
 
 def _plan(strategy, variables):
     """The algorithm, buffer size and rank order of the sharded step's phases: the strategy's own
-    gradient sum's (`Settings.algorithm`, with "auto" the planner's choice for these variables,
+    gradient sum's (`Settings.algorithm`, with "auto" the strategy's rule for these variables,
     and `pack_bytes`). "native", the strategy's own all-reduce, has no reduce-scatter: its sharded
     form is "flat"'s, one phase over every replica each way. On one CPU host every phase is plain
     ops, and buffers are `IN_GRAPH_PACK_BYTES`."""
@@ -425,9 +425,9 @@ def _plan(strategy, variables):
     local = len(devices)
     algorithm = settings.algorithm if settings is not None and settings.torus_sum else "flat"
     if algorithm == "auto":
-        planner = getattr(strategy, "gradient_planner", None)
+        rule = getattr(strategy, "auto_algorithm", None)
         sizes = [(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size, tf.as_dtype(v.dtype).name) for v in variables]
-        algorithm = planner(mesh, sizes) if planner is not None else "auto"
+        algorithm = rule(mesh, sizes) if rule is not None else "auto"
     algorithm = torus_schedule.resolve_algorithm("flat" if algorithm == "native" else algorithm, mesh)
     one_cpu_host = local == mesh.num_replicas and all("CPU" in d.upper() for d in devices)
     pack_bytes = (

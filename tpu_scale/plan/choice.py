@@ -1,10 +1,11 @@
-"""The planner's decision: which gradient summation `"auto"` runs, priced for the machine at hand.
+"""The planner's prices: which gradient summation is cheapest for the machine at hand.
 
 `choose_algorithm(cluster, tensors)` prices every option the executor (`tpu_scale.torus`) can run
 for the gradient's real tensors, with the executor's own fusion and padding rules, and picks the
-cheapest; `hardware_cluster(...)` builds the `Cluster` of the machine a strategy runs on.
-`tpu_scale.create_strategy` attaches the decision to its strategies, so `model.fit` and
-`torus.all_reduce_sum(..., algorithm="auto")` use it.
+cheapest; `hardware_cluster(...)` builds the `Cluster` of the machine a strategy runs on (from the
+`hardware` that `create_strategy` records in `strategy.auto_algorithm`). A training run does not
+ask it: `"auto"` is `torus.resolve_algorithm`'s fixed rule, which agrees with these prices on the
+clusters the benchmarks measured (`tests/test_torus_schedule.py`).
 
 What it picks, and why (ResNet-50's 214 float32 tensors, 32 MiB packs; `tests/test_plan.py` pins
 it):

@@ -80,17 +80,31 @@ def plan(
     return result
 
 
+def strategy_cluster(strategy):
+    """The planner's `Cluster` for the hardware `create_strategy` found (`auto_algorithm.hardware`),
+    or None where it has no figures for it or the strategy carries none."""
+    from tpu_scale.plan import choice
+
+    hardware = getattr(getattr(strategy, "auto_algorithm", None), "hardware", None)
+    if hardware is None:
+        return None
+    cluster = choice.hardware_cluster(**hardware)
+    if cluster is not None and tuple(cluster.mesh.shape) != tuple(strategy.mesh.shape):
+        return None  # a mesh the figures do not describe
+    return cluster
+
+
 def sharding_advice(strategy, model):
     """One line on what `DistributedOptimizer(..., weight_update_sharding=True)` would save for `model`
-    under `strategy`, priced on the strategy's hardware (`strategy.gradient_planner.cluster`); ""
-    when the planner has no figure (unknown hardware, an optimizer it does not price) or nothing
-    to save (a single replica, a TPU).
+    under `strategy`, priced on the hardware `create_strategy` found
+    (`strategy.auto_algorithm.hardware`); "" when the planner has no figure (unknown hardware, an
+    optimizer it does not price) or nothing to save (a single replica, a TPU).
 
     Args:
       strategy: a strategy made by `create_strategy`.
       model: a compiled Keras model (its trainable variables and optimizer).
     """
-    cluster = getattr(getattr(strategy, "gradient_planner", None), "cluster", None)
+    cluster = strategy_cluster(strategy)
     optimizer = getattr(model, "optimizer", None)
     while getattr(optimizer, "inner_optimizer", None) is not None:  # a wrapper's own optimizer
         optimizer = optimizer.inner_optimizer
