@@ -1052,6 +1052,16 @@ def test_convert_refuses_a_class_it_cannot_rebuild():
         convert_batch_normalization(model)
 
 
+def test_convert_refuses_a_batch_norm_of_a_class_of_its_own():
+    class FrozenBatchNormalization(keras.layers.BatchNormalization):
+        def call(self, inputs, training=None, mask=None):
+            return super().call(inputs, training=False, mask=mask)
+
+    model = keras.Sequential([keras.Input((3,)), FrozenBatchNormalization(name="frozen")])
+    with pytest.raises(ValueError, match="'frozen' is a FrozenBatchNormalization.*subclass"):
+        convert_batch_normalization(model)
+
+
 # --------------------------------------------------------------------------- multi-worker
 
 

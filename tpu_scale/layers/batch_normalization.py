@@ -458,6 +458,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
 DistributedBatchNormalization = BatchNormalization
 keras.saving.get_custom_objects()["tpu_scale>DistributedBatchNormalization"] = BatchNormalization
 
+
 def _replicas_per_host(mesh):
     """How many of the mesh's replicas one host (this process) drives."""
     strategy = tf.distribute.get_strategy()
@@ -645,6 +646,7 @@ def _converted(model, target, arguments):
             if isinstance(layer, keras.Model):
                 return _converted(layer, target, arguments)
             config = layer.get_config()
+            _check_convertible(layer)
             if type(layer) in (keras.layers.BatchNormalization, BatchNormalization):
                 config = {k: v for k, v in config.items() if k not in ("group_size", "virtual_batch_size")}
                 return target.from_config({**config, **arguments})
@@ -685,6 +687,7 @@ def _convert_in_place(layer, target, arguments):
     state, so the object keeps everything Keras gave it (variables, tracking, name).
     """
     for sublayer in [layer, *keras_hook.all_layers(layer)]:
+        _check_convertible(sublayer)
         if type(sublayer) not in (keras.layers.BatchNormalization, BatchNormalization):
             continue
         if target is BatchNormalization:
@@ -700,6 +703,16 @@ def _convert_in_place(layer, target, arguments):
             sublayer.__class__ = keras.layers.BatchNormalization
             for name in ("group_size", "virtual_batch_size", "_resolved"):
                 sublayer.__dict__.pop(name, None)
+
+
+def _check_convertible(layer):
+    """A ValueError for a batch norm of a class of its own, which the conversion cannot make
+    grouped without losing what that class adds (never left behind unconverted, unsaid)."""
+    if isinstance(layer, keras.layers.BatchNormalization) and type(layer) not in (
+        keras.layers.BatchNormalization,
+        BatchNormalization,
+    ):
+        raise ValueError(f"Layer {layer.name!r} is a {type(layer).__name__}, a batch norm of a class of its own: the conversion would lose what the class adds. Make the class subclass tpu_scale.layers.BatchNormalization instead of keras.layers.BatchNormalization, and build the model with it.")
 
 
 def _copy_weights(source, target):
@@ -721,8 +734,9 @@ def average_moving_statistics(model):
 
     Under a strategy every replica keeps its own copy of a Keras `BatchNormalization` layer's
     moving mean and variance, updated from its own batch, so the copies drift apart (this
-    package's `DistributedBatchNormalization` keeps them equal at every step, and needs no call). The strategy's `evaluate` normalizes each example with the
-    statistics of the replica it lands on, while the saved model, the checkpoints and the model
+    package's `DistributedBatchNormalization` keeps them equal at every step, and needs no call).
+    The strategy's `evaluate` normalizes each example with the statistics of the replica it lands
+    on, while the saved model, the checkpoints and the model
     called outside `strategy.run` read replica 0's: the same weights would report different
     metrics. After this call every replica holds the mean of the copies, every group weighted by
     its number of replicas (what `tf.keras` read back from its moving statistics). The
