@@ -164,10 +164,10 @@ def test_hierarchical_graph_crosses_hosts_only_in_the_column_sum(cluster):
 def test_fit_across_processes_matches_native(cluster):
     from tpu_scale import plan
 
-    # "auto" is the planner's choice for 2 CPU processes x 4 and this model's four small gradients:
-    # one all-reduce of each over all 8 (latency-bound: one collective beats three phases).
-    # ResNet-50's gradients take the hierarchical form (tests/test_plan.py), as the bfloat16 fit
-    # here does.
+    # "auto" for 2 CPU processes x 4 and this model's four small gradients (264 bytes, under the
+    # rule's 64 KiB): one all-reduce of each over all 8 (latency-bound: one collective beats three
+    # phases), as the planner prices it too. ResNet-50's gradients take the hierarchical form
+    # (tests/test_torus_schedule.py), as the bfloat16 fit here does.
     tensors = [(4 * n, "float32") for n in (35, 7, 21, 3)]
     expected = plan.choose_algorithm(plan.hardware_cluster("cpu", 2, 4), tensors).algorithm
     assert cluster[0]["auto"] == [expected] == ["flat"]

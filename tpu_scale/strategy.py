@@ -120,7 +120,8 @@ class AutoAlgorithm:
         if key not in self.choices:
             hosts = self.hardware.get("hosts", 1)
             kind = self.hardware.get("kind")
-            algorithm = torus.resolve_algorithm("auto", mesh, kind, hosts)
+            size = sum(num_bytes for num_bytes, _ in tensors)
+            algorithm = torus.resolve_algorithm("auto", mesh, kind, hosts, size)
             if algorithm not in self.choices.values():
                 logger.info(
                     "tpu_scale: gradient sum 'auto' -> %s (%s, %d host(s), mesh %dx%d)",
@@ -309,7 +310,8 @@ def create_strategy(
         `"native"` (TensorFlow's own all-reduce).
       gradient_algorithm: with `"torus"`: `"auto"`, `"native"` or one of
         `tpu_scale.torus.ALGORITHMS`. `"auto"` is `tpu_scale.torus.resolve_algorithm`'s rule
-        for this hardware (one host: "flat"; several: "torus_2d"; GPUs: "native"), logged once.
+        for this hardware (one host, or a gradient under 64 KiB: "flat"; several hosts:
+        "torus_2d"; GPUs: "native"), logged once.
       gradient_pack_bytes: with `"torus"`: gradients are fused into buffers of about this many
         bytes; `None` or 0 fuses each dtype into one buffer.
       gradient_dtype: with `"torus"`: `"bfloat16"` carries the phases between hosts in bfloat16

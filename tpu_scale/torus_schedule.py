@@ -288,7 +288,13 @@ DEFAULT_ALGORITHM = "auto"
 DEFAULT_PACK_BYTES = 32 * 1024 * 1024
 
 
-def resolve_algorithm(algorithm, mesh=None, device_kind=None, hosts=None):
+# Below this many bytes a gradient sum across hosts is latency-bound: one all-reduce over every
+# replica beats the hierarchical form's three phases (the planner's crossover on CPU hosts lies
+# between 64 and 256 KiB).
+SMALL_GRADIENT_BYTES = 64 * 1024
+
+
+def resolve_algorithm(algorithm, mesh=None, device_kind=None, hosts=None, gradient_bytes=None):
     """The concrete algorithm for `"auto"`: a fixed rule, the choices the measurements support.
 
     - a physical torus (`mesh.is_torus`, a TPU slice): `"torus_2d_bidirectional"`, which keeps
@@ -299,7 +305,8 @@ def resolve_algorithm(algorithm, mesh=None, device_kind=None, hosts=None):
       0.80 of TensorFlow's fastest option on 8 CPU replicas, `benchmarks/README.md`);
     - several hosts, or what is not known: `"torus_2d"`, rows first, the hierarchical all-reduce:
       only a `1/cols` shard of the gradients leaves a host (measured at 0.58 of TensorFlow's
-      default on two processes).
+      default on two processes); but `"flat"` for a gradient under `SMALL_GRADIENT_BYTES`, whose
+      sum is latency-bound.
 
     `tpu_scale.plan` prices every option for a given cluster (`python -m tpu_scale.plan`) and
     agrees with this rule on the clusters it has figures for; the rule decides at run time.
@@ -309,6 +316,7 @@ def resolve_algorithm(algorithm, mesh=None, device_kind=None, hosts=None):
       mesh: the `ReplicaMesh` the sum runs on.
       device_kind: `"cpu"`, `"gpu"` or `"tpu"`, where known.
       hosts: how many hosts the replicas are on, where known.
+      gradient_bytes: the whole gradient's size, where known.
 
     Returns:
       One of `ALGORITHMS`, or `"native"` (for `"auto"` on GPUs).
@@ -321,7 +329,7 @@ def resolve_algorithm(algorithm, mesh=None, device_kind=None, hosts=None):
         return "torus_2d_bidirectional"
     if device_kind == "gpu":
         return "native"
-    if hosts == 1:
+    if hosts == 1 or (gradient_bytes is not None and gradient_bytes < SMALL_GRADIENT_BYTES):
         return "flat"
     return "torus_2d"
 
