@@ -294,15 +294,17 @@ class BatchNormalization(keras.layers.BatchNormalization):
                 self.renorm_mean,
                 self.renorm_stddev,
             ]
-            previous = [tf.identity(v.value) for v in tracked]
+            # Kept only where something may have counted nothing (`filled`).
+            previous = [None if filled is None else tf.identity(v.value) for v in tracked]
             self._update_renorm_statistics(mean, variance)  # Keras's arithmetic, then agreed below
             updated = [tf.identity(v.value) for v in tracked]
         else:
             tracked = [self.moving_mean, self.moving_variance]
-            previous = [tf.identity(v.value) for v in tracked]
+            previous = [tf.identity(v.value) for v in tracked]  # read once: updated and kept
             updated = [
-                tf.cast(v, batch_value.dtype) * self.momentum + batch_value * (1.0 - self.momentum)
-                for v, batch_value in zip(tracked, (mean, variance))
+                tf.cast(current, batch_value.dtype) * self.momentum
+                + batch_value * (1.0 - self.momentum)
+                for current, batch_value in zip(previous, (mean, variance))
             ]
         everyone = self._all_replicas_if_statistics_differ(inputs)
         if everyone is not None:
