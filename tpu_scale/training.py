@@ -389,12 +389,9 @@ def _save_whole(model, path, backup_dir):
     gc.collect()
     with contextlib.suppress(OSError, tf.errors.OpError):
         tf.io.gfile.remove(temp)
-    reason = getattr(error, "strerror", None) or str(error).strip().splitlines()[0]
     need = sum(int(v.numpy().nbytes) for v in model.weights)
-    space = f"the model takes about {need / 1e6:.1f} MB"
-    if _files.is_local(folder):
-        space += f", and {shutil.disk_usage(folder).free / 1e6:.1f} MB is free there"
-    last = checkpointing.latest_backup(backup_dir)
+    reason, free, last = checkpointing.backups.write_failure_facts(folder, backup_dir, error)
+    space = f"the model takes about {need / 1e6:.1f} MB{free}"
     if last is None:
         resume = "There is no backup to resume from."
     else:

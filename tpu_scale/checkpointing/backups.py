@@ -190,21 +190,28 @@ def write_backup(model, backup_dir, epoch, step, reason, keep):
 
 def _write_failure(model, backup_dir, error):
     """What a failed backup says: the folder, the space one takes, the last good backup."""
-    import shutil
-
     need = sum(int(v.numpy().nbytes) for v in model.weights)
     optimizer = getattr(model, "optimizer", None)
     need += sum(int(v.numpy().nbytes) for v in getattr(optimizer, "variables", ()) or ())
-    space = f"a backup of this model takes about {need / 1e6:.1f} MB"
-    if is_local(backup_dir):
-        space += f", and {shutil.disk_usage(backup_dir).free / 1e6:.1f} MB is free there"
-    last = latest_backup(backup_dir)
+    reason, free, last = write_failure_facts(backup_dir, backup_dir, error)
     if last is None:
         resume = "There is no earlier backup: the run starts from the beginning when run again."
     else:
         resume = f"The last good backup, {last.path} (epoch {last.epoch}, step {last.step}), is intact: run the same command again to resume from it."
+    return f"Could not write a backup to {backup_dir!r} ({reason}); a backup of this model takes about {need / 1e6:.1f} MB{free}. Free space there (or pass another --model_dir). {resume}"
+
+
+def write_failure_facts(folder, backup_dir, error):
+    """What a failed write into `folder` tells the user: `(reason, free, last)`, the error's one-line
+    reason, `", and N MB is free there"` (empty where the folder is not local), and the newest
+    complete backup in `backup_dir` (None if there is none)."""
+    import shutil
+
     reason = getattr(error, "strerror", None) or str(error).strip().splitlines()[0]
-    return f"Could not write a backup to {backup_dir!r} ({reason}); {space}. Free space there (or pass another --model_dir). {resume}"
+    free = ""
+    if is_local(folder):
+        free = f", and {shutil.disk_usage(folder).free / 1e6:.1f} MB is free there"
+    return reason, free, latest_backup(backup_dir)
 
 
 def _write(model, backup_dir, temp, sequence, epoch, step, reason, keep):
