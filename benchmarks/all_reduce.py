@@ -114,18 +114,18 @@ def _torus(algorithm, pack_bytes=None, gradient_dtype=None):
 
 def _auto_choice(strategy, shapes, gradient_dtype=None):
     """What "auto" picks for these gradients on `strategy` (the run-time rule), and the planner's
-    predictions for the same cluster."""
+    predictions for the same hardware."""
     import numpy as np
 
     from tpu_scale.plan import choose_algorithm
-    from tpu_scale.plan.report import strategy_cluster
+    from tpu_scale.plan.report import strategy_hardware
 
     tensors = [(int(np.prod(s)) * 4, "float32") for s in shapes]
-    choice = choose_algorithm(strategy_cluster(strategy), tensors, gradient_dtype=gradient_dtype)
+    choice = choose_algorithm(strategy_hardware(strategy), tensors, gradient_dtype=gradient_dtype)
     return {
         "algorithm": strategy.auto_algorithm(strategy.mesh, tensors),
         "planner_algorithm": choice.algorithm,
-        "cluster": choice.cluster,
+        "hardware": choice.hardware,
         "predicted_s": {
             a: (None if v is None else round(v, 4)) for a, v in choice.predicted.items()
         },

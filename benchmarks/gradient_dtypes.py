@@ -148,10 +148,10 @@ def transport_plan(strategy, tensors):
         if len(picked) != 1:
             raise RuntimeError(f"no 'auto' choice for this gradient; it holds {rule.choices}")
         algorithm = picked[0]
-        cluster = plan_report.strategy_cluster(strategy)
-        if cluster is not None:  # what the planner would price for the same gradient
+        hardware = plan_report.strategy_hardware(strategy)
+        if hardware is not None:  # what the planner would price for the same gradient
             info["planner"] = plan_choice.choose_algorithm(
-                cluster, tensors, settings.pack_bytes or 0, settings.gradient_dtype
+                hardware, tensors, settings.pack_bytes or 0, settings.gradient_dtype
             ).summary()
     info["algorithm"] = algorithm
     info["wire_dtype"] = settings.gradient_dtype or "float32"

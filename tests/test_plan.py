@@ -65,8 +65,8 @@ def test_torus_2d_seconds_match_closed_form():
 
 def test_paper_32x32_figure_124_vs_2046_steps():
     # One replica per chip, and the real v3-2048 slice (2 cores per chip combine on chip first).
-    for cluster in (_uniform(32, 32), plan.tpu_slice("v3-2048")):
-        prices = plan.price_algorithms(cluster, plan.gradient_bytes("resnet50")[1])
+    for hardware in (_uniform(32, 32), plan.tpu_slice("v3-2048")):
+        prices = plan.price_algorithms(hardware, plan.gradient_bytes("resnet50")[1])
         assert prices["ring"]["steps"] == 2046
         assert prices["torus_2d"]["steps"] == 124
         assert prices["torus_2d_bidirectional"]["steps"] == 124
@@ -85,16 +85,16 @@ def test_tpu_slice_shapes_follow_the_notes():
         "v3-8": (2, 2),
     }
     for name, (x, y) in expected.items():
-        cluster = plan.tpu_slice(name)
-        assert cluster.node_shape == (x, y)
-        assert cluster.mesh.shape == (y, 2 * x) and cluster.mesh.cores_per_chip == 2
-        assert cluster.num_replicas == int(name.split("-")[1])
+        hardware = plan.tpu_slice(name)
+        assert hardware.node_shape == (x, y)
+        assert hardware.mesh.shape == (y, 2 * x) and hardware.mesh.cores_per_chip == 2
+        assert hardware.num_replicas == int(name.split("-")[1])
 
 
 def test_gpu_ring_is_flat_and_2d_keeps_network_steps_low():
     hosts, gpus, m = 32, 8, 256 * 2 * 1000
-    cluster = plan.gpu_cluster(hosts, gpus)
-    prices = plan.price_algorithms(cluster, m)
+    hardware = plan.gpu_cluster(hosts, gpus)
+    prices = plan.price_algorithms(hardware, m)
     n = hosts * gpus
     assert prices["ring"]["steps"] == 2 * (hosts - 1)
     assert prices["ring"]["steps"] + prices["ring"]["local_steps"] == 2 * (n - 1)
@@ -108,10 +108,10 @@ def test_gpu_ring_is_flat_and_2d_keeps_network_steps_low():
 
 @pytest.mark.parametrize("name", ["v3-8", "v3-512", "v3-2048", "v2-512", "v4-8192"])
 def test_seconds_grow_with_bytes(name):
-    cluster = plan.tpu_slice(name)
+    hardware = plan.tpu_slice(name)
     sizes = [10**3, 10**5, 10**7, 10**8]
     for alg in torus.ALGORITHMS:
-        secs = [plan.price_algorithms(cluster, b)[alg]["seconds"] for b in sizes]
+        secs = [plan.price_algorithms(hardware, b)[alg]["seconds"] for b in sizes]
         assert secs == sorted(secs) and secs[0] < secs[-1], (alg, secs)
 
 
@@ -144,7 +144,7 @@ def test_2d_cost_grows_with_square_pods(algorithm):
 
 
 @pytest.mark.parametrize(
-    "cluster",
+    "hardware",
     [
         plan.tpu_slice("v3-2048"),
         plan.tpu_slice("v4-8192"),
@@ -153,8 +153,8 @@ def test_2d_cost_grows_with_square_pods(algorithm):
     ],
     ids=["v3-2048", "v4-8192", "v3-2048-torus", "uniform-32x32"],
 )
-def test_bidirectional_beats_2d_beats_ring_on_large_pods(cluster):
-    prices = plan.price_algorithms(cluster, plan.gradient_bytes("resnet50")[1])
+def test_bidirectional_beats_2d_beats_ring_on_large_pods(hardware):
+    prices = plan.price_algorithms(hardware, plan.gradient_bytes("resnet50")[1])
     seconds = {a: p["seconds"] for a, p in prices.items()}
     assert seconds["torus_2d_bidirectional"] <= seconds["torus_2d"] <= seconds["ring"], seconds
 
@@ -175,8 +175,8 @@ def test_concurrent_streams_share_links():
 
 
 def test_multi_core_chips_combine_on_chip_in_row_phases():
-    cluster = plan.tpu_slice("v3-2048")
-    prices = plan.price_algorithms(cluster, 2048 * 2 * 100)
+    hardware = plan.tpu_slice("v3-2048")
+    prices = plan.price_algorithms(hardware, 2048 * 2 * 100)
     m = 2048 * 2 * 100
     assert prices["torus_2d"]["local_steps"] == 2
     assert prices["torus_2d"]["bytes_per_node"] == pytest.approx(2 * 1023 / 1024 * m)
@@ -276,8 +276,8 @@ def test_weight_update_figures_match_a_hand_calculation(
 
 
 def test_weight_update_of_a_model_whose_state_matters():
-    cluster = plan.tpu_slice("v3-1024")
-    w = plan.plan(cluster, "vit_b16", optimizer="adamw", per_core_batch=4)["weight_update"]
+    hardware = plan.tpu_slice("v3-1024")
+    w = plan.plan(hardware, "vit_b16", optimizer="adamw", per_core_batch=4)["weight_update"]
     params = plan.MODELS["vit_b16"]
     assert w["replicated_seconds"] == pytest.approx(params * 36 / 450e9)
     assert w["state_bytes_per_replica"]["replicated"] == params * 8  # two float32 moments
@@ -285,22 +285,22 @@ def test_weight_update_of_a_model_whose_state_matters():
     # Its step time is not ResNet-50's: no share without a target rate for this model.
     assert w["share_of_step"] is None and w["step_speedup"] is None
     given = plan.plan(
-        cluster, "vit_b16", optimizer="adamw", per_core_batch=4, target_images_per_sec=1e5
+        hardware, "vit_b16", optimizer="adamw", per_core_batch=4, target_images_per_sec=1e5
     )["weight_update"]
     assert given["share_of_step"]["replicated"] == pytest.approx(
         w["replicated_seconds"] / (4 * 1024 / 1e5)
     )
-    text = plan.format_plan(plan.plan(cluster, "vit_b16", optimizer="adamw"))
+    text = plan.format_plan(plan.plan(hardware, "vit_b16", optimizer="adamw"))
     assert "weight update (adamw)" in text and "692.5 MB -> 676.3 kB" in text
     with pytest.raises(ValueError, match="Unknown optimizer 'rmsprop'"):
-        plan.plan(cluster, "vit_b16", optimizer="rmsprop")
+        plan.plan(hardware, "vit_b16", optimizer="rmsprop")
     assert plan.plan(_uniform(2, 4), params=1000)["weight_update"] is None  # no memory figure
 
 
 def test_weight_update_on_gpu_hosts_is_sharded_over_every_replica():
     # As the package shards under MultiWorkerMirroredStrategy: over the replicas of every host.
-    cluster = plan.gpu_cluster(4, 8)
-    w = plan.plan(cluster, "resnet50", per_core_batch=32)["weight_update"]
+    hardware = plan.gpu_cluster(4, 8)
+    w = plan.plan(hardware, "resnet50", per_core_batch=32)["weight_update"]
     params = plan.MODELS["resnet50"]
     assert w["sharded_over"] == 32 and w["in_package"] is True
     assert w["state_bytes_per_replica"] == {
@@ -310,7 +310,7 @@ def test_weight_update_on_gpu_hosts_is_sharded_over_every_replica():
     assert w["sharded_seconds"] == pytest.approx(
         w["replicated_seconds"] * -(-params // 32) / params
     )
-    text = plan.format_plan(plan.plan(cluster, "resnet50", per_core_batch=32))
+    text = plan.format_plan(plan.plan(hardware, "resnet50", per_core_batch=32))
     assert "sharded over all 32 replicas across the hosts" in text
     tpu_text = plan.format_plan(plan.plan(plan.tpu_slice("v3-8"), "resnet50"))
     assert "create_strategy does not shard the update on a TPU yet" in tpu_text
@@ -329,9 +329,9 @@ def test_sharding_advice_prices_the_users_model_on_the_strategys_hardware():
         # What create_strategy attaches: the hardware it found, and the mesh.
         if not hardware:
             return types.SimpleNamespace()
-        cluster = plan.hardware_cluster(**hardware)
+        priced = plan.hardware_cluster(**hardware)
         return types.SimpleNamespace(
-            auto_algorithm=types.SimpleNamespace(hardware=hardware), mesh=cluster.mesh
+            auto_algorithm=types.SimpleNamespace(hardware=hardware), mesh=priced.mesh
         )
 
     def model(optimizer):
@@ -410,7 +410,7 @@ def test_bad_gradient_sizes(kwargs, message):
         plan.gradient_bytes(**kwargs)
 
 
-def test_bad_cluster_and_sizes():
+def test_bad_hardware_and_sizes():
     with pytest.raises(ValueError, match="hosts must be a positive integer"):
         plan.gpu_cluster(0, 8)
     with pytest.raises(ValueError, match="gpus_per_host"):
@@ -423,7 +423,7 @@ def test_bad_cluster_and_sizes():
         plan.suggest_bn_group(plan.tpu_slice("v3-8").mesh, 0)
     with pytest.raises(ValueError, match="wraparound"):
         plan.tpu_slice("v3-8", wraparound="sometimes")
-    with pytest.raises(ValueError, match="build the schedule on cluster.mesh"):
+    with pytest.raises(ValueError, match="build the schedule on hardware.mesh"):
         plan.price_schedule(
             torus.build_schedule(ReplicaMesh.from_shape(2, 2), 64, "ring"), plan.tpu_slice("v3-8")
         )
@@ -484,9 +484,9 @@ def test_auto_decision_small_gradients_across_gpu_hosts_take_the_torus():
 
 
 def test_bfloat16_transport_halves_only_phases_between_hosts():
-    cluster = plan.hardware_cluster("cpu", hosts=2, replicas_per_host=4)
-    f32 = plan.price_option(cluster, RESNET50, "torus_2d")
-    bf16 = plan.price_option(cluster, RESNET50, "torus_2d", gradient_dtype="bfloat16")
+    hardware = plan.hardware_cluster("cpu", hosts=2, replicas_per_host=4)
+    f32 = plan.price_option(hardware, RESNET50, "torus_2d")
+    bf16 = plan.price_option(hardware, RESNET50, "torus_2d", gradient_dtype="bfloat16")
     assert bf16 < f32
     # One host: no phase between hosts, nothing changes.
     one = plan.hardware_cluster("cpu", replicas_per_host=8)

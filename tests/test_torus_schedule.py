@@ -67,21 +67,21 @@ _MEASURED = [
     [(h, "resnet50") for h in _MEASURED] + [(h, "tiny") for h in _MEASURED if h["kind"] == "cpu"],
 )
 def test_auto_rule_agrees_with_the_planner_where_it_was_measured(hardware, gradient):
-    # The rule decides at run time; the planner prices every option for the same cluster and, on
+    # The rule decides at run time; the planner prices every option for the same hardware and, on
     # the hardware the benchmarks measured (and GPUs), picks the same: for ResNet-50's gradient,
     # and for a model of four small tensors (tests/test_torus_multiworker.py's).
     from tpu_scale.plan import choice
 
-    cluster = choice.hardware_cluster(**hardware)
+    priced = choice.hardware_cluster(**hardware)
     if gradient == "resnet50":  # 25.6 M float32 values in tensors of its layers' sizes
         sizes = [9408, 64, 64] + [36864] * 40 + [147456] * 40 + [589824] * 40 + [2359296] * 30
         sizes.append(2048000)
     else:
         sizes = [35, 7, 21, 3]
     tensors = [(4 * n, "float32") for n in sizes]
-    planned = choice.choose_algorithm(cluster, tensors).algorithm
+    planned = choice.choose_algorithm(priced, tensors).algorithm
     ruled = torus.resolve_algorithm(
-        "auto", cluster.mesh, hardware["kind"], hardware.get("hosts", 1), 4 * sum(sizes)
+        "auto", priced.mesh, hardware["kind"], hardware.get("hosts", 1), 4 * sum(sizes)
     )
     assert ruled == planned
 

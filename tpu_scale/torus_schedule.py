@@ -308,8 +308,8 @@ def resolve_algorithm(algorithm, mesh=None, device_kind=None, hosts=None, gradie
       default on two processes); but `"flat"` for a gradient under `SMALL_GRADIENT_BYTES`, whose
       sum is latency-bound.
 
-    `tpu_scale.plan` prices every option for a given cluster (`python -m tpu_scale.plan`) and
-    agrees with this rule on the clusters it has figures for; the rule decides at run time.
+    `tpu_scale.plan` prices every option for given hardware (`python -m tpu_scale.plan`) and
+    agrees with this rule on the hardware it has figures for; the rule decides at run time.
 
     Args:
       algorithm: `"auto"` or one of `ALGORITHMS` (returned as given).

@@ -35,11 +35,11 @@ The model, in brief (details in `price_schedule`):
   dimensions.
 
 Every hardware figure is listed with its source, or labelled as an assumption, in `TPU_GENERATIONS`
-and `GPU_TYPES`; a cluster's `sources` lists the ones it uses, and the plan prints them.
+and `GPU_TYPES`; a `Hardware`'s `sources` lists the ones it uses, and the plan prints them.
 
-The parts: `catalog` (models, hardware, cluster builders), `cost` (the pricing), `sizing` (input
-rate, BN groups), `update` (the weight update), `report` (the plan and its table), `cli`; `plot`
-(matplotlib) and `calibration` (TensorFlow) are imported only when used, so `import
+The parts: `catalog` (models, hardware figures, `Hardware` builders), `cost` (the pricing),
+`sizing` (input rate, BN groups), `update` (the weight update), `report` (the plan and its table),
+`cli`; `plot` (matplotlib) and `calibration` (TensorFlow) are imported only when used, so `import
 tpu_scale.plan` needs neither.
 
 Reference:
@@ -54,7 +54,7 @@ from tpu_scale.plan.catalog import (
     MODELS,
     TPU_GENERATIONS,
     WRAPAROUND,
-    Cluster,
+    Hardware,
     Link,
     cpu_cluster,
     gpu_cluster,
@@ -94,7 +94,7 @@ __all__ = [
     "MODELS",
     "TPU_GENERATIONS",
     "WRAPAROUND",
-    "Cluster",
+    "Hardware",
     "Link",
     "calibrate",
     "format_plan",

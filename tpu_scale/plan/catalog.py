@@ -1,8 +1,8 @@
-"""The planner's catalog: model sizes, TPU and GPU hardware figures with their sources, cluster
+"""The planner's catalog: model sizes, TPU and GPU hardware figures with their sources, `Hardware`
 builders.
 
 Every hardware figure is listed with its source, or labelled as an assumption, in `TPU_GENERATIONS`
-and `GPU_TYPES`; a built `Cluster` carries the ones it uses in `sources`, which the plan prints.
+and `GPU_TYPES`; a built `Hardware` carries the ones it uses in `sources`, which the plan prints.
 """
 
 import dataclasses
@@ -77,7 +77,7 @@ class Link:
 
 
 @dataclasses.dataclass(frozen=True)
-class Cluster:
+class Hardware:
     """A machine to plan for: its replica mesh, how replicas sit on nodes, the links between them.
 
     Attributes:
@@ -372,7 +372,7 @@ def _ring_directions(extents, wraps):
 
 
 def tpu_slice(name, alpha_us=None, wraparound="pod"):
-    """The `Cluster` of a TPU slice, e.g. `tpu_slice("v3-2048")`.
+    """The `Hardware` of a TPU slice, e.g. `tpu_slice("v3-2048")`.
 
     The mesh is rows x (cols * cores), as `ReplicaMesh.from_topology` builds it: rows follow the
     torus's second dimension (folded with the third on v4), columns the first dimension times the
@@ -387,7 +387,7 @@ def tpu_slice(name, alpha_us=None, wraparound="pod"):
         assumption is worth.
 
     Returns:
-      A `Cluster`.
+      A `Hardware`.
     """
     if wraparound not in WRAPAROUND:
         raise ValueError(f"wraparound={wraparound!r}; choose one of {WRAPAROUND}.")
@@ -415,7 +415,7 @@ def tpu_slice(name, alpha_us=None, wraparound="pod"):
         _TORUS_ASSUMPTION if wraparound == "pod" else "Every slice dimension taken as a torus ring."
     )
     sources = spec["sources"] + (torus_note, _ALPHA_ASSUMPTION)
-    return Cluster(
+    return Hardware(
         name,
         "tpu",
         mesh,
@@ -432,7 +432,7 @@ def tpu_slice(name, alpha_us=None, wraparound="pod"):
 
 
 def gpu_cluster(hosts, gpus_per_host, gpu="a100", alpha_us=None):
-    """The `Cluster` of `hosts` GPU hosts with `gpus_per_host` GPUs each (mesh rows = hosts).
+    """The `Hardware` of `hosts` GPU hosts with `gpus_per_host` GPUs each (mesh rows = hosts).
 
     Args:
       hosts: number of hosts.
@@ -442,7 +442,7 @@ def gpu_cluster(hosts, gpus_per_host, gpu="a100", alpha_us=None):
         assumption.
 
     Returns:
-      A `Cluster`.
+      A `Hardware`.
     """
     for label, value in (("hosts", hosts), ("gpus_per_host", gpus_per_host)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -457,7 +457,7 @@ def gpu_cluster(hosts, gpus_per_host, gpu="a100", alpha_us=None):
     network = Link("network", alpha, spec["network_bandwidth"])
     links = {"rows": network, "columns": network, "all": network}
     local = Link("nvlink", 2 * _US, spec["nvlink_bandwidth"])
-    return Cluster(
+    return Hardware(
         f"{hosts}x{gpus_per_host} {gpu}",
         "gpu",
         mesh,
@@ -477,7 +477,7 @@ def gpu_cluster(hosts, gpus_per_host, gpu="a100", alpha_us=None):
 def uniform_cluster(
     mesh, alpha, bandwidth, shared=False, name="uniform", kind="cpu", phase_overhead=0.0
 ):
-    """A cluster where every replica is its own node and every link costs the same.
+    """`Hardware` where every replica is its own node and every link costs the same.
 
     Args:
       mesh: a `ReplicaMesh`.
@@ -490,11 +490,11 @@ def uniform_cluster(
       phase_overhead: seconds to launch each collective.
 
     Returns:
-      A `Cluster`.
+      A `Hardware`.
     """
     names = ("shared",) * 3 if shared else ("rows", "columns", "all")
     links = {dim: Link(n, alpha, bandwidth) for dim, n in zip(("rows", "columns", "all"), names)}
-    return Cluster(
+    return Hardware(
         name,
         kind,
         mesh,
@@ -535,7 +535,7 @@ CPU_FIGURES = {
 
 
 def cpu_cluster(hosts, replicas_per_host, figures=None, mesh_shape=None):
-    """The `Cluster` of `hosts` CPU hosts (or worker processes) with `replicas_per_host` replicas
+    """The `Hardware` of `hosts` CPU hosts (or worker processes) with `replicas_per_host` replicas
     each.
 
     Phases inside a host are priced as the plain in-graph ops the executor builds there (memory
@@ -550,7 +550,7 @@ def cpu_cluster(hosts, replicas_per_host, figures=None, mesh_shape=None):
         one row each.
 
     Returns:
-      A `Cluster`.
+      A `Hardware`.
     """
     f = dict(CPU_FIGURES, **(figures or {}))
     if hosts == 1:
@@ -567,7 +567,7 @@ def cpu_cluster(hosts, replicas_per_host, figures=None, mesh_shape=None):
         links = {"rows": shared, "columns": shared, "all": shared}
     memory = Link("memory", f["handoff_seconds"], f["memory_bandwidth"])
     name = f"{hosts}x{replicas_per_host} cpu" if hosts > 1 else f"1 host, {mesh.shape} cpu mesh"
-    return Cluster(
+    return Hardware(
         name,
         "cpu",
         mesh,

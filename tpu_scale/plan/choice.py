@@ -1,8 +1,8 @@
 """The planner's prices: which gradient summation is cheapest for the machine at hand.
 
-`choose_algorithm(cluster, tensors)` prices every option the executor (`tpu_scale.torus`) can run
+`choose_algorithm(hardware, tensors)` prices every option the executor (`tpu_scale.torus`) can run
 for the gradient's real tensors, with the executor's own fusion and padding rules, and picks the
-cheapest; `hardware_cluster(...)` builds the `Cluster` of the machine a strategy runs on (from the
+cheapest; `hardware_cluster(...)` builds the `Hardware` of the machine a strategy runs on (from the
 `hardware` that `create_strategy` records in `strategy.auto_algorithm`). A training run does not
 ask it: `"auto"` is `torus.resolve_algorithm`'s fixed rule, which agrees with these prices on the
 clusters the benchmarks measured (`tests/test_torus_schedule.py`).
@@ -47,7 +47,7 @@ class Choice:
 
     algorithm: str
     predicted: dict
-    cluster: str
+    hardware: str
 
     def summary(self):
         """One line: the choice and the predicted times, cheapest first."""
@@ -63,18 +63,18 @@ def _by_dtype(tensors):
     return groups
 
 
-def _host_of(cluster):
-    hosts = cluster.host_ids()
+def _host_of(hardware):
+    hosts = hardware.host_ids()
     return lambda replica: int(hosts[replica])
 
 
 def price_option(
-    cluster, tensors, algorithm, pack_bytes=torus_schedule.DEFAULT_PACK_BYTES, gradient_dtype=None
+    hardware, tensors, algorithm, pack_bytes=torus_schedule.DEFAULT_PACK_BYTES, gradient_dtype=None
 ):
-    """Predicted seconds of one option for the gradient `tensors` on `cluster`.
+    """Predicted seconds of one option for the gradient `tensors` on `hardware`.
 
     Args:
-      cluster: a `Cluster` (`hardware_cluster`, `tpu_slice`, `gpu_cluster`, `cpu_cluster`).
+      hardware: a `Hardware` (`hardware_cluster`, `tpu_slice`, `gpu_cluster`, `cpu_cluster`).
       tensors: `[(num_bytes, dtype_name), ...]`, one per gradient tensor.
       algorithm: one of `OPTIONS`.
       pack_bytes: the executor's fused buffer size.
@@ -83,25 +83,25 @@ def price_option(
     Returns:
       Seconds, or None when the option cannot be priced (TensorFlow's own reduction on TPU).
     """
-    mesh = cluster.mesh
-    host_of = _host_of(cluster)
+    mesh = hardware.mesh
+    host_of = _host_of(hardware)
     total = 0.0
     if algorithm == "native":
-        if cluster.kind == "tpu":
+        if hardware.kind == "tpu":
             return None
         # TensorFlow's all-reduce: one collective all-reduce over everyone per tensor on CPU (what
         # CollectiveAllReduce launched here, timed in benchmarks/all_reduce.py), one fused NCCL
         # buffer per dtype on GPUs (MirroredStrategy's NcclAllReduce with one pack).
         for sizes in _by_dtype(tensors).values():
-            for nbytes in sizes if cluster.kind == "cpu" else [sum(sizes)]:
+            for nbytes in sizes if hardware.kind == "cpu" else [sum(sizes)]:
                 schedule = torus_schedule.build_schedule(mesh, nbytes, "flat")
-                total += price_schedule(schedule, cluster, in_graph=False)["seconds"]
+                total += price_schedule(schedule, hardware, in_graph=False)["seconds"]
         return total
     for dtype, sizes in _by_dtype(tensors).items():
         itemsize = ITEMSIZE.get(dtype, 4)
         phases = [p for s in torus_schedule.build_schedule(mesh, 0, algorithm).streams for p in s]
         in_graph = (
-            cluster.host_memory is not None
+            hardware.host_memory is not None
             and bool(phases)
             and all(torus_schedule.phase_within_hosts(p, host_of) for p in phases)
         )
@@ -116,8 +116,8 @@ def price_option(
         for pack in packs:
             schedule = torus_schedule.buffer_schedule(mesh, sum(pack), itemsize, algorithm)
             schedule = torus_schedule.transport_schedule(schedule, host_of, itemsize, transport)
-            total += price_schedule(schedule, cluster)["seconds"]
-            if transport < itemsize and cluster.host_memory is not None:
+            total += price_schedule(schedule, hardware)["seconds"]
+            if transport < itemsize and hardware.host_memory is not None:
                 # Casting there and back: read and write the shard of every phase between hosts.
                 crossing = sum(
                     p.bytes_in
@@ -125,26 +125,26 @@ def price_option(
                     for p in s
                     if torus_schedule.phase_between_hosts(p, host_of)
                 )
-                per_host = cluster.replicas_per_host or cluster.num_replicas
-                total += 3 * crossing * per_host / cluster.host_memory.bandwidth
-            if len(pack) > 1 and cluster.host_memory is not None:
+                per_host = hardware.replicas_per_host or hardware.num_replicas
+                total += 3 * crossing * per_host / hardware.host_memory.bandwidth
+            if len(pack) > 1 and hardware.host_memory is not None:
                 # Fusing copies every tensor into the buffer on every replica of a host.
-                per_host = cluster.replicas_per_host or cluster.num_replicas
-                total += 2 * sum(pack) * per_host / cluster.host_memory.bandwidth
+                per_host = hardware.replicas_per_host or hardware.num_replicas
+                total += 2 * sum(pack) * per_host / hardware.host_memory.bandwidth
     return total
 
 
 def choose_algorithm(
-    cluster,
+    hardware,
     tensors,
     pack_bytes=torus_schedule.DEFAULT_PACK_BYTES,
     gradient_dtype=None,
     options=OPTIONS,
 ):
-    """The cheapest option for summing `tensors` on `cluster`, by the cost model.
+    """The cheapest option for summing `tensors` on `hardware`, by the cost model.
 
     Args:
-      cluster: a `Cluster`.
+      hardware: a `Hardware`.
       tensors: `[(num_bytes, dtype_name), ...]`, one per gradient tensor.
       pack_bytes: the executor's fused buffer size.
       gradient_dtype: dtype name of the phases between hosts, or None.
@@ -157,10 +157,10 @@ def choose_algorithm(
         raise ValueError(
             "choose_algorithm needs at least one gradient tensor [(num_bytes, dtype)]."
         )
-    predicted = {a: price_option(cluster, tensors, a, pack_bytes, gradient_dtype) for a in options}
+    predicted = {a: price_option(hardware, tensors, a, pack_bytes, gradient_dtype) for a in options}
     priced = [a for a in options if predicted[a] is not None]
     best = min(priced, key=lambda a: predicted[a])
-    return Choice(best, predicted, cluster.name)
+    return Choice(best, predicted, hardware.name)
 
 
 def hardware_cluster(
@@ -172,7 +172,7 @@ def hardware_cluster(
     cpu_figures=None,
     mesh_shape=None,
 ):
-    """The `Cluster` of the machine a strategy runs on, from what `create_strategy` detects.
+    """The `Hardware` of the machine a strategy runs on, from what `create_strategy` detects.
 
     Args:
       kind: `"cpu"`, `"gpu"` or `"tpu"`.
@@ -184,7 +184,7 @@ def hardware_cluster(
       mesh_shape: one CPU host's `(rows, cols)`.
 
     Returns:
-      A `Cluster`, or None when the hardware is not in the catalog (then `"auto"` keeps the fixed
+      A `Hardware`, or None when the hardware is not in the catalog (then `"auto"` keeps the fixed
       rule of `torus_schedule.resolve_algorithm`).
     """
     if kind == "tpu":

@@ -74,7 +74,7 @@ def _parser():
     return p
 
 
-def _cluster_from_args(args):
+def _hardware_from_args(args):
     if args.slice and (args.hosts or args.gpus_per_host):
         raise ValueError("Give either --slice (TPU) or --hosts/--gpus_per_host (GPU), not both.")
     if args.slice:
@@ -103,9 +103,9 @@ def main(argv=None):
             if args.json:
                 print(json.dumps(result, indent=2))
         else:
-            cluster = _cluster_from_args(args)
+            hardware = _hardware_from_args(args)
             result = plan(
-                cluster,
+                hardware,
                 args.model,
                 args.params,
                 args.dtype,
@@ -124,7 +124,7 @@ def main(argv=None):
                     result["model"]["bytes"],
                     label,
                     args.alpha_us,
-                    mark=cluster.name,
+                    mark=hardware.name,
                 )
             print(json.dumps(result, indent=2) if args.json else format_plan(result))
             if args.plot and not args.json:

@@ -1,4 +1,4 @@
-"""The cost model: prices a `torus_schedule.Schedule` on a `Cluster` with an alpha-beta event
+"""The cost model: prices a `torus_schedule.Schedule` on a `Hardware` with an alpha-beta event
 simulation.
 
 Details of the model are in `price_schedule`; the package docstring has the summary.
@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 
 from tpu_scale import torus_schedule
-from tpu_scale.plan.catalog import Cluster, Link  # noqa: F401  (Cluster: named in docstrings)
+from tpu_scale.plan.catalog import Hardware, Link  # noqa: F401  (Hardware: named in docstrings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,10 +43,10 @@ def _group_layout(phase, node_ids):
     return k, m, int(touching.max())
 
 
-def _local_part(cluster, m, full):
+def _local_part(hardware, m, full):
     """A ring of the `m` replicas of one node: `m - 1` steps, `(m - 1) / m` of the data each."""
     nbytes = (m - 1) / m * full
-    return _Part((m - 1) * cluster.local.alpha, cluster.local, nbytes, 0, m - 1, 0.0, nbytes)
+    return _Part((m - 1) * hardware.local.alpha, hardware.local, nbytes, 0, m - 1, 0.0, nbytes)
 
 
 def in_graph_load(phase, host_ids):
@@ -69,13 +69,13 @@ def in_graph_load(phase, host_ids):
     return per_host * handoffs, float(per_host * traffic)
 
 
-def _in_graph_parts(phase, cluster, host_ids):
+def _in_graph_parts(phase, hardware, host_ids):
     """A phase the executor builds from plain ops on one CPU host: its hand-offs on the host's cores
     (`host_memory.alpha` seconds each), then its memory traffic (`in_graph_load`). Both are shared
     resources: concurrent streams of one host share its cores and its memory bandwidth.
     """
     handoffs, traffic = in_graph_load(phase, host_ids)
-    memory = cluster.host_memory
+    memory = hardware.host_memory
     parts = [_Part(0.0, memory, traffic, 0, 0, 0.0, 0.0)]
     if memory.alpha > 0:
         cores = Link("host_cores", 0.0, 1.0 / memory.alpha)
@@ -83,11 +83,11 @@ def _in_graph_parts(phase, cluster, host_ids):
     return parts
 
 
-def _phase_parts(phase, cluster, node_ids):
+def _phase_parts(phase, hardware, node_ids):
     """The parts of one phase, in execution order.
 
     Two-level (TPU): a chip's replicas combine on chip, the chips form a ring, so a group of `k`
-    chips costs `k - 1` steps per pass whatever the cores per chip. Flat (`cluster.flat_rings`,
+    chips costs `k - 1` steps per pass whatever the cores per chip. Flat (`hardware.flat_rings`,
     NCCL-style GPU rings): one ring through every replica, `g - 1` steps per pass, `k - 1` of them
     between hosts and `g - k` over NVLink, each host sending `(g - 1) / g` of the data per pass on
     its one outgoing network edge.
@@ -98,28 +98,28 @@ def _phase_parts(phase, cluster, node_ids):
     # all-reduce, the gathered vector for an all-gather.
     full = phase.bytes_out if phase.kind == torus_schedule.ALL_GATHER else phase.bytes_in
     passes = 2 if phase.kind == torus_schedule.ALL_REDUCE else 1
-    remote = cluster.links[phase.dimension]
-    if cluster.flat_rings and k > 1 and m > 1:
+    remote = hardware.links[phase.dimension]
+    if hardware.flat_rings and k > 1 and m > 1:
         remote_bytes = per_node * passes * (g - 1) / g * full
         local_bytes = passes * (g - 1) / g * full
         steps, local_steps = passes * (k - 1), passes * (g - k)
-        latency = steps * remote.alpha + local_steps * cluster.local.alpha
+        latency = steps * remote.alpha + local_steps * hardware.local.alpha
         # Both kinds of link carry the ring's chunks at the same time; the slower one bounds the
         # transfer.
-        if remote_bytes / remote.bandwidth >= local_bytes / cluster.local.bandwidth:
+        if remote_bytes / remote.bandwidth >= local_bytes / hardware.local.bandwidth:
             link, nbytes = remote, remote_bytes
         else:
-            link, nbytes = cluster.local, local_bytes
+            link, nbytes = hardware.local, local_bytes
         return [_Part(latency, link, nbytes, steps, local_steps, remote_bytes, local_bytes)]
     parts = []
     if m > 1 and phase.kind in (torus_schedule.REDUCE_SCATTER, torus_schedule.ALL_REDUCE):
-        parts.append(_local_part(cluster, m, full))
+        parts.append(_local_part(hardware, m, full))
     if k > 1:
         steps = passes * (k - 1)
         nbytes = per_node * passes * (k - 1) / k * full
         parts.append(_Part(steps * remote.alpha, remote, nbytes, steps, 0, nbytes, 0.0))
     if m > 1 and phase.kind in (torus_schedule.ALL_GATHER, torus_schedule.ALL_REDUCE):
-        parts.append(_local_part(cluster, m, full))
+        parts.append(_local_part(hardware, m, full))
     return parts
 
 
@@ -168,13 +168,13 @@ def _simulate(streams):
                 load(i)
 
 
-def price_schedule(schedule, cluster, in_graph=True):
-    """Predicted cost of one `torus_schedule.Schedule` on `cluster`.
+def price_schedule(schedule, hardware, in_graph=True):
+    """Predicted cost of one `torus_schedule.Schedule` on `hardware`.
 
     Args:
-      schedule: a `Schedule` from `torus_schedule.build_schedule` on `cluster.mesh`.
-      cluster: a `Cluster`.
-      in_graph: with `cluster.host_memory` (CPU hosts), price the phases whose groups sit on one
+      schedule: a `Schedule` from `torus_schedule.build_schedule` on `hardware.mesh`.
+      hardware: a `Hardware`.
+      in_graph: with `hardware.host_memory` (CPU hosts), price the phases whose groups sit on one
         host as the executor's plain in-graph ops; False prices every phase as a collective.
 
     Returns:
@@ -184,11 +184,11 @@ def price_schedule(schedule, cluster, in_graph=True):
       (all streams done), `latency_seconds` (the critical path's steps times alpha) and
       `transfer_seconds` (the rest).
     """
-    if schedule.mesh.num_replicas != cluster.num_replicas:
-        raise ValueError(f"The schedule's mesh has {schedule.mesh.num_replicas} replicas but the cluster {cluster.name!r} has {cluster.num_replicas}; build the schedule on cluster.mesh.")
-    node_ids = cluster.node_ids()
-    host_ids = cluster.host_ids()
-    in_graph = in_graph and cluster.host_memory is not None
+    if schedule.mesh.num_replicas != hardware.num_replicas:
+        raise ValueError(f"The schedule's mesh has {schedule.mesh.num_replicas} replicas but the hardware {hardware.name!r} has {hardware.num_replicas}; build the schedule on hardware.mesh.")
+    node_ids = hardware.node_ids()
+    host_ids = hardware.host_ids()
+    in_graph = in_graph and hardware.host_memory is not None
     steps, local_steps, latency = 0, 0, 0.0
     remote_bytes, local_bytes = 0.0, 0.0
     segments = []
@@ -198,13 +198,13 @@ def price_schedule(schedule, cluster, in_graph=True):
         segs = []
         for phase in stream:
             local = in_graph and torus_schedule.phase_within_hosts(phase, lambda r: host_ids[r])
-            if cluster.phase_overhead and not local:
-                segs.append(("delay", cluster.phase_overhead))
-                s_latency += cluster.phase_overhead
+            if hardware.phase_overhead and not local:
+                segs.append(("delay", hardware.phase_overhead))
+                s_latency += hardware.phase_overhead
             parts = (
-                _in_graph_parts(phase, cluster, host_ids)
+                _in_graph_parts(phase, hardware, host_ids)
                 if local
-                else _phase_parts(phase, cluster, node_ids)
+                else _phase_parts(phase, hardware, node_ids)
             )
             for part in parts:
                 segs.append(("delay", part.latency))
@@ -229,13 +229,13 @@ def price_schedule(schedule, cluster, in_graph=True):
     }
 
 
-def price_algorithms(cluster, num_bytes, algorithms=torus_schedule.ALGORITHMS):
-    """`{algorithm: price_schedule(...)}` for `num_bytes` of gradient per replica on `cluster`."""
+def price_algorithms(hardware, num_bytes, algorithms=torus_schedule.ALGORITHMS):
+    """`{algorithm: price_schedule(...)}` for `num_bytes` of gradient per replica on `hardware`."""
     if isinstance(num_bytes, bool) or not isinstance(num_bytes, (int, np.integer)) or num_bytes < 0:
         raise ValueError(f"num_bytes must be a non-negative integer, got {num_bytes!r}.")
     return {
         alg: price_schedule(
-            torus_schedule.build_schedule(cluster.mesh, int(num_bytes), alg), cluster
+            torus_schedule.build_schedule(hardware.mesh, int(num_bytes), alg), hardware
         )
         for alg in algorithms
     }

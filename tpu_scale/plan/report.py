@@ -10,7 +10,7 @@ from tpu_scale.plan.update import UPDATE_BYTES_PER_PARAM, weight_update
 
 
 def plan(
-    cluster,
+    hardware,
     model=None,
     params=None,
     dtype="float32",
@@ -21,14 +21,14 @@ def plan(
     """Everything the CLI prints, as a JSON-ready dict.
 
     Args:
-      cluster: a `Cluster` (`tpu_slice`, `gpu_cluster`).
+      hardware: a `Hardware` (`tpu_slice`, `gpu_cluster`).
       model, params, dtype: the gradient (see `gradient_bytes`); default model `"resnet50"`.
       per_core_batch: examples per replica, for the BN group and the step-time share; optional.
       target_images_per_sec: the job's target; default the node's known rate.
       optimizer: the update to price, one of `tpu_scale.plan.update.OPTIMIZERS`.
 
     Returns:
-      dict with `cluster`, `model`, `algorithms` (per algorithm: `steps`, `seconds`, ...), `best`,
+      dict with `hardware`, `model`, `algorithms` (per algorithm: `steps`, `seconds`, ...), `best`,
       `input`, `bn_group` (or None), `step` (or None), `weight_update` (see
       `tpu_scale.plan.update.weight_update`; its shares of the step only with a step time whose
       rate fits the model: ResNet-50 at the node's known rate, or a given target) and `sources`.
@@ -36,10 +36,10 @@ def plan(
     if model is None and params is None:
         model = "resnet50"
     num_params, num_bytes = gradient_bytes(model, params, dtype)
-    algorithms = price_algorithms(cluster, num_bytes)
-    rate = input_rate(cluster, target_images_per_sec)
+    algorithms = price_algorithms(hardware, num_bytes)
+    rate = input_rate(hardware, target_images_per_sec)
     result = {
-        "cluster": cluster.describe(),
+        "hardware": hardware.describe(),
         "model": {
             "name": model or "custom",
             "params": num_params,
@@ -52,14 +52,14 @@ def plan(
         "bn_group": None,
         "step": None,
         "weight_update": None,
-        "sources": list(cluster.sources),
+        "sources": list(hardware.sources),
     }
     step_seconds = None
     if per_core_batch is not None:
-        bn = suggest_bn_group(cluster.mesh, per_core_batch)
-        bn[f"{cluster.node}s_per_group"] = len(np.unique(cluster.node_ids()[bn["first_group"]]))
+        bn = suggest_bn_group(hardware.mesh, per_core_batch)
+        bn[f"{hardware.node}s_per_group"] = len(np.unique(hardware.node_ids()[bn["first_group"]]))
         result["bn_group"] = bn
-        global_batch = per_core_batch * cluster.num_replicas
+        global_batch = per_core_batch * hardware.num_replicas
         step_seconds = (
             global_batch / rate["target_images_per_sec"] if rate["target_images_per_sec"] else None
         )
@@ -73,25 +73,25 @@ def plan(
         }
     known_rate = target_images_per_sec is not None or model == "resnet50"
     result["weight_update"] = weight_update(
-        cluster, num_params, optimizer, step_seconds if known_rate else None
+        hardware, num_params, optimizer, step_seconds if known_rate else None
     )
     if result["weight_update"] is not None:
         result["sources"] += list(UPDATE_SOURCES)
     return result
 
 
-def strategy_cluster(strategy):
-    """The planner's `Cluster` for the hardware `create_strategy` found (`auto_algorithm.hardware`),
+def strategy_hardware(strategy):
+    """The planner's `Hardware` for the hardware `create_strategy` found (`auto_algorithm.hardware`),
     or None where it has no figures for it or the strategy carries none."""
     from tpu_scale.plan import choice
 
-    hardware = getattr(getattr(strategy, "auto_algorithm", None), "hardware", None)
-    if hardware is None:
+    found = getattr(getattr(strategy, "auto_algorithm", None), "hardware", None)
+    if found is None:
         return None
-    cluster = choice.hardware_cluster(**hardware)
-    if cluster is not None and tuple(cluster.mesh.shape) != tuple(strategy.mesh.shape):
+    hardware = choice.hardware_cluster(**found)
+    if hardware is not None and tuple(hardware.mesh.shape) != tuple(strategy.mesh.shape):
         return None  # a mesh the figures do not describe
-    return cluster
+    return hardware
 
 
 def sharding_advice(strategy, model):
@@ -104,15 +104,15 @@ def sharding_advice(strategy, model):
       strategy: a strategy made by `create_strategy`.
       model: a compiled Keras model (its trainable variables and optimizer).
     """
-    cluster = strategy_cluster(strategy)
+    hardware = strategy_hardware(strategy)
     optimizer = getattr(model, "optimizer", None)
     while getattr(optimizer, "inner_optimizer", None) is not None:  # a wrapper's own optimizer
         optimizer = optimizer.inner_optimizer
     optimizer = type(optimizer).__name__.lower()
-    if cluster is None or optimizer not in UPDATE_BYTES_PER_PARAM:
+    if hardware is None or optimizer not in UPDATE_BYTES_PER_PARAM:
         return ""
     params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
-    w = weight_update(cluster, params, optimizer)
+    w = weight_update(hardware, params, optimizer)
     if w is None or not w["in_package"] or w["sharded_over"] < 2:
         return ""
     state = w["state_bytes_per_replica"]
@@ -142,7 +142,7 @@ def format_seconds(s):
 
 def format_plan(result):
     """The plan as a human-readable table and notes."""
-    c, m = result["cluster"], result["model"]
+    c, m = result["hardware"], result["model"]
     node = c["node"]
     lines = [
         f"{c['name']}: {c['replicas']} replicas on {c['nodes']} {node}s "

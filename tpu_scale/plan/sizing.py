@@ -5,11 +5,11 @@ import numpy as np
 from tpu_scale.mesh import smallest_group_for_span
 
 
-def input_rate(cluster, target_images_per_sec=None):
+def input_rate(hardware, target_images_per_sec=None):
     """Images per second each host must decode and feed.
 
     Args:
-      cluster: a `Cluster`.
+      hardware: a `Hardware`.
       target_images_per_sec: the whole job's target; default: the node's known training rate times
         nodes (for TPU v3 the paper's ~1,025 img/s per chip).
 
@@ -17,8 +17,8 @@ def input_rate(cluster, target_images_per_sec=None):
       dict with the target, and the rate per host, per node and per replica.
     """
     if target_images_per_sec is None:
-        target = cluster.images_per_sec_per_node * cluster.num_nodes
-        basis = f"{cluster.images_per_sec_per_node:,.0f} img/s per {cluster.node} (see sources)"
+        target = hardware.images_per_sec_per_node * hardware.num_nodes
+        basis = f"{hardware.images_per_sec_per_node:,.0f} img/s per {hardware.node} (see sources)"
     else:
         if not isinstance(target_images_per_sec, (int, float)) or not target_images_per_sec > 0:
             raise ValueError(
@@ -28,10 +28,10 @@ def input_rate(cluster, target_images_per_sec=None):
     return {
         "target_images_per_sec": float(target),
         "basis": basis,
-        "hosts": cluster.num_hosts,
-        "per_host": target / cluster.num_hosts,
-        f"per_{cluster.node}": target / cluster.num_nodes,
-        "per_replica": target / cluster.num_replicas,
+        "hosts": hardware.num_hosts,
+        "per_host": target / hardware.num_hosts,
+        f"per_{hardware.node}": target / hardware.num_nodes,
+        "per_replica": target / hardware.num_replicas,
     }
 
 

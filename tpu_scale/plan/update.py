@@ -3,8 +3,8 @@ updating 1/N of them (`DistributedOptimizer(..., weight_update_sharding=True)`).
 
 The update is priced as memory traffic: per parameter it reads and writes a fixed number of
 float32 values (`UPDATE_BYTES_PER_PARAM`), at the bandwidth of the memory one replica's update
-runs on (`Cluster.memory_bandwidth`). Replicated, every replica moves all of them; sharded, each
-of the N replicas moves its `ceil(params / N)`, N being every replica of the cluster: on CPU and
+runs on (`Hardware.memory_bandwidth`). Replicated, every replica moves all of them; sharded, each
+of the N replicas moves its `ceil(params / N)`, N being every replica of the hardware: on CPU and
 GPU hosts as the package shards (across workers too), on a TPU slice as XLA shards (Xu et al.
 2020), which `create_strategy` does not do on TPUs yet. The gradient sum costs the same bytes
 either way: the torus sum is already a reduce-scatter and an all-gather around an all-reduce of
@@ -39,11 +39,11 @@ SOURCES = (
 )
 
 
-def weight_update(cluster, num_params, optimizer="lars", step_seconds=None):
+def weight_update(hardware, num_params, optimizer="lars", step_seconds=None):
     """The update's time per step and state per replica, replicated and sharded.
 
     Args:
-      cluster: a `Cluster` with a `memory_bandwidth`.
+      hardware: a `Hardware` with a `memory_bandwidth`.
       num_params: parameters the optimizer updates.
       optimizer: one of `OPTIMIZERS`.
       step_seconds: the step's time, for the update's share of it; None to leave the shares out.
@@ -54,7 +54,7 @@ def weight_update(cluster, num_params, optimizer="lars", step_seconds=None):
       `sharded_seconds`, `saved_seconds`, `state_bytes_per_replica`
       (`replicated`, `sharded`), and with `step_seconds`: `share_of_step` (`replicated`,
       `sharded`) and `step_speedup` (the step's time replicated over its time sharded). None when
-      the cluster's memory bandwidth is unknown.
+      the hardware's memory bandwidth is unknown.
 
     Raises:
       ValueError: for an unknown optimizer or a non-positive parameter count.
@@ -63,19 +63,19 @@ def weight_update(cluster, num_params, optimizer="lars", step_seconds=None):
         raise ValueError(f"Unknown optimizer {optimizer!r}; choose one of {list(OPTIMIZERS)}.")
     if not isinstance(num_params, int) or num_params < 1:
         raise ValueError(f"num_params must be a positive integer, got {num_params!r}.")
-    bandwidth = cluster.memory_bandwidth
+    bandwidth = hardware.memory_bandwidth
     if not bandwidth:
         return None
     per_param = UPDATE_BYTES_PER_PARAM[optimizer]
-    shard = math.ceil(num_params / cluster.num_replicas)
+    shard = math.ceil(num_params / hardware.num_replicas)
     replicated = num_params * per_param / bandwidth
     sharded = shard * per_param / bandwidth
     result = {
         "optimizer": optimizer,
         "bytes_per_param": per_param,
         "memory_bandwidth_per_replica": bandwidth,
-        "sharded_over": cluster.num_replicas,
-        "in_package": cluster.kind != "tpu",
+        "sharded_over": hardware.num_replicas,
+        "in_package": hardware.kind != "tpu",
         "replicated_seconds": replicated,
         "sharded_seconds": sharded,
         "saved_seconds": replicated - sharded,
