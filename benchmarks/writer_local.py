@@ -38,17 +38,17 @@ METHODS = ("pipeline", "per_image", "per_image_2_threads")
 def _per_image(image_dir, output_dir, threads=1):
     """The conversion image after image, the shards shared by `threads` threads, with the writers'
     shared steps."""
-    from tpu_scale.data import conversion
+    from tpu_scale.data import convert as writer
     from tpu_scale.data import output_dir as out
 
-    plan = conversion.plan_conversion(image_dir, None)
+    plan = writer.plan_conversion(image_dir, None)
     staging = out.make_staging_dir(output_dir)
 
     def write(shard):
-        return conversion.write_shard(
+        return writer.write_shard(
             os.path.join(staging, shard.staging_name),
             (
-                conversion.convert_image(path, class_id, plan.class_names, plan.label_offset)
+                writer.convert_image(path, class_id, plan.class_names, plan.label_offset)
                 for path, class_id in shard.images
             ),
             len(plan.class_names),
@@ -56,7 +56,7 @@ def _per_image(image_dir, output_dir, threads=1):
 
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         results = list(pool.map(write, plan.shards))
-    conversion.finish_conversion(plan, results, staging, output_dir, replace=False)
+    writer.finish_conversion(plan, results, staging, output_dir, replace=False)
 
 
 def _rotated_photos(folder, count=200):

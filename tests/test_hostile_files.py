@@ -25,7 +25,7 @@ import tensorflow as tf
 from PIL import Image
 
 from tpu_scale.data import write_tfrecords
-from tpu_scale.data.conversion import convert_image, read_capped
+from tpu_scale.data.convert import convert_image, read_capped
 from tpu_scale.data.image_folder import LINK_OUTSIDE, NOT_A_FILE, TOO_LARGE
 from tpu_scale.data.names import shown, stored
 from tpu_scale.data.reencode import TOO_MANY_PIXELS, Skip, header_size

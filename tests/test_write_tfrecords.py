@@ -20,6 +20,7 @@ from PIL import Image  # noqa: E402  (pillow is a test requirement)
 
 from tpu_scale.data import ImageNetInput, write_tfrecords
 from tpu_scale.data import convert as write_module
+from tpu_scale.data.reencode import as_rgb_jpeg
 from tpu_scale.data.schema import read_label_map
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -490,7 +491,7 @@ def test_exif_rotated_photos_are_stored_upright(tmp_path, orientation):
     photo.save(buffer, "JPEG", quality=95, exif=tags.tobytes())
     jpeg = buffer.getvalue()
 
-    stored, height, width, reencoded = write_module.as_rgb_jpeg(jpeg)
+    stored, height, width, reencoded = as_rgb_jpeg(jpeg)
     expected = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(jpeg))).convert("RGB"))
     got = tf.io.decode_jpeg(stored).numpy()
     assert got.shape == expected.shape == (height, width, 3)
@@ -542,7 +543,7 @@ def test_jpeg_headers_are_read_as_pillow_reads_them_and_xmp_turns_a_photo_too():
         (4, 1),
         (3, 6),
     ]
-    stored, height, width, reencoded = write_module.as_rgb_jpeg(jpegs["xmp turned"])
+    stored, height, width, reencoded = as_rgb_jpeg(jpegs["xmp turned"])
     assert reencoded and (height, width) == (80, 64)
 
 
@@ -578,7 +579,7 @@ def test_the_decoding_pipeline_stores_what_the_per_image_path_stores(tmp_path, m
     the same skip reasons; only the broken files take `convert_image`'s own reading."""
     from sklearn.datasets import load_sample_image
 
-    from tpu_scale.data.conversion import convert_image, plan_conversion
+    from tpu_scale.data.convert import convert_image, plan_conversion
 
     photo = Image.fromarray(load_sample_image("china.jpg")[150:214, 300:380])  # 64 x 80
     rotated = Image.Exif()

@@ -30,7 +30,7 @@ _PUBLIC = {
     "SyntheticImageNetInput": "tpu_scale.data.synthetic",
     "make_synthetic_imagenet": "tpu_scale.data.synthetic",
     "write_tfrecords": "tpu_scale.data.convert",
-    "TFRecordSummary": "tpu_scale.data.conversion",
+    "TFRecordSummary": "tpu_scale.data.convert",
     "SkippedRecordsLogger": "tpu_scale.data.bad_records",
     "Inputs": "tpu_scale.data.records",
     "inputs": "tpu_scale.data.records",

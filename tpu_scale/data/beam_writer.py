@@ -6,7 +6,7 @@
 
 For a folder too big for one machine, the runner is a cluster's (Dataflow, Flink, Spark) and the
 folders are in a bucket (`gs://...`) that its workers read and write. The conversion is the one
-the local writer (`write_tfrecords`) runs, from `tpu_scale.data.conversion`: this process lists the
+the local writer (`write_tfrecords`) runs, from `tpu_scale.data.convert`: this process lists the
 folders and computes the split, the label map and the shard plan once (`plan_conversion`); the
 pipeline does only the per-image work and writes the planned shard files into the staging folder;
 this process then names the shards, writes `labels.json` and `skipped.json` and publishes the
@@ -39,7 +39,7 @@ import os
 import tensorflow as tf
 
 from tpu_scale._files import is_local, remove_tree
-from tpu_scale.data.conversion import (
+from tpu_scale.data.convert import (
     ConversionPlan,
     ShardResult,
     convert_image,
@@ -148,7 +148,7 @@ def write_shards(plan: ConversionPlan, staging_dir: str, options) -> list[ShardR
     """Runs the pipeline that writes the shards of `plan` into `staging_dir`.
 
     Args:
-      plan: the conversion's plan (`conversion.plan_conversion`).
+      plan: the conversion's plan (`convert.plan_conversion`).
       staging_dir: the staging folder (`output_dir.make_staging_dir`).
       options: `PipelineOptions`, as `pipeline_options` returns them.
 
