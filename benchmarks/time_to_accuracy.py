@@ -15,7 +15,18 @@ at batch 512 (`--batch 512 --contenders package practised`); `clipart`, 3,037 dr
 Clip Art Library in eight categories at 64x64 (at 64 px), threshold 0.6; `fontletters`, the
 letters A-J drawn in 250 typefaces, notMNIST-style, at 28x28 (at 32 px), threshold 0.8. The tuning
 sets (`datasets.TUNING`) run here too, to compare rules before a held-out set is run: `icons`,
-2,380 desktop icons in six classes at 64x64 (at 64 px), threshold 0.7, is the 64-pixel one. The package's
+2,380 desktop icons in six classes at 64x64 (at 64 px), threshold 0.7, is the 64-pixel one.
+
+Non-square folders (`datasets.NONSQUARE`, each image its own size and shape), to choose and check
+how the package reads an image that is not square: `nsanimals` (tuning), 4,000 animal silhouettes
+on 4:3 to 16:9 photo crops of either orientation (at 32 px), threshold 0.7; `nsphotodigits`
+(held out), 5,000 MNIST digits so (at 32 px), threshold 0.8; `nsclipart` (held out), 681
+drawings of seven Open Clip Art categories `clipart` does not use, in their own shapes (at 64 px),
+threshold 0.5. `--aspect_ratio stretch|pad|crop` passes the package's example that flag (without
+it, the package's own default reading); the runs and the dataset's entry record it, and the entry
+is keyed by it too (`nsclipart@64 aspect_ratio=pad`), so each rule keeps its own runs. The Keras
+contenders read the folder as the practised script does whatever the flag:
+`image_dataset_from_directory` resizes each whole image to the square, stretching it. The package's
 folder also holds a cut-off JPEG and a text file named .jpg; the writer skips and names them. The
 Keras contenders' folder has them removed (Keras's directory reader fails on them).
 
@@ -55,6 +66,8 @@ Usage:
     nice -n 5 python benchmarks/time_to_accuracy.py --datasets mnist5k --seeds 0
     nice -n 5 python benchmarks/time_to_accuracy.py --datasets photodigits22k --batch 512 \
         --contenders package practised
+    nice -n 5 python benchmarks/time_to_accuracy.py --datasets nsanimals --seeds 0 \
+        --contenders package --aspect_ratio pad --out benchmarks/results/nonsquare_rules.json
 
 Adds its runs to `benchmarks/results/time_to_accuracy.json` (or --out): a run of the same
 dataset, batch, contender and seed replaces the earlier one, so a matrix can be run in parts.
@@ -102,7 +115,13 @@ SETTINGS = {
     "photoletters": {"image_size": 32, "threshold": 0.8, "epochs": 15, "batch": 64},
     # The tuning sets' 64-pixel colour set.
     "icons": {"image_size": 64, "threshold": 0.7, "epochs": 15, "batch": 64},
+    # The non-square sets (`datasets.NONSQUARE`): the tuning one, then the two held out.
+    "nsanimals": {"image_size": 32, "threshold": 0.7, "epochs": 15, "batch": 64},
+    "nsphotodigits": {"image_size": 32, "threshold": 0.8, "epochs": 15, "batch": 64},
+    # 681 drawings, 7 uneven classes, 68 validation images: a hard, small set.
+    "nsclipart": {"image_size": 64, "threshold": 0.5, "epochs": 15, "batch": 64},
 }
+ASPECT_RATIOS = ("stretch", "pad", "crop")
 HELD_OUT = ("mnist5k", "elpv", "photodigits", "photodigits22k", "clipart", "fontletters")
 TIMEOUT_S = 1800
 # The practised script's AdamW: its peak rate after one epoch of warmup at PRACTISED_BATCH
@@ -221,11 +240,14 @@ def _env(workdir):
 
 
 def commands(images, clean, cfg, seed):
-    """Each contender's command."""
+    """Each contender's command. `cfg["aspect_ratio"]`, when there, goes to the package's example
+    as `--aspect_ratio`; the Keras scripts read every image as Keras does by default (stretched)."""
     common = ["--image_size", str(cfg["image_size"]), "--epochs", str(cfg["epochs"])]
     common += ["--seed", str(seed)]
     package = [sys.executable, EXAMPLE, "--image_dir", images, "--noprogress"]
     package += common + ["--global_batch_size", str(cfg["batch"])]
+    if cfg.get("aspect_ratio"):
+        package += ["--aspect_ratio", cfg["aspect_ratio"]]
     keras = [sys.executable, os.path.abspath(__file__), "--_keras", "--image_dir", clean]
     keras += common + ["--batch", str(cfg["batch"])]
     return {
@@ -389,7 +411,7 @@ def summarize(runs, names):
     for name in names[1:]:
         other = summary[name].get("seconds_to_threshold")
         summary["ratios"][name] = first["median"] / other["median"] if first and other else None
-    summary["ratio"] = summary["ratios"][names[1]]
+    summary["ratio"] = summary["ratios"][names[1]] if len(names) > 1 else None
     # A round's runs follow each other within minutes: its ratio leaves out the host's slower
     # and faster spells, which move every contender of a round alike.
     mine = {r["seed"]: r["seconds_to_threshold"] for r in runs if r["contender"] == names[0]}
@@ -448,6 +470,8 @@ def run_dataset(name, cfg, seeds, names, out):
                 print(f"  {name} @ {cfg['batch']}, {contender}, seed {seed}:", flush=True)
                 command = commands(images, clean, cfg, seed)[contender]
                 run = timed_run(command, cfg["threshold"], TIMEOUT_S, _env(workdir))
+                if contender == "package":  # the rule it read non-square images by (None: its own)
+                    run["aspect_ratio"] = cfg.get("aspect_ratio")
                 out["runs"] = [
                     r for r in out["runs"] if (r["contender"], r["seed"]) != (contender, seed)
                 ] + [{"contender": contender, "seed": seed, **run}]
@@ -463,7 +487,7 @@ def summarize_dataset(out):
     cfg = out["settings"]
     # Every contender with runs, also those of earlier calls (--contenders runs some of them).
     present = [n for n in NAMES if any(r["contender"] == n for r in out["runs"])]
-    if len(present) < 2:
+    if not present:
         return
     out["summary"] = summarize(out["runs"], present)
     out["summary_at_marks"] = summarize_marks(
@@ -524,6 +548,12 @@ def main():
     parser.add_argument("--epochs", type=int, help="instead of each dataset's")
     parser.add_argument("--batch", type=int, help="global batch, instead of each dataset's")
     parser.add_argument("--out", default=JSON_PATH)
+    parser.add_argument(
+        "--aspect_ratio",
+        choices=ASPECT_RATIOS,
+        help="passed to the package's example as --aspect_ratio (how it reads a non-square image); "
+        "not passed when not given, so the example's own default holds",
+    )
     parser.add_argument("--_keras", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--image_dir", help=argparse.SUPPRESS)
     parser.add_argument("--image_size", type=int, help=argparse.SUPPRESS)
@@ -544,6 +574,9 @@ def main():
         cfg["epochs"] = args.epochs or cfg["epochs"]
         cfg["batch"] = args.batch or cfg["batch"]
         key = f"{name}@{cfg['batch']}"
+        if args.aspect_ratio:  # only then, so the entries of runs without it keep their key
+            cfg["aspect_ratio"] = args.aspect_ratio
+            key += f" aspect_ratio={args.aspect_ratio}"
         entry = out["datasets"].setdefault(key, {"runs": []})
         if entry.get("settings", cfg) != cfg:
             entry["runs"] = []  # runs of other settings are not comparable
