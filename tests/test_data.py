@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 import tpu_scale.strategy  # its MirroredStrategy has private collective keys: tests share a process
+from tpu_scale import data
 from tpu_scale.data import (
     ImageNetInput,
     InputConfig,
@@ -1142,14 +1143,12 @@ def test_tfds_mock_imagenet_uses_our_decode():
     skip = {"image": tfds.decode.SkipDecoding()}
     with tfds.testing.mock_data(num_examples=10):
         raw = list(tfds.load("imagenet2012", split="validation", decoders=skip))
-        inp = ImageNetInput.from_tfds(
-            "imagenet2012", "validation", is_training=False, global_batch_size=4, image_size=16
-        )
-        batches = list(inp.dataset())
-        train = ImageNetInput.from_tfds(
-            "imagenet2012", "train", is_training=True, global_batch_size=4, image_size=16
-        )
-        train_images, train_labels = next(iter(train.dataset()))
+        # Counts given: the mock has no split metadata.
+        counts = dict(train_examples=10, validation_examples=10)
+        found = data.inputs("tfds:imagenet2012", image_size=16, global_batch_size=4, **counts)
+        assert (found.label_offset, found.num_classes) == (0, 1000)
+        batches = list(found.validation.dataset())
+        train_images, train_labels = next(iter(found.train.dataset()))
     labels = np.concatenate([labels.numpy() for _, labels in batches])
     images = np.concatenate([images.numpy() for images, _ in batches])
     np.testing.assert_array_equal(labels, [int(example["label"]) for example in raw])
@@ -1172,12 +1171,19 @@ def test_tfds_pipelines_read_even_splits(monkeypatch):
 
     monkeypatch.setattr(tfds.core.DatasetBuilder, "as_dataset", spy)
     with tfds.testing.mock_data(num_examples=4):
-        inp = ImageNetInput.from_tfds(
-            "imagenet2012", "validation", is_training=False, global_batch_size=4
-        )
+        counts = dict(train_examples=4, validation_examples=4)
+        found = data.inputs("tfds:imagenet2012", image_size=16, global_batch_size=4, **counts)
+        inp = found.validation
         for index in range(2):
             inp.dataset(context(index, 2))
     assert requested == [str(s) for s in tfds.even_splits("validation", n=2)]
+
+
+def test_tfds_is_spelled_once_as_a_source_of_inputs():
+    with pytest.raises(AttributeError, match=r'data\.inputs\("tfds:imagenet2012"'):
+        ImageNetInput.from_tfds("imagenet2012", "train", is_training=True, global_batch_size=4)
+    with pytest.raises(ValueError, match=r"data\.inputs\('tfds:imagenet2012'"):
+        ImageNetInput("tfds:imagenet2012", is_training=True, global_batch_size=4)
 
 
 @pytest.fixture(scope="module")

@@ -29,10 +29,12 @@ from typing import Any
 import tensorflow as tf
 
 from tpu_scale.data import image_ops, sources
+from tpu_scale.data._removed import removed
 from tpu_scale.data.bad_records import BadRecords, explanations, record_faults
 from tpu_scale.data.input_config import FIELDS, InputConfig
 from tpu_scale.data.schema import IMAGE_KEY, LABEL_KEY, read_label_map
 from tpu_scale.data.sources import (
+    TFDS_PREFIX,
     Shard,
     TFDSSource,
     TFDSSplit,
@@ -80,8 +82,8 @@ class ImageNetInput:
 
     Args:
       data: a glob (or list of globs) of TFRecord files holding `tf.train.Example`s with an
-        encoded image and an int64 label (`InputConfig.image_key` and `label_key`); or a TFDS split
-        (`ImageNetInput.from_tfds`).
+        encoded image and an int64 label (`InputConfig.image_key` and `label_key`). A TFDS dataset
+        is read through `data.inputs("tfds:NAME", ...)`, which builds its inputs.
       is_training: selects the training path (random crops, shuffling, infinite repeat) or the eval
         path.
       global_batch_size: the batch size over all replicas; each pipeline produces
@@ -154,31 +156,11 @@ class ImageNetInput:
             on_service=bool(config.data_service_address),
         )
 
-    @classmethod
-    def from_tfds(
-        cls, name: str, split: str, data_dir: str | None = None, *, label_offset: int = 0, **kwargs
-    ) -> "ImageNetInput":
-        """An input over a TFDS dataset (for example `imagenet2012`), with TFDS's image decoding
-        skipped.
-
-        TFDS yields the raw JPEG bytes and this pipeline's fused decode-and-crop runs on them. TFDS
-        labels are 0-based, hence `label_offset=0`. The features read are `config.image_key` and
-        `config.label_key` ("image" and "label" by default); `config.cycle_length` files are read
-        at once (16 by default).
-
-        Args:
-          name: the TFDS dataset name.
-          split: the split, e.g. `"train"` or `"validation"` (slicing such as `"train[:10%]"`
-            works).
-          data_dir: the TFDS data directory (TFDS's default when None).
-          label_offset: subtracted from every label.
-          **kwargs: the other `ImageNetInput` arguments (`is_training`, `global_batch_size`,
-            `image_size`, `config`, ...).
-
-        Returns:
-          An `ImageNetInput`.
-        """
-        return cls(TFDSSplit(name, split, data_dir), label_offset=label_offset, **kwargs)
+    from_tfds = removed(
+        'ImageNetInput.from_tfds is gone: a TFDS dataset is a source of data.inputs, spelled '
+        '"tfds:NAME": data.inputs("tfds:imagenet2012", image_size=..., global_batch_size=...) '
+        "gives its train and validation inputs (.train, .validation) with their counts."
+    )
 
     @property
     def skipped_records(self) -> int:
@@ -458,6 +440,8 @@ def _pad_batch(images, labels, batch_size):
 def _source_and_label_map(data, config):
     """The input's source of records, and the label map next to its files (None for TFDS or
     files without one)."""
+    if isinstance(data, str) and data.startswith(TFDS_PREFIX):
+        raise ValueError(f"ImageNetInput reads TFRecord files; a TFDS dataset ({data!r}) is a source of data.inputs: data.inputs({data.split('/')[0]!r}, image_size=..., global_batch_size=...) gives its train and validation inputs.")
     if isinstance(data, TFDSSplit):
         source = TFDSSource(
             data.name,

@@ -25,7 +25,7 @@ from tpu_scale.data.input_config import InputConfig
 from tpu_scale.data.input_pipeline import ImageNetInput
 from tpu_scale.data.names import as_bytes, inline
 from tpu_scale.data.schema import LabelMap, read_label_map
-from tpu_scale.data.sources import TFDSSplit
+from tpu_scale.data.sources import TFDS_PREFIX, TFDSSplit
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,6 @@ IMAGENET_TRAIN_EXAMPLES = 1_281_167
 IMAGENET_VALIDATION_EXAMPLES = 50_000
 IMAGENET_CLASSES = 1000
 _IMAGENET_TRAIN_FILES = 1024
-TFDS_PREFIX = "tfds:"
 CONVERT_COMMAND = "python -m tpu_scale.data.convert"
 
 

@@ -384,9 +384,14 @@ def _parse_features(serialized, spec):
     return attempt.concatenate(fallback).take(1).get_single_element()
 
 
+# How `data.inputs` is given a TFDS dataset: "tfds:imagenet2012".
+TFDS_PREFIX = "tfds:"
+
+
 @dataclasses.dataclass(frozen=True)
 class TFDSSplit:
-    """A split of a TFDS dataset, as `ImageNetInput.from_tfds` names it."""
+    """A split of a TFDS dataset: what `data.inputs("tfds:NAME")` hands each of its
+    `ImageNetInput`s (the one way a TFDS dataset is read)."""
 
     name: str
     split: str
