@@ -12,13 +12,13 @@ import os
 import numpy as np
 import pytest
 import tensorflow as tf
+from synthetic_input import SyntheticImageNetInput  # a test helper, beside the tests
 
 import tpu_scale.strategy  # its MirroredStrategy has private collective keys: tests share a process
 from tpu_scale import data
 from tpu_scale.data import (
     ImageNetInput,
     InputConfig,
-    SyntheticImageNetInput,
     image_ops,
     make_synthetic_imagenet,
 )
@@ -460,6 +460,12 @@ def test_synthetic_source_shapes(cpu_devices):
     images, labels = next(iter(inp.dataset(context(1, 2))))
     assert images.shape == (4, 16, 16, 3) and images.dtype == tf.bfloat16
     assert labels.dtype == tf.int32 and 0 <= labels.numpy().min() and labels.numpy().max() < 10
+
+
+def test_the_synthetic_input_left_the_package_for_the_tests():
+    with pytest.raises(AttributeError, match=r"tests/synthetic_input\.py.*make_synthetic_imagenet"):
+        data.SyntheticImageNetInput
+    assert "SyntheticImageNetInput" not in data.__all__
 
 
 # --------------------------------------------------------------------------------------------------

@@ -5,7 +5,6 @@ inputs                   a run's data, the one way in: a folder of records, a fo
                          training and validation inputs, counts, label map, exact evaluation
 ImageNetInput            the train / eval pipeline (`.dataset(input_context)`, `.from_tfds`)
 InputConfig              its settings: augmentation, reading, order, tf.data service, bad records
-SyntheticImageNetInput   random batches with no I/O (the input-free bound of a step)
 write_tfrecords          class folders of images -> train/validation TFRecords + labels.json
                          (the command: python -m tpu_scale.data.convert)
 read_label_map           the label map next to the shards: classes, label offset, counts
@@ -27,7 +26,6 @@ _PUBLIC = {
     "InputConfig": "tpu_scale.data.input_config",
     "LabelMap": "tpu_scale.data.schema",
     "read_label_map": "tpu_scale.data.schema",
-    "SyntheticImageNetInput": "tpu_scale.data.synthetic",
     "make_synthetic_imagenet": "tpu_scale.data.synthetic",
     "write_tfrecords": "tpu_scale.data.convert",
     "TFRecordSummary": "tpu_scale.data.convert",
@@ -40,7 +38,21 @@ _PUBLIC = {
 }
 _SUBMODULES = ("image_ops", "image_folder", "bad_records")
 
-__getattr__ = _lazy.attributes(__name__, _PUBLIC, submodules=_SUBMODULES)
+# Names the package no longer has, each with the way that replaced it.
+_REMOVED = {
+    "SyntheticImageNetInput": "tpu_scale.data.SyntheticImageNetInput is gone from the package: "
+    "random batches with no I/O are a test helper (tests/synthetic_input.py). A run without "
+    "your own data trains on real JPEGs: data.make_synthetic_imagenet(folder) writes them and "
+    "data.inputs(folder, ...) reads them.",
+}
+
+_public = _lazy.attributes(__name__, _PUBLIC, submodules=_SUBMODULES)
+
+
+def __getattr__(name):
+    if name in _REMOVED:
+        raise AttributeError(_REMOVED[name])
+    return _public(name)
 
 __all__ = [
     "ExactEvaluation",
@@ -49,7 +61,6 @@ __all__ = [
     "LabelMap",
     "Inputs",
     "SkippedRecordsLogger",
-    "SyntheticImageNetInput",
     "TFRecordSummary",
     "evaluation_steps",
     "exact_evaluation",
