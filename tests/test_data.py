@@ -181,20 +181,13 @@ def test_eval_is_deterministic(records):
         np.testing.assert_array_equal(labels_a.numpy(), labels_b.numpy())
 
 
-def test_eval_pad_last_batch_gives_static_shapes_and_zero_weights(records):
-    pattern, expected = records
-    inp = make_input(pattern, is_training=False, global_batch_size=16, pad_last_batch=True)
-    dataset = inp.dataset()
-    assert dataset.element_spec[0].shape == (16, IMAGE_SIZE, IMAGE_SIZE, 3)
-    batches = list(dataset)
-    weights = np.concatenate([batch[2].numpy() for batch in batches])
-    assert len(batches) == 4 and weights.sum() == len(expected) == 60
-    assert weights[:60].all() and not weights[60:].any()
-
-
-def test_pad_last_batch_refused_for_training(records):
-    with pytest.raises(ValueError, match="pad_last_batch"):
-        make_input(records[0], is_training=True, global_batch_size=8, pad_last_batch=True)
+def test_the_last_batch_is_filled_by_the_exact_evaluation_only():
+    with pytest.raises(TypeError, match=r"pad_last_batch is gone.*data\.exact_evaluation"):
+        InputConfig(pad_last_batch=True)
+    with pytest.raises(TypeError, match=r"pad_last_batch is gone.*data\.exact_evaluation"):
+        InputConfig.from_dict({"pad_last_batch": False})
+    with pytest.raises(TypeError, match=r"pad_last_batch is gone.*data\.exact_evaluation"):
+        InputConfig().replace(pad_last_batch=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -421,7 +414,7 @@ def test_keras_fit_and_evaluate_on_distributed_datasets(records, cpu_devices):
     pattern, expected = records
     strategy = tpu_scale.strategy.MirroredStrategy(cpu_devices[:2])
     train = make_input(pattern, is_training=True, global_batch_size=8, shuffle_buffer_size=16)
-    evaluation = make_input(pattern, is_training=False, global_batch_size=16, pad_last_batch=True)
+    validation = make_input(pattern, is_training=False, global_batch_size=16)
     with strategy.scope():
         model = keras.Sequential(
             [
@@ -442,11 +435,14 @@ def test_keras_fit_and_evaluate_on_distributed_datasets(records, cpu_devices):
         verbose=0,
     )
     assert np.isfinite(history.history["loss"][0])
-    # The padded eval batches carry weights, so the padding (4 of 64 slots) does not count.
-    results = model.evaluate(evaluation.dataset(), verbose=0, return_dict=True)
+    # The filled batches carry weights, so the filling (4 of 64 slots) does not count.
+    evaluation = data.exact_evaluation(validation, strategy, len(expected))
+    results = model.evaluate(
+        evaluation.dataset, steps=evaluation.steps, verbose=0, return_dict=True
+    )
     correct = [
-        (np.argmax(model(images, training=False), axis=1) == labels.numpy())[weights.numpy() > 0]
-        for images, labels, weights in evaluation.dataset()
+        np.argmax(model(images, training=False), axis=1) == labels.numpy()
+        for images, labels in validation.dataset()
     ]
     correct = np.concatenate(correct)
     assert len(correct) == len(expected)

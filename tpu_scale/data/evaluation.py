@@ -5,9 +5,12 @@ into whole steps, and Keras (3.15) makes a new iterator for every `evaluate`, in
 a pass that ends mid-step or a step count that overshoots would drop or repeat examples, and a
 pass that runs out of data makes Keras warn. `exact_evaluation` makes every pass exactly `steps`
 steps long: the pipeline's own batches, each replica's filled up to its size with zero-weight
-examples, then whole zero-weight batches up to a whole number of steps, repeated for the next pass.
-No replica gets an empty batch and every step has static shapes. Compile the metrics as
-`weighted_metrics`, so that the padding's zero weights leave them unchanged.
+examples (`_filled`, the one place a batch is filled: the input pipeline leaves its last batch
+short), then whole zero-weight batches up to a whole number of steps, repeated for the next pass.
+Every replica gets a whole batch at every step, so shapes are static. Compile the metrics as
+`weighted_metrics`, so that the padding's zero weights leave them unchanged. (The one exception:
+several input pipelines whose files' record counts are unknown each run to the end of their own
+data, see `exact_evaluation`.)
 
 A small evaluation set is decoded once: its pass is kept in host memory after the first one
 (`cache`), so the validation `fit` runs every epoch does not start the input pipeline again.
@@ -73,13 +76,14 @@ def exact_evaluation(eval_input, strategy, num_examples, *, cache=None):
     batch filled up to the per-replica size with zero-weight examples and the pass topped up with
     whole zero-weight batches, then repeated, so every `evaluate` or validation in `fit` sees each
     example once whether it starts a new iterator or continues an old one. Compile the metrics as
-    `weighted_metrics`: unweighted ones (`metrics=`) would count the zero-weight padding. No
-    replica gets an empty batch and every step has static shapes. Several input pipelines (one
+    `weighted_metrics`: unweighted ones (`metrics=`) would count the zero-weight padding. Every
+    replica gets a whole batch at every step, so shapes are static. Several input pipelines (one
     per host under `MultiWorkerMirroredStrategy`, one per host of a TPU pod slice) read their own
     files: where every file's record count is known (the label map of `write_tfrecords`), a pass
     is as many steps as the longest pipeline's and the others are topped up to it; otherwise each
     pass runs to the end of its data (`steps` is None, and Keras warns that the input ran out of
-    data).
+    data): each batch is still filled to the replica's size, but a pipeline's last step may hand
+    some of its replicas no batch at all.
 
     Caching. Keras starts a new iterator for every `evaluate` (inside `fit` too), and an input
     pipeline takes a while to start (reading, parsing and decoding its first batch, per epoch of
@@ -171,7 +175,8 @@ def exact_evaluation(eval_input, strategy, num_examples, *, cache=None):
 
 def _filled(batch, size):
     """`(images, labels[, weights])` filled up to `size` examples with zeros of weight 0, as
-    `(images, labels, weights)` of static batch size `size`."""
+    `(images, labels, weights)` of static batch size `size`: how an evaluation's last, short batch
+    is made whole."""
     images, labels, *weights = batch
     count = tf.shape(images)[0]
     weights = weights[0] if weights else tf.ones([count], tf.float32)

@@ -3,13 +3,14 @@
 Everything that tunes how records become batches, and nothing about which data they are: the
 augmentation (crops, flip, resize, scaled decode), the reading (interleave, buffers, cache,
 threads), the order (determinism, seed), the tf.data service, the bad-record policy and the
-evaluation's batches. `ImageNetInput(data, is_training=..., image_size=...,
+validation's cache. `ImageNetInput(data, is_training=..., image_size=...,
 global_batch_size=..., config=InputConfig(...))` and `data.inputs(..., config=...)` take it;
 `Recipe.input_config(config)` puts the recipe's augmentation in one; `to_dict` / `from_dict` write
 it as JSON in a run's record (the example's `run.json`) and read it back.
 """
 
 import dataclasses
+import functools
 
 from tpu_scale.data.image_ops import AREA_RANGE, CENTER_CROP_FRACTION
 
@@ -94,9 +95,6 @@ class InputConfig:
         "image" in TFDS).
       label_key: the feature holding the integer label (None: "image/class/label" in TFRecords,
         "label" in TFDS).
-      pad_last_batch: evaluation only: pad the last batch to full size so every batch has a static
-        shape; the dataset then yields `(images, labels, weights)` with weight 0 for padding, which
-        Keras uses as sample weights so that padding does not count.
       cache_evaluation: the run's exact evaluation (`Inputs.evaluation`) keeps its first pass in
         host memory: True, False, or None for when one pass takes at most
         `evaluation.CACHE_LIMIT_BYTES` per input pipeline (`exact_evaluation`'s `cache`).
@@ -121,7 +119,6 @@ class InputConfig:
     max_bad_fraction: float = 0.001
     image_key: str | None = None
     label_key: str | None = None
-    pad_last_batch: bool = False
     cache_evaluation: bool | None = None
 
     def __post_init__(self):
@@ -165,6 +162,7 @@ class InputConfig:
         Raises:
           ValueError: naming any key that is not a field.
         """
+        _refuse_removed(fields)
         unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"Not InputConfig fields: {', '.join(unknown)}.")
@@ -172,3 +170,27 @@ class InputConfig:
 
 
 FIELDS = frozenset(f.name for f in dataclasses.fields(InputConfig))
+
+# Fields the configuration no longer has, each with the way that replaced it.
+REMOVED_FIELDS = {
+    "pad_last_batch": "pad_last_batch is gone: the exact evaluation fills the last batch of every replica with zero-weight examples (data.exact_evaluation, which data.inputs builds); compile the metrics as weighted_metrics.",
+}
+
+
+def _refuse_removed(fields):
+    for name in fields:
+        if name in REMOVED_FIELDS:
+            raise TypeError(f"InputConfig: {REMOVED_FIELDS[name]}")
+
+
+def _checked(init):
+    @functools.wraps(init)
+    def __init__(self, *args, **fields):
+        _refuse_removed(fields)
+        init(self, *args, **fields)
+
+    return __init__
+
+
+# The dataclass's own error for a field it no longer has would not say what replaced it.
+InputConfig.__init__ = _checked(InputConfig.__init__)

@@ -78,7 +78,7 @@ class ImageNetInput:
     cache of the raw records, shuffle, repeat, fused decode-and-crop (Inception random box), flip,
     normalize, batches with `drop_remainder=True` (static shapes), prefetch.
     Evaluation: every example exactly once in file order, center crop, no shuffle, no repeat; the
-    last batch is smaller unless `config.pad_last_batch`.
+    last batch is smaller (`exact_evaluation` fills it up with zero-weight examples).
 
     Args:
       data: a glob (or list of globs) of TFRecord files holding `tf.train.Example`s with an
@@ -101,7 +101,7 @@ class ImageNetInput:
         device (`tpu_scale.layers.ImageNormalization`, `models.resnet50(normalize_inputs=True)`).
         Labels are always int32.
       config: an `InputConfig`: the augmentation, the reading, the order and seed, the tf.data
-        service, the bad-record policy and the evaluation's last batch (None: the defaults). A
+        service, the bad-record policy and the validation's cache (None: the defaults). A
         keyword that used to be an argument here and is a field there (`cache=True`, ...) fails
         with a `TypeError` that says so.
     """
@@ -131,8 +131,6 @@ class ImageNetInput:
         self.dtype = tf.dtypes.as_dtype(dtype)
         if self.dtype not in (tf.float32, tf.bfloat16, tf.uint8):
             raise ValueError(f"dtype must be float32, bfloat16 (normalized images) or uint8 (raw pixels), got {self.dtype.name}.")
-        if config.pad_last_batch and is_training:
-            raise ValueError("pad_last_batch=True is for evaluation: training batches are already full (drop_remainder=True). Pass is_training=False, or drop pad_last_batch.")
         if config.deterministic and config.seed is None:
             config = config.replace(seed=0)
         self.config = config
@@ -207,8 +205,7 @@ class ImageNetInput:
             the global batch.
 
         Returns:
-          A `tf.data.Dataset` of `(images [batch, size, size, 3] in dtype, labels [batch] int32)`,
-          or `(images, labels, weights)` with `pad_last_batch=True`.
+          A `tf.data.Dataset` of `(images [batch, size, size, 3] in dtype, labels [batch] int32)`.
 
         Raises:
           ValueError: if no file matches, or the records lack the configured feature keys.
@@ -265,10 +262,6 @@ class ImageNetInput:
             deterministic=deterministic,
             seed=seed,
         )
-        if config.pad_last_batch:
-            examples = examples.map(
-                graph_function(lambda images, labels: _pad_batch(images, labels, batch_size))
-            )
         options = _pipeline_options(deterministic=deterministic, threadpool_size=self._threads)
         examples = examples.with_options(options)
         if config.data_service_address:
@@ -424,17 +417,6 @@ class DecodeStage:
         return tf.random.stateless_uniform(
             [size, 2], seed, minval=None, maxval=None, dtype=tf.int64
         )
-
-
-def _pad_batch(images, labels, batch_size):
-    """Pads a (last, partial) batch to `batch_size`, with weight 0 for the padding."""
-    count = tf.shape(labels)[0]
-    padding = batch_size - count
-    images = tf.pad(images, [[0, padding], [0, 0], [0, 0], [0, 0]])
-    labels = tf.pad(labels, [[0, padding]])
-    weights = tf.pad(tf.ones([count], tf.float32), [[0, padding]])
-    images = tf.ensure_shape(images, [batch_size] + images.shape[1:].as_list())
-    return images, tf.ensure_shape(labels, [batch_size]), tf.ensure_shape(weights, [batch_size])
 
 
 def _source_and_label_map(data, config):
