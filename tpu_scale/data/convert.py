@@ -1071,7 +1071,9 @@ def main(argv: Sequence[str] | None = None) -> TFRecordSummary:
     """The command line: converts, prints the summary; errors exit with status 1 and one message."""
     parser = argparse.ArgumentParser(
         prog="python -m tpu_scale.data.convert",
-        description=__doc__.split("\n\n")[0],
+        description="Turns a folder of class sub-folders of images (IMAGE_DIR/<class>/<image>) "
+        "into TFRecord shards in the classic ImageNet layout (train-*, validation-*), with "
+        "labels.json, labels.txt and skipped.json beside them.",
         epilog="Memory: no file above --max_file_mib is read whole and no image above "
         "--max_pixels is decoded; the large images wait for a 2 GiB budget, so with the default "
         "caps the conversion stays under about 3.5 GiB plus 0.1 GiB per thread (--num_threads), "
@@ -1135,9 +1137,9 @@ def main(argv: Sequence[str] | None = None) -> TFRecordSummary:
     )
     parser.add_argument(
         "--beam_pipeline_options",
-        help="run as an Apache Beam pipeline with these comma-separated key=value pipeline "
-        'options, e.g. "runner=DirectRunner,direct_num_workers=2,direct_running_mode='
-        'multi_processing" (pip install -e ".[beam]")',
+        help="run as an Apache Beam pipeline with these pipeline options, key=value pairs "
+        'separated by commas, e.g. "runner=DirectRunner,direct_num_workers=2" (needs '
+        'pip install -e ".[beam]")',
     )
     args = parser.parse_args(argv)
     tf.config.list_physical_devices()  # TensorFlow's start-up lines, before any image's
