@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from tpu_scale.testing import run_workers
+from tpu_scale.torus_schedule import ALGORITHMS
 
 # One cluster (the module's fixture) serves every test here: under pytest-xdist's `--dist
 # loadgroup` they run on one worker, so that the cluster starts once instead of once per worker,
@@ -16,7 +17,6 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("torus_multiwork
 
 SHAPES = [(1,), (7,), (1003,), (3, 5), (2, 3, 4)] + [(i % 5 + 1, 3) for i in range(30)]
 DTYPES = ["float32", "float32", "float32", "bfloat16", "float16"] + ["float32", "bfloat16"] * 15
-ALGORITHMS = ("ring", "torus_2d", "torus_2d_bidirectional", "flat")
 # (name, algorithm, transport dtype) of every sum the workers run.
 SUMS = [(a, a, None) for a in ALGORITHMS] + [("torus_2d_bfloat16", "torus_2d", "bfloat16")]
 

@@ -308,10 +308,10 @@ def create_strategy(
       gradient_reduction: `"torus"` (the 2-D reduction of `tpu_scale.torus`, as the strategy's
         cross-device ops, `tpu_scale.TorusAllReduce`: every sum of every program under it) or
         `"native"` (TensorFlow's own all-reduce).
-      gradient_algorithm: with `"torus"`: `"auto"`, `"native"` or one of
-        `tpu_scale.torus.ALGORITHMS`. `"auto"` is `tpu_scale.torus.resolve_algorithm`'s rule
-        for this hardware (one host, or a gradient under 64 KiB: "flat"; several hosts:
-        "torus_2d"; GPUs: "native"), logged once.
+      gradient_algorithm: with `"torus"`: one of `tpu_scale.torus.GRADIENT_ALGORITHMS`: `"auto"`,
+        `"native"` or one of `tpu_scale.torus.ALGORITHMS`. `"auto"` is
+        `tpu_scale.torus.resolve_algorithm`'s rule for this hardware (one host, or a gradient
+        under 64 KiB: "flat"; several hosts: "torus_2d"; GPUs: "native"), logged once.
       gradient_pack_bytes: with `"torus"`: gradients are fused into buffers of about this many
         bytes; `None` or 0 fuses each dtype into one buffer.
       gradient_dtype: with `"torus"`: `"bfloat16"` carries the phases between hosts in bfloat16

@@ -37,10 +37,12 @@ from tpu_scale.tf_seam import device_util
 from tpu_scale.tf_seam import distribute_values as values_lib
 from tpu_scale.torus_schedule import (  # noqa: F401  (re-exported: the public torus names)
     ALGORITHMS,
+    ALGORITHMS_AND_NATIVE,
     ALL_GATHER,
     ALL_REDUCE,
     DEFAULT_ALGORITHM,
     DEFAULT_PACK_BYTES,
+    GRADIENT_ALGORITHMS,
     REDUCE_SCATTER,
     Phase,
     Schedule,
@@ -59,7 +61,8 @@ from tpu_scale.torus_schedule import (  # noqa: F401  (re-exported: the public t
 )
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
-CHOICES = ALGORITHMS + ("native",)
+# `keras_hook` reads the options under this name; the list itself is `ALGORITHMS_AND_NATIVE`.
+CHOICES = ALGORITHMS_AND_NATIVE
 GRADIENT_DTYPES = (None, "float32", "bfloat16")
 
 logger = logging.getLogger(__name__)
@@ -347,8 +350,8 @@ class TorusAllReduce(tf.distribute.CrossDeviceOps):
         fallback=None,
     ):
         super().__init__()
-        if algorithm != "auto" and algorithm not in CHOICES:
-            raise ValueError(f"algorithm={algorithm!r}; choose 'auto' or one of {CHOICES}.")
+        if algorithm not in GRADIENT_ALGORITHMS:
+            raise ValueError(f"algorithm={algorithm!r}; choose one of {GRADIENT_ALGORITHMS}.")
         if pack_bytes is not None and pack_bytes < 0:
             raise ValueError(f"pack_bytes must be positive, or None / 0 for one buffer per dtype; got {pack_bytes}.")
         if gradient_dtype not in GRADIENT_DTYPES:

@@ -21,7 +21,13 @@ import dataclasses
 
 import numpy as np
 
+# The in-graph sums this module builds schedules for: the one list of them.
 ALGORITHMS = ("ring", "torus_2d", "torus_2d_bidirectional", "flat")
+# Those and "native", TensorFlow's own all-reduce: every option a sum can run (what the planner
+# prices, and what `resolve_algorithm` may return).
+ALGORITHMS_AND_NATIVE = ALGORITHMS + ("native",)
+# Those and "auto" (`resolve_algorithm`'s rule): every `gradient_algorithm` a strategy accepts.
+GRADIENT_ALGORITHMS = ("auto",) + ALGORITHMS_AND_NATIVE
 
 REDUCE_SCATTER = "reduce_scatter"
 ALL_REDUCE = "all_reduce"

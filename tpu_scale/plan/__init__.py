@@ -63,7 +63,7 @@ from tpu_scale.plan.catalog import (
     tpu_slice,
     uniform_cluster,
 )
-from tpu_scale.plan.choice import OPTIONS, Choice, choose_algorithm, hardware_cluster, price_option
+from tpu_scale.plan.choice import Choice, choose_algorithm, hardware_cluster, price_option
 from tpu_scale.plan.cli import main
 from tpu_scale.plan.cost import pack_sizes, price_algorithms, price_schedule
 from tpu_scale.plan.report import format_plan, plan, sharding_advice
@@ -83,7 +83,6 @@ __getattr__ = _lazy.attributes(
 
 __all__ = [
     "CPU_FIGURES",
-    "OPTIONS",
     "Choice",
     "choose_algorithm",
     "cpu_cluster",

@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 
+from tpu_scale import torus_schedule
 from tpu_scale.plan.catalog import MODELS
 from tpu_scale.plan.report import format_bytes, format_seconds
 
@@ -21,9 +22,6 @@ def _median_time(fn, repeats):
         fn()
         times.append(time.perf_counter() - start)
     return float(np.median(times)), float(min(times)), float(max(times))
-
-
-IN_GRAPH_OPTIONS = ("ring", "torus_2d", "torus_2d_bidirectional", "flat")
 
 
 def _model_terms(n, mesh_shape, tensors, option, **figures):
@@ -47,7 +45,7 @@ def calibrate(sizes=(2**12, 2**18, 2**21, 2**23), repeats=5, model="resnet50", l
     fits `T = call + collectives * launch + ring_bytes / bandwidth`. Both by non-negative least
     squares of the relative error. Then sums the model's real gradient shapes, which no fit point
     has (ResNet-50: 214 tensors from 4 KiB to 9 MiB), with every option `"auto"` can pick
-    (`plan.choice.OPTIONS`) and reports predicted over measured time (ratio < 1: the model is
+    (`torus_schedule.ALGORITHMS_AND_NATIVE`) and reports predicted over measured time (ratio < 1: the model is
     optimistic).
 
     Must run before TensorFlow starts anything else in the process (it creates the 8 logical CPUs).
@@ -59,7 +57,6 @@ def calibrate(sizes=(2**12, 2**18, 2**21, 2**23), repeats=5, model="resnet50", l
     import tensorflow as tf
 
     from tpu_scale import torus
-    from tpu_scale.plan.choice import OPTIONS
     from tpu_scale.strategy import create_strategy
 
     strategy = create_strategy(num_cpu_replicas=8, mesh_shape=(2, 4), gradient_reduction="native")
@@ -119,7 +116,7 @@ def calibrate(sizes=(2**12, 2**18, 2**21, 2**23), repeats=5, model="resnet50", l
         {"handoff_seconds": 1.0, "memory_bandwidth": 1e30},
         {"handoff_seconds": 0.0, "memory_bandwidth": 1.0},
     )
-    local = [fit_point(o, b, local_columns) for o in IN_GRAPH_OPTIONS for b in lists]
+    local = [fit_point(o, b, local_columns) for o in torus_schedule.ALGORITHMS for b in lists]
     (local_call, handoff, inverse_memory), local_rms = fit(local)
     # ... collective launches, then ring bytes.
     native_columns = (
@@ -160,7 +157,7 @@ def calibrate(sizes=(2**12, 2**18, 2**21, 2**23), repeats=5, model="resnet50", l
     shapes = model_gradient_shapes(model)
     tensors = [(int(np.prod(s)) * 4, "float32") for s in shapes]
     comparisons = {}
-    for option in OPTIONS:
+    for option in torus_schedule.ALGORITHMS_AND_NATIVE:
         predicted = (call if option == "native" else local_call) + _model_terms(
             n, mesh.shape, tensors, option, **figures
         )

@@ -37,7 +37,6 @@ from tpu_scale import torus_schedule
 from tpu_scale.plan.catalog import cpu_cluster, gpu_cluster, slice_names, tpu_slice
 from tpu_scale.plan.cost import price_schedule
 
-OPTIONS = torus_schedule.ALGORITHMS + ("native",)
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 
@@ -76,7 +75,7 @@ def price_option(
     Args:
       hardware: a `Hardware` (`hardware_cluster`, `tpu_slice`, `gpu_cluster`, `cpu_cluster`).
       tensors: `[(num_bytes, dtype_name), ...]`, one per gradient tensor.
-      algorithm: one of `OPTIONS`.
+      algorithm: one of `torus_schedule.ALGORITHMS_AND_NATIVE`.
       pack_bytes: the executor's fused buffer size.
       gradient_dtype: dtype name of the phases between hosts (e.g. `"bfloat16"`), or None.
 
@@ -139,7 +138,7 @@ def choose_algorithm(
     tensors,
     pack_bytes=torus_schedule.DEFAULT_PACK_BYTES,
     gradient_dtype=None,
-    options=OPTIONS,
+    options=torus_schedule.ALGORITHMS_AND_NATIVE,
 ):
     """The cheapest option for summing `tensors` on `hardware`, by the cost model.
 
@@ -148,7 +147,8 @@ def choose_algorithm(
       tensors: `[(num_bytes, dtype_name), ...]`, one per gradient tensor.
       pack_bytes: the executor's fused buffer size.
       gradient_dtype: dtype name of the phases between hosts, or None.
-      options: the options to price (default `OPTIONS`: every algorithm and `"native"`).
+      options: the options to price (default `torus_schedule.ALGORITHMS_AND_NATIVE`: every
+        algorithm and `"native"`).
 
     Returns:
       A `Choice`. Ties keep the earlier option of `options`.
