@@ -229,24 +229,27 @@ def test_strict_fails_after_the_pipeline_naming_the_image(tmp_path):
 
 def test_a_failing_pipeline_leaves_nothing_that_looks_finished(image_dir, tmp_path, monkeypatch):
     needs_beam()
-    from tpu_scale.data import beam_writer, conversion
+    from tpu_scale.data import convert
 
     output_dir = tmp_path / "records"
     write_tfrecords(image_dir, str(output_dir), seed=7, beam_options=IN_MEMORY)
     before = files(str(output_dir))
-    written = []
+    write_shard, log = convert.write_shard, tmp_path / "shards_begun"
 
     def failing_write_shard(path, images, num_classes):
-        written.append(path)
-        if len(written) == 3:
+        # Counted in a file: the runner runs a copy of this function (its arguments are pickled).
+        with open(log, "a") as f:
+            f.write(path + "\n")
+        if len(log.read_text().splitlines()) == 3:
             raise OSError("disk full")
-        return conversion.write_shard(path, images, num_classes)
+        return write_shard(path, images, num_classes)
 
-    # The in-memory runner runs the pipeline's functions in this process.
-    monkeypatch.setattr(beam_writer, "write_shard", failing_write_shard)
+    # The in-memory runner runs the pipeline's functions in this process; write_tfrecords hands
+    # the pipeline convert's write_shard.
+    monkeypatch.setattr(convert, "write_shard", failing_write_shard)
     with pytest.raises(Exception, match="disk full"):
         write_tfrecords(image_dir, str(output_dir), overwrite=True, beam_options=IN_MEMORY)
-    assert len(written) >= 3
+    assert len(log.read_text().splitlines()) >= 3
     assert files(str(output_dir)) == before  # the earlier conversion, intact
     assert leftovers(str(tmp_path)) == []
 

@@ -39,12 +39,6 @@ import os
 import tensorflow as tf
 
 from tpu_scale._files import is_local, remove_tree
-from tpu_scale.data.convert import (
-    ConversionPlan,
-    ShardResult,
-    convert_image,
-    write_shard,
-)
 from tpu_scale.data.names import inline
 
 # The pipeline's own files in the staging folder: each shard's image list and, once it is written,
@@ -126,7 +120,7 @@ def _shard_images(shard_number, scratch, names):
             yield shard_number, position, path, class_id
 
 
-def _convert(image, class_names, label_offset, base_dir, limits):
+def _convert(image, convert_image, class_names, label_offset, base_dir, limits):
     shard_number, position, path, class_id = image
     converted = convert_image(
         _absolute(path, base_dir), class_id, class_names, label_offset, **limits
@@ -135,7 +129,7 @@ def _convert(image, class_names, label_offset, base_dir, limits):
     return shard_number, (position, dataclasses.replace(converted, path=path))
 
 
-def _write(shard, names, staging_dir, scratch, num_classes):
+def _write(shard, write_shard, names, staging_dir, scratch, num_classes):
     shard_number, images = shard
     images = [image for _, image in sorted(images, key=lambda pair: pair[0])]
     result = write_shard(os.path.join(staging_dir, names[shard_number]), images, num_classes)
@@ -144,16 +138,19 @@ def _write(shard, names, staging_dir, scratch, num_classes):
         f.write(json.dumps(dataclasses.asdict(result)))
 
 
-def write_shards(plan: ConversionPlan, staging_dir: str, options) -> list[ShardResult]:
+def write_shards(plan, staging_dir: str, options, *, convert_image, write_shard) -> list[dict]:
     """Runs the pipeline that writes the shards of `plan` into `staging_dir`.
 
     Args:
       plan: the conversion's plan (`convert.plan_conversion`).
       staging_dir: the staging folder (`output_dir.make_staging_dir`).
       options: `PipelineOptions`, as `pipeline_options` returns them.
+      convert_image: the per-image work (`convert.convert_image`), run on the workers.
+      write_shard: the shard writer (`convert.write_shard`), run on the workers. Both are given
+        by `convert.write_tfrecords`, so that this module, which it imports, imports it not back.
 
     Returns:
-      The `ShardResult` of each planned shard, in the plan's order.
+      The fields of each planned shard's `convert.ShardResult`, in the plan's order.
 
     Raises:
       RuntimeError: the pipeline finished without writing a planned shard.
@@ -178,9 +175,11 @@ def write_shards(plan: ConversionPlan, staging_dir: str, options) -> list[ShardR
             | "Images" >> beam.FlatMap(_shard_images, scratch, names)
             | "Spread" >> beam.Reshuffle()
             | "Convert"
-            >> beam.Map(_convert, plan.class_names, plan.label_offset, base_dir, limits)
+            >> beam.Map(
+                _convert, convert_image, plan.class_names, plan.label_offset, base_dir, limits
+            )
             | "By shard" >> beam.GroupByKey()
-            | "Write" >> beam.Map(_write, names, staging_dir, scratch, num_classes)
+            | "Write" >> beam.Map(_write, write_shard, names, staging_dir, scratch, num_classes)
         )
     results = []
     for name in names:
@@ -188,6 +187,6 @@ def write_shards(plan: ConversionPlan, staging_dir: str, options) -> list[ShardR
         if not tf.io.gfile.exists(path):
             raise RuntimeError(f"The Beam pipeline finished without writing the shard {name} (no {inline(path)}): can its workers reach {inline(staging_dir)}?")
         with tf.io.gfile.GFile(path) as f:
-            results.append(ShardResult(**json.load(f)))
+            results.append(json.load(f))
     remove_tree(scratch)
     return results

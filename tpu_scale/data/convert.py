@@ -1018,7 +1018,10 @@ def write_tfrecords(
         if beam_options is None:
             results = _write_shards_locally(plan, staging_dir, num_threads, progress)
         else:
-            results = beam_writer.write_shards(plan, staging_dir, beam_options)
+            written = beam_writer.write_shards(
+                plan, staging_dir, beam_options, convert_image=convert_image, write_shard=write_shard
+            )
+            results = [ShardResult(**fields) for fields in written]
         return finish_conversion(plan, results, staging_dir, output_dir, replace)
     except BaseException:
         remove_tree(staging_dir)
