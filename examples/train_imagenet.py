@@ -76,7 +76,7 @@ class TrainConfig:
     num_classes: Optional[int] = flag(None, "Classes. Default: the label map's, or 1000.")
     label_offset: Optional[int] = flag(None, "Stored label of class 0. Default: label map's, or 1.")
     train_examples: Optional[int] = flag(None, "Training examples per epoch. Default: counted.")
-    eval_examples: Optional[int] = flag(None, "Validation examples. Default: counted.")
+    validation_examples: Optional[int] = flag(None, "Validation examples. Default: counted.")
     image_size: int = flag(64, "Image height and width.")
     model: str = flag("small_resnet", "resnet50 or small_resnet.")
     global_batch_size: int = flag(128, "Examples per step over all replicas.")
@@ -101,12 +101,12 @@ class TrainConfig:
     strict: bool = flag(False, "Stop at the first bad record (default: skip, name and count).")
     max_bad_fraction: float = flag(0.001, "Stop when more of the records read are bad (and 10+).")
     deterministic: bool = flag(False, "Reproducible input order and crops (slower).")
-    cache_evaluation: str = flag("auto", "auto, yes or no: validation in memory. auto: if small.")
+    cache_validation: str = flag("auto", "auto, yes or no: validation in memory. auto: if small.")
     seed: int = flag(0, "Random seed.")
     progress: Optional[bool] = flag(None, "Keras progress bar. Default: on in a terminal.")
     keep_checkpoints: int = flag(3, "The newest per-epoch checkpoints kept.")
     synthetic_train_examples: int = flag(2560, "Training examples of the generated dataset.")
-    synthetic_eval_examples: int = flag(512, "Validation examples of the generated dataset.")
+    synthetic_validation_examples: int = flag(512, "Validation examples of the generated dataset.")
 
 
 # What decides how a run trains: a resumed run names each of these that changed.
@@ -132,7 +132,7 @@ def check_flags(config):
         ("optimizer", "lars sgd"),
         ("mixed_precision", "float32 bfloat16 float16"),
         ("input_dtype", "uint8 float"),
-        ("cache_evaluation", "auto yes no"),
+        ("cache_validation", "auto yes no"),
     ]:
         value = getattr(config, name)
         if value not in allowed.split() and not (name == "optimizer" and value is None):
@@ -206,7 +206,7 @@ def train(config, extra_callbacks=()):
                 source,
                 num_classes=config.num_classes or 10,
                 train_examples=config.synthetic_train_examples,
-                eval_examples=config.synthetic_eval_examples,
+                validation_examples=config.synthetic_validation_examples,
                 image_shape=(config.image_size, config.image_size),
                 seed=config.seed,
             )
@@ -216,7 +216,7 @@ def train(config, extra_callbacks=()):
         settings = "deterministic seed strict max_bad_fraction".split()
         input_config = data.InputConfig(
             **{name: getattr(config, name) for name in settings},
-            cache_evaluation={"auto": None, "yes": True, "no": False}[config.cache_evaluation],
+            cache_validation={"auto": None, "yes": True, "no": False}[config.cache_validation],
         )
         given = "image_size global_batch_size num_classes label_offset train_examples tfds_data_dir"
         inputs = data.inputs(
@@ -224,7 +224,7 @@ def train(config, extra_callbacks=()):
             strategy=strategy,
             config=input_config,
             dtype=dtype,
-            validation_examples=config.eval_examples,
+            validation_examples=config.validation_examples,
             records_dir=os.path.join(model_dir, "records"),
             **{name: getattr(config, name) for name in given.split()},
         )
@@ -252,7 +252,7 @@ def train(config, extra_callbacks=()):
         inputs = inputs.with_config(recipe.input_config(input_config))  # its crops and flips
         # Raises, with the fix, if the global batch does not divide over the replicas. A small
         # validation set is decoded once and kept in memory (data.exact_evaluation's rule).
-        validation = inputs.evaluation
+        validation = inputs.exact_evaluation
 
         # ---- model: grouped batch norm, compiled with the recipe
         with strategy.scope():
@@ -311,7 +311,7 @@ def train(config, extra_callbacks=()):
             raise TrainingDiverged(guard.message)
         results = model.evaluate(validation.dataset, steps=validation.steps, return_dict=True, verbose=0)
         # Every pass reads every validation record: the bad ones, each counted once.
-        eval_skipped = inputs.validation.distinct_skipped_records
+        validation_skipped = inputs.validation.distinct_skipped_records
 
         # ---- report
         rate = logger.images_per_second
@@ -322,8 +322,8 @@ def train(config, extra_callbacks=()):
             "wall_seconds": time.perf_counter() - start,
             "num_classes": inputs.num_classes,
             "epochs": config.epochs,
-            "eval_examples": inputs.validation_examples,
-            "eval_skipped": eval_skipped,
+            "validation_examples": inputs.validation_examples,
+            "validation_skipped": validation_skipped,
         }
         outputs = None
         if config.model_dir:
@@ -331,6 +331,23 @@ def train(config, extra_callbacks=()):
             record["input_config"] = inputs.config.to_dict()  # data.InputConfig.from_dict reads it
             outputs = training.save_run(model_dir, model, record, strategy)
         return dict(summary, model=model, model_dir=config.model_dir, outputs=outputs)
+
+
+# Flags that "validation" renamed (the data split; "evaluation" is the act): an old spelling is
+# refused with the new one, not with absl's unknown-flag error.
+RENAMED_FLAGS = {
+    "eval_examples": "validation_examples",
+    "cache_evaluation": "cache_validation",
+    "synthetic_eval_examples": "synthetic_validation_examples",
+}
+
+
+def check_renamed_flags(argv):
+    """Raises `SystemExit` naming the new flag for any renamed flag in `argv`."""
+    for arg in argv[1:]:
+        name = arg.lstrip("-").split("=")[0]
+        if arg.startswith("-") and name in RENAMED_FLAGS:
+            raise SystemExit(f"error: --{name} is now --{RENAMED_FLAGS[name]}.")
 
 
 def main(argv):
@@ -357,6 +374,7 @@ if __name__ == "__main__":
     for field in dataclasses.fields(TrainConfig):
         kind = next((k for k in kinds if k.__name__ in str(field.type)), str)
         kinds.get(kind, flags.DEFINE_string)(field.name, field.default, field.metadata["help"])
+    check_renamed_flags(sys.argv)
     logging.set_verbosity(logging.INFO)
     # The package's progress lines (Python loggers under "tpu_scale"), not TensorFlow's INFO lines.
     python_logging.getLogger("tpu_scale").setLevel(python_logging.INFO)

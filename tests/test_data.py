@@ -1249,7 +1249,7 @@ def test_data_service_train(records, data_service):
 
 
 def test_synthetic_imagenet_is_deterministic_and_learnable(tmp_path):
-    kwargs = dict(num_classes=4, train_examples=80, eval_examples=40, image_shape=(24, 24))
+    kwargs = dict(num_classes=4, train_examples=80, validation_examples=40, image_shape=(24, 24))
     first = make_synthetic_imagenet(str(tmp_path / "a"), **kwargs)
     make_synthetic_imagenet(str(tmp_path / "b"), **kwargs)
     for name in sorted(os.listdir(tmp_path / "a")):

@@ -10,7 +10,7 @@ from tpu_scale import data
 def records(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("eval"))
     data.make_synthetic_imagenet(
-        folder, num_classes=10, train_examples=16, eval_examples=179, image_shape=(16, 16)
+        folder, num_classes=10, train_examples=16, validation_examples=179, image_shape=(16, 16)
     )
     return folder
 

@@ -268,7 +268,7 @@ def test_the_example_trains_on_two_launched_workers(tmp_path):
     example = os.path.join(ROOT, "examples", "train_imagenet.py")
     proc = _launch(
         "--num_workers", "2", "--", example, "--image_size", "16", "--epochs", "2",
-        "--synthetic_train_examples", "128", "--synthetic_eval_examples", "32",
+        "--synthetic_train_examples", "128", "--synthetic_validation_examples", "32",
         "--global_batch_size", "32", "--num_cpu_replicas", "1", "--noprogress",
         "--model_dir", str(tmp_path / "run"),
     )  # fmt: skip

@@ -83,7 +83,7 @@ from tpu_scale import data, layers, training
 
 strategy = tpu_scale.create_strategy(num_cpu_replicas=8, mesh_shape=(2, 4))
 folder = tempfile.mkdtemp()
-data.make_synthetic_imagenet(folder, num_classes=4, train_examples=64, eval_examples=21, image_shape=(16, 16))
+data.make_synthetic_imagenet(folder, num_classes=4, train_examples=64, validation_examples=21, image_shape=(16, 16))
 train = data.ImageNetInput(f"{folder}/train-*", is_training=True, image_size=16, global_batch_size=32)
 validation = data.exact_evaluation(
     data.ImageNetInput(f"{folder}/validation-*", is_training=False, image_size=16, global_batch_size=32),

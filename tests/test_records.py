@@ -16,7 +16,7 @@ from tpu_scale import data
 def synthetic(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("synthetic"))
     made = data.make_synthetic_imagenet(
-        folder, num_classes=10, train_examples=96, eval_examples=37, image_shape=(16, 16)
+        folder, num_classes=10, train_examples=96, validation_examples=37, image_shape=(16, 16)
     )
     return folder, made
 
@@ -40,8 +40,8 @@ def test_the_evaluation_counts_every_validation_example_once(synthetic, cpu_devi
     folder, _ = synthetic
     strategy = tpu_scale.strategy.MirroredStrategy(cpu_devices[:2])
     inputs = data.inputs(folder, image_size=16, global_batch_size=8, strategy=strategy)
-    evaluation = inputs.evaluation
-    assert evaluation is inputs.evaluation  # built once
+    evaluation = inputs.exact_evaluation
+    assert evaluation is inputs.exact_evaluation  # built once
     # 37 examples in per-replica batches of 4: 10 batches over 2 replicas, 5 steps.
     assert evaluation.steps == 5 and evaluation.cached  # a small set is kept in memory
     weights = []
@@ -50,8 +50,8 @@ def test_the_evaluation_counts_every_validation_example_once(synthetic, cpu_devi
         batch = next(iterator)
         weights += [w.numpy() for w in strategy.experimental_local_results(batch[2])]
     assert np.concatenate(weights).sum() == 37
-    uncached = inputs.with_config(data.InputConfig(cache_evaluation=False))
-    assert not uncached.evaluation.cached and uncached.train_examples == 96
+    uncached = inputs.with_config(data.InputConfig(cache_validation=False))
+    assert not uncached.exact_evaluation.cached and uncached.train_examples == 96
 
 
 def test_a_configuration_reaches_both_inputs_without_reading_again(synthetic, monkeypatch):
@@ -158,3 +158,18 @@ def test_the_label_map_is_written_whole(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space left"):
         write_label_map(str(tmp_path), ["a", "b", "c"], 0, {"train": 3})
     assert read_label_map(str(tmp_path)).class_names == ("a", "b")  # the old map, whole
+
+
+def test_the_old_words_for_validation_name_the_new_ones(synthetic, tmp_path):
+    folder, _ = synthetic
+    inputs = data.inputs(folder, image_size=16, global_batch_size=8)
+    with pytest.raises(AttributeError, match=r"Inputs\.exact_evaluation"):
+        inputs.evaluation
+    with pytest.raises(TypeError, match="eval_examples is now validation_examples"):
+        data.inputs(folder, image_size=16, global_batch_size=8, eval_examples=5)
+    with pytest.raises(TypeError, match=r"InputConfig\(cache_validation=\.\.\.\)"):
+        data.inputs(folder, image_size=16, global_batch_size=8, cache_evaluation=False)
+    with pytest.raises(TypeError, match="cache_evaluation is now cache_validation"):
+        data.InputConfig(cache_evaluation=False)
+    with pytest.raises(TypeError, match="eval_examples is now validation_examples"):
+        data.make_synthetic_imagenet(str(tmp_path), eval_examples=5)

@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join("examples", "slurm", "train_imagenet_cpu.sbatch")
 EPOCHS = 4
 FLAGS = [
-    "--image_size", "16", "--synthetic_train_examples", "128", "--synthetic_eval_examples", "32",
+    "--image_size", "16", "--synthetic_train_examples", "128", "--synthetic_validation_examples", "32",
     "--global_batch_size", "32", "--epochs", str(EPOCHS), "--num_cpu_replicas", "1",
     "--deterministic", "--seed", "1",
 ]  # fmt: skip

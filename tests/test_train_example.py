@@ -31,7 +31,7 @@ def tiny_config(**overrides):
         image_size=32,
         global_batch_size=64,
         synthetic_train_examples=512,
-        synthetic_eval_examples=128,
+        synthetic_validation_examples=128,
         deterministic=True,
         seed=3,
     )
@@ -105,8 +105,8 @@ def test_uint8_input_and_one_step_epochs_learn_and_report_a_rate(tmp_path):
     assert input_config.seed == record["config"]["seed"] and input_config.random_flip is False
     # 5 validation images, a global batch of 64 on 2 replicas: one replica's batch holds them,
     # both are filled with zero-weight examples; the evaluation counts the 5.
-    small = train_imagenet.train(tiny_config(epochs=1, synthetic_eval_examples=5))
-    assert small["eval_examples"] == 5
+    small = train_imagenet.train(tiny_config(epochs=1, synthetic_validation_examples=5))
+    assert small["validation_examples"] == 5
     assert round(small["top_1"] * 5, 6) == round(small["top_1"] * 5)
 
 
@@ -147,7 +147,7 @@ def test_virtual_batches_are_asked_for_by_name(caplog):
         (dict(model="vgg"), "choose resnet50 or small_resnet"),
         (dict(mesh_shape="2by4"), "ROWSxCOLS"),
         (dict(input_dtype="float16"), "choose uint8 or float"),
-        (dict(cache_evaluation="maybe"), "choose auto or yes or no"),
+        (dict(cache_validation="maybe"), "choose auto or yes or no"),
         (dict(num_cpu_replicas=0, mesh_shape=None), "--num_cpu_replicas=0: it must be at least 1"),
         (dict(gradient_accumulation_steps=0), "--gradient_accumulation_steps=0: it must be at"),
         (dict(ema_momentum=1.0), "--ema_momentum=1.0: give 0 .* below 1"),
@@ -212,3 +212,17 @@ def test_data_dir_mistakes_name_the_fix(tmp_path):
     # the conversion says what is wrong with it.
     with pytest.raises(ValueError, match="one class folder only.*at least two classes"):
         train_imagenet.train(tiny_config(data_dir=str(images)))
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("--eval_examples=5", "--validation_examples"),
+        ("--cache_evaluation", "--cache_validation"),
+        ("--synthetic_eval_examples=32", "--synthetic_validation_examples"),
+    ],
+)
+def test_a_renamed_flag_names_its_new_spelling(old, new):
+    with pytest.raises(SystemExit, match=f"is now {new}"):
+        train_imagenet.check_renamed_flags(["train_imagenet.py", "--epochs=1", old])
+    train_imagenet.check_renamed_flags(["train_imagenet.py", f"{new}=5"])

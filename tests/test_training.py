@@ -23,7 +23,7 @@ def records(tmp_path_factory):
     # 37 validation examples in per-replica batches of 16: the last step gives one replica 5
     # examples and the other an empty batch.
     data.make_synthetic_imagenet(
-        folder, num_classes=10, train_examples=128, eval_examples=37, image_shape=(SIZE, SIZE)
+        folder, num_classes=10, train_examples=128, validation_examples=37, image_shape=(SIZE, SIZE)
     )
     return folder
 
@@ -49,7 +49,7 @@ def user_script(records, strategy, model_dir, settings, extra_callbacks=()):
         config=data.InputConfig(deterministic=True, seed=3),
     )
     steps = inputs.steps_per_epoch()
-    validation = inputs.evaluation
+    validation = inputs.exact_evaluation
     training.record_settings(model_dir, settings, strategy)
     top_1 = keras.metrics.SparseCategoricalAccuracy(name="top_1")
     with strategy.scope():

@@ -472,7 +472,7 @@ def summary_line(summary):
     Args:
       summary: a dict with `top_1`, `num_classes`, `images_per_second`,
         `images_per_second_per_replica` (either None when not measured), `wall_seconds` and
-        optionally `eval_skipped`.
+        optionally `validation_skipped`.
     """
     line = (
         f"top-1 {summary['top_1']:.4f} (chance {1 / summary['num_classes']:.4f}) | "
@@ -480,8 +480,8 @@ def summary_line(summary):
         f"({_rate(summary['images_per_second_per_replica'], '%.1f')} per replica) | "
         f"wall {summary['wall_seconds']:.0f} s"
     )
-    if summary.get("eval_skipped"):
-        line += f" | {summary['eval_skipped']} bad validation records skipped"
+    if summary.get("validation_skipped"):
+        line += f" | {summary['validation_skipped']} bad validation records skipped"
     return line
 
 

@@ -95,9 +95,9 @@ class InputConfig:
         "image" in TFDS).
       label_key: the feature holding the integer label (None: "image/class/label" in TFRecords,
         "label" in TFDS).
-      cache_evaluation: the run's exact evaluation (`Inputs.evaluation`) keeps its first pass in
-        host memory: True, False, or None for when one pass takes at most
-        `evaluation.CACHE_LIMIT_BYTES` per input pipeline (`exact_evaluation`'s `cache`).
+      cache_validation: the run's exact evaluation (`Inputs.exact_evaluation`) keeps its first pass
+        over the validation split in host memory: True, False, or None for when one pass takes at
+        most `evaluation.CACHE_LIMIT_BYTES` per input pipeline (`exact_evaluation`'s `cache`).
     """
 
     crop_area_range: tuple[float, float] | None = AREA_RANGE
@@ -119,7 +119,7 @@ class InputConfig:
     max_bad_fraction: float = 0.001
     image_key: str | None = None
     label_key: str | None = None
-    cache_evaluation: bool | None = None
+    cache_validation: bool | None = None
 
     def __post_init__(self):
         area = self.crop_area_range
@@ -173,6 +173,7 @@ FIELDS = frozenset(f.name for f in dataclasses.fields(InputConfig))
 
 # Fields the configuration no longer has, each with the way that replaced it.
 REMOVED_FIELDS = {
+    "cache_evaluation": "cache_evaluation is now cache_validation (\"validation\" names the data split): InputConfig(cache_validation=...).",
     "pad_last_batch": "pad_last_batch is gone: the exact evaluation fills the last batch of every replica with zero-weight examples (data.exact_evaluation, which data.inputs builds); compile the metrics as weighted_metrics.",
 }
 

@@ -1,5 +1,5 @@
 """A run's data, the one way in: `inputs(source, ...)` -> training and validation inputs, their
-counts, their label map and the evaluation that counts every example once.
+counts, their label map and the exact evaluation that counts every validation example once.
 
 `source` is what a user has: a folder of TFRecord shards written by `write_tfrecords` (its
 `labels.json` gives the classes, the label offset and the counts), the classic ImageNet files
@@ -18,6 +18,7 @@ import os
 import tensorflow as tf
 
 from tpu_scale._files import is_local
+from tpu_scale.data._removed import removed
 from tpu_scale.data.convert import image_folder_records
 from tpu_scale.data.evaluation import exact_evaluation
 from tpu_scale.data.image_folder import IMAGE_EXTENSIONS
@@ -34,6 +35,13 @@ IMAGENET_VALIDATION_EXAMPLES = 50_000
 IMAGENET_CLASSES = 1000
 _IMAGENET_TRAIN_FILES = 1024
 CONVERT_COMMAND = "python -m tpu_scale.data.convert"
+# Keywords a user might pass by the old words, with the new spelling ("validation" names the data
+# split; "evaluation" only the act).
+_RENAMED_KEYWORDS = {
+    "eval_examples": "validation_examples",
+    "cache_evaluation": "a field of the configuration: config=InputConfig(cache_validation=...)",
+    "cache_validation": "a field of the configuration: config=InputConfig(cache_validation=...)",
+}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -42,10 +50,11 @@ class Inputs:
 
     Attributes:
       train: the training `ImageNetInput` (`is_training=True`).
-      validation: the evaluation `ImageNetInput` (`is_training=False`), each example once.
-      evaluation: the `ExactEvaluation` of `validation` under `strategy`: `evaluation.dataset` and
-        `evaluation.steps` for `fit`'s `validation_data` / `validation_steps` and `evaluate`,
-        every example counted once whatever the replicas (`exact_evaluation`).
+      validation: the validation split's `ImageNetInput` (`is_training=False`), each example once.
+      exact_evaluation: the `ExactEvaluation` of `validation` under `strategy`:
+        `exact_evaluation.dataset` and `exact_evaluation.steps` for `fit`'s `validation_data` /
+        `validation_steps` and `evaluate`, every example counted once whatever the replicas
+        (`data.exact_evaluation`).
       num_classes: the number of classes (label ids are `0 .. num_classes - 1`).
       train_examples: training examples per epoch.
       validation_examples: examples in one pass over the validation split.
@@ -76,13 +85,19 @@ class Inputs:
         return self._input(self.validation_data, is_training=False)
 
     @functools.cached_property
-    def evaluation(self):
+    def exact_evaluation(self):
         return exact_evaluation(
             self.validation,
             self.strategy,
             self.validation_examples,
-            cache=self.config.cache_evaluation,
+            cache=self.config.cache_validation,
         )
+
+    evaluation = removed(
+        "Inputs.evaluation is now Inputs.exact_evaluation (the act of evaluating; \"validation\" "
+        "names the data split, Inputs.validation): validation_data=inputs.exact_evaluation.dataset, "
+        "validation_steps=inputs.exact_evaluation.steps."
+    )
 
     def with_config(self, config: InputConfig) -> "Inputs":
         """The same data with another configuration, e.g. the recipe's augmentation once the
@@ -124,6 +139,7 @@ def inputs(
     validation_examples: int | None = None,
     records_dir: str | None = None,
     tfds_data_dir: str | None = None,
+    **renamed,
 ) -> Inputs:
     """The training and validation inputs of a run, with their counts, label map and evaluation.
 
@@ -133,8 +149,8 @@ def inputs(
     inputs = data.inputs("~/flowers", image_size=64, global_batch_size=128, strategy=strategy)
     model.fit(strategy.distribute_datasets_from_function(inputs.train.dataset),
               epochs=epochs, steps_per_epoch=inputs.steps_per_epoch(),
-              validation_data=inputs.evaluation.dataset,
-              validation_steps=inputs.evaluation.steps)
+              validation_data=inputs.exact_evaluation.dataset,
+              validation_steps=inputs.exact_evaluation.steps)
     ```
 
     Args:
@@ -159,13 +175,17 @@ def inputs(
       tfds_data_dir: TFDS's data directory (TFDS's default when None).
 
     Returns:
-      An `Inputs`: `train`, `validation`, `evaluation`, `num_classes`, `train_examples`,
+      An `Inputs`: `train`, `validation`, `exact_evaluation`, `num_classes`, `train_examples`,
       `validation_examples`, `label_map`.
 
     Raises:
       ValueError: with the fix, when the folder is missing, the number of classes is unknown, or
         a split is empty.
     """
+    for name in renamed:
+        if name in _RENAMED_KEYWORDS:
+            raise TypeError(f"inputs(): {name} is now {_RENAMED_KEYWORDS[name]}.")
+        raise TypeError(f"inputs() got an unexpected keyword argument {name!r}")
     config = InputConfig() if config is None else config
     common = dict(
         image_size=image_size,

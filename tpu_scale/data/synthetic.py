@@ -84,11 +84,12 @@ def make_synthetic_imagenet(
     *,
     num_classes=10,
     train_examples=1280,
-    eval_examples=320,
+    validation_examples=320,
     image_shape=(64, 64),
     num_train_shards=4,
-    num_eval_shards=2,
+    num_validation_shards=2,
     seed=0,
+    **renamed,
 ):
     """Writes a small learnable dataset of JPEGs as `train-*` and `validation-*` TFRecords.
 
@@ -100,15 +101,20 @@ def make_synthetic_imagenet(
       output_dir: where to write (created if missing).
       num_classes: number of classes.
       train_examples: training examples, spread evenly over the classes.
-      eval_examples: validation examples, spread evenly over the classes.
+      validation_examples: validation examples, spread evenly over the classes.
       image_shape: (height, width) of the smallest images; sizes vary up to 25% above it.
       num_train_shards: training files.
-      num_eval_shards: validation files.
+      num_validation_shards: validation files.
       seed: the random seed.
 
     Returns:
       A dict with the glob `train` and `validation` file patterns and `num_classes`.
     """
+    for name in renamed:
+        new = {"eval_examples": "validation_examples", "num_eval_shards": "num_validation_shards"}
+        if name in new:
+            raise TypeError(f"make_synthetic_imagenet: {name} is now {new[name]}.")
+        raise TypeError(f"make_synthetic_imagenet() got an unexpected keyword argument {name!r}")
     tf.io.gfile.makedirs(output_dir)
     rng = np.random.default_rng(seed)
     styles = _class_styles(num_classes)
@@ -122,8 +128,8 @@ def make_synthetic_imagenet(
     )
     validation, validation_counts = _write_split(
         os.path.join(output_dir, "validation"),
-        eval_examples,
-        num_eval_shards,
+        validation_examples,
+        num_validation_shards,
         styles,
         image_shape,
         rng,
@@ -134,7 +140,7 @@ def make_synthetic_imagenet(
         output_dir,
         [f"class_{label:03d}" for label in range(num_classes)],
         label_offset=1,
-        counts={"train": train_examples, "validation": eval_examples},
+        counts={"train": train_examples, "validation": validation_examples},
         record_counts={**train_counts, **validation_counts},
     )
     return {"train": train, "validation": validation, "num_classes": num_classes}
