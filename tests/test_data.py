@@ -462,6 +462,9 @@ def test_the_synthetic_input_left_the_package_for_the_tests():
     with pytest.raises(AttributeError, match=r"tests/synthetic_input\.py.*make_synthetic_imagenet"):
         data.SyntheticImageNetInput
     assert "SyntheticImageNetInput" not in data.__all__
+    for removed in ("records_inputs", "RecordInputs"):
+        with pytest.raises(AttributeError, match=r"data\.inputs\("):
+            getattr(data, removed)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,14 +1,21 @@
 """The input builder: ImageNet TFRecords / TFDS on tf.data with fused JPEG decode-and-crop.
 
+The way in is `inputs(source, ...)` with an `InputConfig`; everything else is what it is made of.
+
 inputs                   a run's data, the one way in: a folder of records, a folder of class
-                         folders of images (converted on first use) or a TFDS dataset -> `Inputs`:
-                         training and validation inputs, counts, label map, exact evaluation
-ImageNetInput            the train / eval pipeline (`.dataset(input_context)`, `.from_tfds`)
-InputConfig              its settings: augmentation, reading, order, tf.data service, bad records
-write_tfrecords          class folders of images -> train/validation TFRecords + labels.json
-                         (the command: python -m tpu_scale.data.convert)
+                         folders of images (converted on first use) or "tfds:NAME" -> `Inputs`:
+                         `.train` and `.validation` (`ImageNetInput`s), their counts, the label map
+                         and `.exact_evaluation` (every validation example counted once)
+InputConfig              the settings of both inputs: augmentation, reading, order, tf.data
+                         service, bad records, the validation's cache (`cache_validation`)
+ImageNetInput            the one reader under `inputs`: records -> batches
+                         (`.dataset(input_context)`), for a glob of TFRecord files of your own
+write_tfrecords          class folders of images -> train/validation TFRecords + labels.json, on
+                         this machine or as a Beam pipeline (`beam_options`); the command:
+                         python -m tpu_scale.data.convert
 read_label_map           the label map next to the shards: classes, label offset, counts
-exact_evaluation         the distributed evaluation that counts every example once (of any input)
+exact_evaluation         the distributed evaluation that counts every example once (of any input),
+                         filling the last batch with zero-weight examples
 make_synthetic_imagenet  a small, learnable dataset of real JPEGs in that layout
 image_ops                fused decode-and-crop, scaled decode, center crop, normalization
 bad_records              skipped records named and counted; `SkippedRecordsLogger` logs the counts
@@ -40,6 +47,9 @@ _SUBMODULES = ("image_ops", "image_folder", "bad_records")
 
 # Names the package no longer has, each with the way that replaced it.
 _REMOVED = {
+    "records_inputs": "tpu_scale.data.records_inputs is gone: data.inputs(source, image_size=..., "
+    "global_batch_size=..., strategy=...) is the one way in.",
+    "RecordInputs": "tpu_scale.data.RecordInputs is gone: data.inputs(...) returns a data.Inputs.",
     "SyntheticImageNetInput": "tpu_scale.data.SyntheticImageNetInput is gone from the package: "
     "random batches with no I/O are a test helper (tests/synthetic_input.py). A run without "
     "your own data trains on real JPEGs: data.make_synthetic_imagenet(folder) writes them and "
