@@ -64,6 +64,7 @@ def __getattr__(name):
         raise AttributeError(_REMOVED[name])
     return _public(name)
 
+
 __all__ = [
     "ExactEvaluation",
     "ImageNetInput",

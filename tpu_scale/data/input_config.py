@@ -173,7 +173,7 @@ FIELDS = frozenset(f.name for f in dataclasses.fields(InputConfig))
 
 # Fields the configuration no longer has, each with the way that replaced it.
 REMOVED_FIELDS = {
-    "cache_evaluation": "cache_evaluation is now cache_validation (\"validation\" names the data split): InputConfig(cache_validation=...).",
+    "cache_evaluation": 'cache_evaluation is now cache_validation ("validation" names the data split): InputConfig(cache_validation=...).',
     "pad_last_batch": "pad_last_batch is gone: the exact evaluation fills the last batch of every replica with zero-weight examples (data.exact_evaluation, which data.inputs builds); compile the metrics as weighted_metrics.",
 }
 

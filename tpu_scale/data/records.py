@@ -94,7 +94,7 @@ class Inputs:
         )
 
     evaluation = removed(
-        "Inputs.evaluation is now Inputs.exact_evaluation (the act of evaluating; \"validation\" "
+        'Inputs.evaluation is now Inputs.exact_evaluation (the act of evaluating; "validation" '
         "names the data split, Inputs.validation): validation_data=inputs.exact_evaluation.dataset, "
         "validation_steps=inputs.exact_evaluation.steps."
     )
