@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import keras
 import numpy as np
@@ -434,6 +435,31 @@ def test_a_dying_peer_is_called_not_running_after_a_second_look(monkeypatch):
     monkeypatch.setattr(peers.time, "sleep", lambda seconds: None)
     with frozen:
         assert "does not answer: frozen" in str(peers.explain_peer_failure(error, cluster, 0.5))
+
+
+def test_the_preemption_cluster_is_the_chief_and_the_workers():
+    import tensorflow as tf
+
+    from tpu_scale.checkpointing.preemption import PreemptionCluster
+
+    def of(jobs, task_type, task_id):
+        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(jobs), task_type=task_type, task_id=task_id
+        )
+        return PreemptionCluster.of(types.SimpleNamespace(cluster_resolver=resolver))
+
+    jobs = {"chief": ["c:1"], "worker": ["a:1", "b:1"], "evaluator": ["e:1"]}
+    cluster = of(jobs, "worker", 1)
+    assert cluster.tasks == (
+        "/job:chief/replica:0/task:0",
+        "/job:worker/replica:0/task:0",
+        "/job:worker/replica:0/task:1",
+    )
+    assert cluster.me == "/job:worker/replica:0/task:1" and not cluster.is_chief
+    assert cluster.describe(cluster.chief) == "/job:chief/replica:0/task:0 (c:1)"
+    assert of(jobs, "chief", 0).is_chief
+    assert of(jobs, "evaluator", 0) is None  # not one of the training tasks
+    assert of({"worker": ["a:1"]}, "worker", 0) is None  # a single process
 
 
 def test_a_port_that_resets_connections_is_named_not_running():

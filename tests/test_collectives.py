@@ -312,3 +312,17 @@ def test_worker_rank_follows_the_runtime_order_of_task_names():
         for job, i in (("chief", 0), ("worker", 0), ("worker", 1))
     ] == [0, 1, 2]
     assert collectives.worker_rank(types.SimpleNamespace()) == 0  # one process
+
+
+def test_task_of_reads_which_task_this_process_is():
+    # The chief first, then the workers by index, whatever order the spec lists them in.
+    with_chief = {"worker": {3: "w3:1", 1: "w1:1"}, "chief": ["c:1"], "evaluator": ["e:1"]}
+    assert context.task_of(_strategy_on(with_chief, "worker", "3")) == (
+        ("worker", 3),
+        (("chief", 0), ("worker", 1), ("worker", 3)),
+    )
+    assert context.task_of(_strategy_on(with_chief, "evaluator", 0))[0] == ("evaluator", 0)
+    assert context.task_of(types.SimpleNamespace()) == (None, ())  # no resolver: one process
+    assert context.task_of(_strategy_on({}, None, None)) == (None, ())  # an empty cluster
+    assert context.task_name(("worker", 3)) == "/job:worker/replica:0/task:3"
+    assert collectives.process_index(_strategy_on(with_chief, "worker", 3)) == 2

@@ -165,24 +165,14 @@ def worker_rank(strategy):
 def process_ranks(strategy):
     """Per process, in the strategy's order (its replica ids: the chief, then the workers), its rank
     in the collective runtime's order of processes (see `worker_rank`); `[0]` in one process."""
-    names = [f"/job:{job}/replica:0/task:{i}" for job, i in _tasks(strategy)]
+    names = [context.task_name(task) for task in context.task_of(strategy)[1]]
     return [sorted(names).index(name) for name in names] if len(names) > 1 else [0]
 
 
 def process_index(strategy):
     """This process's position in the strategy's order: its replicas are `index * local + l`."""
-    tasks = _tasks(strategy)
-    if len(tasks) < 2:
-        return 0
-    resolver = strategy.cluster_resolver
-    return tasks.index((resolver.task_type, int(resolver.task_id)))
-
-
-def _tasks(strategy):
-    resolver = getattr(strategy, "cluster_resolver", None)
-    spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
-    tasks = [("chief", 0)] if "chief" in spec else []
-    return tasks + [("worker", i) for i in range(len(spec.get("worker", ())))]
+    me, tasks = context.task_of(strategy)
+    return tasks.index(me) if len(tasks) > 1 else 0
 
 
 def in_graph_groups(group_assignment):

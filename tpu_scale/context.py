@@ -1,8 +1,10 @@
-"""What is running here: the mesh of a strategy, the mesh collectives run over, and their backend.
+"""What is running here: the mesh of a strategy, the mesh collectives run over, their backend, and
+which task of its cluster this process is.
 
-Look-ups of the running `tf.distribute` context, shared by the collectives, the layers and the
-gradient sum, so that none of them reaches up into the strategy factory:
+Look-ups of the running `tf.distribute` context, shared by the collectives, the layers, the
+gradient sum and the checkpointing, so that none of them reaches up into the strategy factory:
 
+  task_of(strategy)   this process's task and its cluster's chief and worker tasks, in order
   mesh_of(strategy)   the `ReplicaMesh` of a strategy (ours carry one; any other gets a derived one)
   current_mesh()      the mesh of the current replica context, or None with nothing to talk to
   backend()           the collective implementation here: "tpu", "collective", "eager", "single"
@@ -24,6 +26,40 @@ BACKENDS = ("tpu", "collective", "eager", "single")
 def is_tpu_strategy(strategy):
     """True for TensorFlow's TPU strategies (and ours, which subclass them)."""
     return isinstance(strategy, (tf.distribute.TPUStrategy, tf.distribute.experimental.TPUStrategy))
+
+
+def task_of(strategy):
+    """Which task of its cluster this process is, and the cluster's chief and worker tasks.
+
+    The one reading of a strategy's `cluster_resolver` for "which task am I": the collectives'
+    process order, the chief that writes a run's files and the checkpointing's peers all use it.
+
+    Args:
+      strategy: a `tf.distribute` strategy (or anything with a `cluster_resolver`, or without one).
+
+    Returns:
+      `(me, tasks)`. `tasks`: the `(job, index)` of the cluster's chief (if it has one), then of its
+      workers by index: the order of the strategy's replica ids. `me`: this process's
+      `(job, index)` (an evaluator's is not in `tasks`); None when there is no cluster (no
+      resolver, or an empty cluster spec: one process).
+    """
+    resolver = getattr(strategy, "cluster_resolver", None)
+    spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
+    if not spec:
+        return None, ()
+    tasks = []
+    for job in ("chief", "worker"):
+        jobs = spec.get(job, ())  # a list, or a dict of index -> address when sparse
+        indices = sorted(jobs) if isinstance(jobs, dict) else range(len(jobs))
+        tasks += [(job, int(i)) for i in indices]
+    index = resolver.task_id
+    return (resolver.task_type, None if index is None else int(index)), tuple(tasks)
+
+
+def task_name(task):
+    """The runtime's name of a `(job, index)` task, e.g. `"/job:worker/replica:0/task:1"`."""
+    job, index = task
+    return f"/job:{job}/replica:0/task:{index}"
 
 
 def mesh_of(strategy=None):

@@ -7,6 +7,7 @@ import threading
 
 import tensorflow as tf
 
+from tpu_scale import context
 from tpu_scale.tf_seam import eager_context as tf_context
 
 logger = logging.getLogger(__name__)
@@ -33,23 +34,15 @@ class PreemptionCluster:
 
     @classmethod
     def of(cls, strategy):
-        """The cluster of `strategy`, or `None` for a single process."""
-        resolver = getattr(strategy, "cluster_resolver", None)
-        if resolver is None:
+        """The cluster of `strategy`, or `None` for a single process (or a task that is neither the
+        chief nor a worker)."""
+        me, tasks = context.task_of(strategy)
+        if len(tasks) < 2 or me not in tasks:
             return None
-        spec = resolver.cluster_spec().as_dict()
-        tasks, addresses = [], {}
-        for job in ("chief", "worker"):
-            jobs = spec.get(job, [])
-            items = jobs.items() if isinstance(jobs, dict) else enumerate(jobs)
-            for index, address in sorted(items):
-                name = f"/job:{job}/replica:0/task:{index}"
-                tasks.append(name)
-                addresses[name] = address
-        if len(tasks) < 2 or resolver.task_type not in ("chief", "worker"):
-            return None
-        me = f"/job:{resolver.task_type}/replica:0/task:{resolver.task_id}"
-        return cls(tuple(tasks), addresses, me)
+        spec = strategy.cluster_resolver.cluster_spec()
+        names = tuple(context.task_name(task) for task in tasks)
+        addresses = {name: spec.task_address(*task) for name, task in zip(names, tasks)}
+        return cls(names, addresses, context.task_name(me))
 
     def describe(self, task):
         return f"{task} ({self.addresses.get(task, 'unknown address')})"
@@ -67,13 +60,10 @@ def is_chief(strategy):
     Returns:
       A bool.
     """
-    resolver = getattr(strategy, "cluster_resolver", None)
-    spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
-    if not spec or isinstance(strategy, tf.distribute.TPUStrategy):
+    if context.is_tpu_strategy(strategy):
         return True
-    if "chief" in spec:
-        return resolver.task_type == "chief"
-    return resolver.task_type == "worker" and resolver.task_id == 0
+    me, tasks = context.task_of(strategy)
+    return me is None or (bool(tasks) and me == tasks[0])
 
 
 def kv_get(key, timeout_seconds):
