@@ -90,6 +90,7 @@ class TrainConfig:
     input_dtype: str = flag("float", "float (host normalizes) or uint8 (the model normalizes).")
     optimizer: Optional[str] = flag(None, "lars or sgd. Default: the recipe's for the batch.")
     augmentation: str = flag("auto", "auto, none, translate, shift, light or imagenet. Default: by data.")
+    aspect_ratio: Optional[str] = flag(None, "stretch, pad or crop: a non-square image's fit. Default: the level's.")
     peak_learning_rate: Optional[float] = flag(None, "Peak learning rate. Default: the recipe's.")
     warmup_epochs: Optional[float] = flag(None, "Warmup epochs. Default: the recipe's.")
     weight_decay: Optional[float] = flag(None, "Weight decay. Default: the recipe's, by data size.")
@@ -112,7 +113,7 @@ class TrainConfig:
 # What decides how a run trains: a resumed run names each of these that changed.
 TRAINING_SETTINGS = (
     "image_dir data_dir tfds_name model image_size num_classes global_batch_size mixed_precision "
-    "input_dtype num_cpu_replicas mesh_shape bn_group_size bn_virtual_batch_size optimizer augmentation "
+    "input_dtype num_cpu_replicas mesh_shape bn_group_size bn_virtual_batch_size optimizer augmentation aspect_ratio "
     "gradient_accumulation_steps weight_update_sharding "
     "peak_learning_rate warmup_epochs weight_decay label_smoothing ema_momentum"
 ).split()
@@ -132,10 +133,11 @@ def check_flags(config):
         ("optimizer", "lars sgd"),
         ("mixed_precision", "float32 bfloat16 float16"),
         ("input_dtype", "uint8 float"),
+        ("aspect_ratio", "stretch pad crop"),
         ("cache_validation", "auto yes no"),
     ]:
         value = getattr(config, name)
-        if value not in allowed.split() and not (name == "optimizer" and value is None):
+        if value not in allowed.split() and not (name in ("optimizer", "aspect_ratio") and value is None):
             raise ValueError(f"--{name}={value!r}: choose {' or '.join(allowed.split())}.")
     if sum(bool(v) for v in (config.image_dir, config.data_dir, config.tfds_name)) > 1:
         raise ValueError("Give one of --image_dir, --data_dir and --tfds_name.")
@@ -244,7 +246,7 @@ def train(config, extra_callbacks=()):
             optimizer=config.optimizer,
             augmentation=config.augmentation,
         )
-        given = "peak_learning_rate warmup_epochs weight_decay label_smoothing ema_momentum".split()
+        given = "peak_learning_rate warmup_epochs weight_decay label_smoothing ema_momentum aspect_ratio".split()
         recipe = recipe.with_settings(**{k: getattr(config, k) for k in given})
         if accumulate > 1 and config.ema_momentum is None:
             # Keras keeps no moving average of the weights with accumulation under a strategy.

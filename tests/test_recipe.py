@@ -131,25 +131,40 @@ def test_recipe_augmentation_fits_the_data():
     assert recipe_for_batch(64, train_examples=1617, augmentation="light").augmentation == "light"
     from tpu_scale.data import InputConfig
 
+    # Below ImageNet's level the whole image, resized to the square whatever its shape.
     assert recipe_for_batch(64, train_examples=1617).input_config() == InputConfig(
-        crop_area_range=None, random_flip=False, center_crop_fraction=1.0
+        crop_area_range=None, random_flip=False, center_crop_fraction=1.0, aspect_ratio="stretch"
     )
     assert recipe_for_batch(64, 60, train_examples=1617).input_config() == InputConfig(
-        crop_area_range=(0.5, 1.0), random_flip=False, center_crop_fraction=1.0
+        crop_area_range=(0.5, 1.0),
+        random_flip=False,
+        center_crop_fraction=1.0,
+        aspect_ratio="stretch",
     )
     shift = recipe_for_batch(64, 15, train_examples=1617, augmentation="shift").input_config()
     assert shift.crop_area_range == (0.75, 1.0) and not shift.random_flip
     # Translation: the whole image, shifted by up to an eighth of its side, never mirrored.
     translate = recipe_for_batch(64, 15, train_examples=1617, augmentation="translate")
     assert translate.input_config() == InputConfig(
-        crop_area_range=None, random_flip=False, translate_fraction=0.125, center_crop_fraction=1.0
+        crop_area_range=None,
+        random_flip=False,
+        translate_fraction=0.125,
+        center_crop_fraction=1.0,
+        aspect_ratio="stretch",
     )
     # Every level sets the shift too: a level without one takes it away from the given config.
     shifted = InputConfig(translate_fraction=0.25, seed=3)
     assert recipe_for_batch(64, 15, train_examples=1617).input_config(shifted).translate_fraction == 0
     # No level below ImageNet's mirrors: a folder cannot say whether a flip keeps its labels.
     for level, fields in recipe_lib.AUGMENTATIONS.items():
-        assert set(fields) == {"crop_area_range", "random_flip", "translate_fraction", "center_crop_fraction"}
+        assert set(fields) == {
+            "crop_area_range",
+            "random_flip",
+            "translate_fraction",
+            "center_crop_fraction",
+            "aspect_ratio",
+        }
+        assert fields["aspect_ratio"] == ("crop" if level == "imagenet" else "stretch")
         assert fields["random_flip"] == (level == "imagenet")
     # The ImageNet recipe's augmentation is the configuration's default; other fields are kept.
     given = InputConfig(crop_area_range=None, seed=7, strict=True)
@@ -356,7 +371,7 @@ def test_recipe_with_settings_changes_only_the_settings_given():
     assert recipe.with_settings() == recipe
     assert changed.describe() == (
         f"sgd, peak LR 1.5, warmup {recipe.warmup_epochs:.2f} epochs, augmentation "
-        f"{recipe.augmentation}, weights averaged (EMA 0.9)"
+        f"{recipe.augmentation} (centred squares), weights averaged (EMA 0.9)"
     )
     assert changed.with_settings(ema_momentum=0.0).describe().endswith(", weights as trained")
     with pytest.raises(TypeError, match="learning_rate"):

@@ -10,6 +10,7 @@ one command that is not the training's is the model's: `small_resnet` pools its 
 import dataclasses
 import math
 
+from tpu_scale.data.image_ops import ASPECT_RATIOS
 from tpu_scale.data.input_config import InputConfig
 from tpu_scale.schedules import WarmupPolynomialDecay, is_whole_number, reference_lars_hparams
 
@@ -46,24 +47,44 @@ MAX_WARMUP_FRACTION = 0.4
 OPTIMIZERS = ("sgd", "lars")
 
 # Augmentation levels: the `InputConfig` fields of the training crop, shift and flip, and of the
-# eval crop.
-_WHOLE = dict(crop_area_range=None, random_flip=False, translate_fraction=0.0)
+# evaluation view. Every level below ImageNet's shows the whole image, whatever its shape: resized
+# to the square (`WHOLE_IMAGE_ASPECT_RATIO`), as Keras's `image_dataset_from_directory` does, in
+# training and evaluation alike.
+WHOLE_IMAGE_ASPECT_RATIO = "stretch"
+_WHOLE = dict(
+    crop_area_range=None,
+    random_flip=False,
+    translate_fraction=0.0,
+    center_crop_fraction=1.0,
+    aspect_ratio=WHOLE_IMAGE_ASPECT_RATIO,
+)
 AUGMENTATIONS = {
     # The whole image, unmirrored, in training and evaluation.
-    "none": dict(_WHOLE, center_crop_fraction=1.0),
+    "none": _WHOLE,
     # The whole image shifted by up to an eighth of its side (CIFAR's 4 pixels at 32: zero
     # padding, then a random square), unmirrored: every label stays true, as no stroke is
     # resized, mirrored or cut by more than an eighth.
-    "translate": dict(_WHOLE, translate_fraction=0.125, center_crop_fraction=1.0),
-    # Random boxes of three quarters of the image or more, unmirrored: small shifts and scales.
-    "shift": dict(_WHOLE, crop_area_range=(0.75, 1.0), center_crop_fraction=1.0),
+    "translate": dict(_WHOLE, translate_fraction=0.125),
+    # Random boxes of three quarters of the image or more, of its own shape within 3/4 to 4/3,
+    # unmirrored: small shifts and scales; the whole image in evaluation.
+    "shift": dict(_WHOLE, crop_area_range=(0.75, 1.0)),
     # Random boxes of half the image or more, unmirrored; the whole image in evaluation.
-    "light": dict(_WHOLE, crop_area_range=(0.5, 1.0), center_crop_fraction=1.0),
-    # The ImageNet recipe: Inception boxes of 8% of the image or more, mirrored half the time; the
-    # 224 / 256 center crop in evaluation.
+    "light": dict(_WHOLE, crop_area_range=(0.5, 1.0)),
+    # The ImageNet recipe: Inception boxes of 8% of the image or more (aspect ratios 3/4 to 4/3),
+    # mirrored half the time; the centred square of 224 / 256 of the short side in evaluation.
     "imagenet": dict(
-        _WHOLE, crop_area_range=(0.08, 1.0), random_flip=True, center_crop_fraction=224 / 256
+        crop_area_range=(0.08, 1.0),
+        random_flip=True,
+        translate_fraction=0.0,
+        center_crop_fraction=224 / 256,
+        aspect_ratio="crop",
     ),
+}
+# How `Recipe.describe` names each `InputConfig.aspect_ratio` in a run's log.
+_ASPECT_WORDS = {
+    "stretch": "whole images resized to squares",
+    "pad": "whole images padded to squares",
+    "crop": "centred squares",
 }
 # Small data: fewer than SMALL_DATA_EXAMPLES training examples (ImageNet has 1.28 million). Its
 # default augmentation is none for runs of up to LIGHT_AUGMENTATION_MIN_EPOCHS epochs and light
@@ -112,6 +133,8 @@ class Recipe:
         label_smoothing: Float, for `tpu_scale.losses.SmoothedSparseCategoricalCrossentropy`.
         augmentation: String, a key of `AUGMENTATIONS`: how strongly the training images are
             cropped, shifted and mirrored.
+        aspect_ratio: String or None, how an image that is not square becomes the square input
+            (`InputConfig.aspect_ratio`: "stretch", "pad" or "crop"); None takes the level's.
         ema_momentum: Float, the momentum of the weights' moving average that is evaluated and
             saved (Keras's `use_ema=True, ema_momentum=...`); 0 evaluates the weights themselves.
             Evaluating in `fit` needs `keras.callbacks.SwapEMAWeights()` (`Recipe.callbacks`).
@@ -129,6 +152,7 @@ class Recipe:
     eta: float = 0.001
     label_smoothing: float = 0.1
     augmentation: str = "imagenet"
+    aspect_ratio: str | None = None
     ema_momentum: float = 0.0
 
     def __post_init__(self):
@@ -141,6 +165,8 @@ class Recipe:
                 f"`augmentation` must be one of {tuple(AUGMENTATIONS)}; received "
                 f"{self.augmentation!r}."
             )
+        if self.aspect_ratio is not None and self.aspect_ratio not in ASPECT_RATIOS:
+            raise ValueError(f"`aspect_ratio` must be None (the augmentation level's) or one of {ASPECT_RATIOS}; received {self.aspect_ratio!r}.")
         if not 0.0 <= self.ema_momentum < 1.0:
             raise ValueError(
                 f"`ema_momentum` must be in [0, 1): 0 (no moving average) or a momentum such as "
@@ -156,15 +182,19 @@ class Recipe:
         """One line for a run's log: the optimizer, its peak rate, the warmup, the augmentation."""
         return (
             f"{self.optimizer}, peak LR {self.peak_learning_rate:.3g}, warmup "
-            f"{self.warmup_epochs:.2f} epochs, augmentation {self.augmentation}, weights "
+            f"{self.warmup_epochs:.2f} epochs, augmentation {self.augmentation} "
+            f"({_ASPECT_WORDS[self.input_config().aspect_ratio]}), weights "
             + (f"averaged (EMA {self.ema_momentum:g})" if self.ema_momentum else "as trained")
         )
 
     def input_config(self, config: InputConfig | None = None) -> InputConfig:
         """The inputs' configuration with the recipe's augmentation (training crop, shift and
-        flip, evaluation crop): `config` (default `InputConfig()`) with those four fields replaced. Give
+        flip, evaluation view): `config` (default `InputConfig()`) with those five fields replaced. Give
         it to both the training and the evaluation input (`Inputs.with_config`)."""
-        return (config or InputConfig()).replace(**AUGMENTATIONS[self.augmentation])
+        fields = dict(AUGMENTATIONS[self.augmentation])
+        if self.aspect_ratio is not None:
+            fields["aspect_ratio"] = self.aspect_ratio
+        return (config or InputConfig()).replace(**fields)
 
     def callbacks(self):
         """The `fit` callbacks the recipe's optimizer needs: with a moving average, Keras's

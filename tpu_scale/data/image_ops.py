@@ -28,6 +28,12 @@ AREA_RANGE = (0.08, 1.0)
 ASPECT_RATIO_RANGE = (3.0 / 4.0, 4.0 / 3.0)
 MAX_ATTEMPTS = 10
 
+# How an image that is not square becomes the square input (`InputConfig.aspect_ratio`): the
+# whole image resized to the square (Keras's default), resized with its shape kept and padded
+# with zeros (Keras's `pad_to_aspect_ratio`), or its centred square (`crop_to_aspect_ratio`, and
+# the reference ImageNet evaluation crop).
+ASPECT_RATIOS = ("stretch", "pad", "crop")
+
 # How far from the end of a record the JPEG end-of-image marker may sit (some encoders append
 # padding).
 _EOI_SEARCH_BYTES = 1024
@@ -52,6 +58,45 @@ def center_crop_window(image_height, image_width, crop_fraction=CENTER_CROP_FRAC
     offset_y = (image_height - crop_size + 1) // 2
     offset_x = (image_width - crop_size + 1) // 2
     return tf.stack([offset_y, offset_x, crop_size, crop_size])
+
+
+def evaluation_window(image_height, image_width, crop_fraction=1.0, aspect_ratio="crop"):
+    """The evaluation window: `center_crop_window` for "crop"; for "stretch" and "pad", the
+    centred box of `crop_fraction` of each side (the whole image at 1.0).
+
+    Returns:
+      An int32 `[4]` tensor `[offset_y, offset_x, crop_height, crop_width]`.
+    """
+    if aspect_ratio == "crop":
+        return center_crop_window(image_height, image_width, crop_fraction)
+    size = tf.maximum(
+        tf.cast(
+            tf.cast(tf.stack([image_height, image_width]), tf.float32) * crop_fraction, tf.int32
+        ),
+        1,
+    )
+    offsets = (tf.stack([image_height, image_width]) - size + 1) // 2
+    return tf.concat([offsets, size], 0)
+
+
+def resize_to_square(image, image_size, aspect_ratio="stretch", method="bilinear"):
+    """Resizes an `[h, w, c]` window to `[image_size, image_size, c]` (float32, 0-255 scale).
+
+    "stretch" and "crop" resize it whole to the square (a "crop" window is square already, but
+    for a rounding pixel); "pad" resizes it so that its long side is `image_size`, its shape kept
+    (its short side at least one pixel, for a strip 1 pixel high), and centres it on zeros, as
+    Keras's `pad_to_aspect_ratio` does.
+    """
+    if aspect_ratio != "pad":
+        return tf.image.resize(image, [image_size, image_size], method=method)
+    shape = tf.cast(tf.shape(image)[:2], tf.float32)
+    scale = image_size / tf.reduce_max(shape)
+    size = tf.clip_by_value(tf.cast(tf.round(shape * scale), tf.int32), 1, image_size)
+    resized = tf.image.resize(image, size, method=method)
+    before = (image_size - size) // 2
+    after = image_size - size - before
+    padded = tf.pad(resized, [[before[0], after[0]], [before[1], after[1]], [0, 0]])
+    return tf.ensure_shape(padded, [image_size, image_size, image.shape[-1]])
 
 
 def sample_crop_window(
@@ -105,7 +150,10 @@ def _crop_window_from_draws(
     area_range,
     aspect_ratio_range,
     max_attempts,
+    relative=False,
 ):
+    # `relative`: the drawn aspect ratios are of the image's own (a box of the whole area is then
+    # the whole image), and the fallback is the whole image, not its centred square.
     # Every random number of the window comes from one uniform draw: this runs once per image, and
     # each separate random op (seed split, key, draw, scaling) costs the map a few microseconds.
     height = tf.cast(image_height, tf.float32)
@@ -114,6 +162,8 @@ def _crop_window_from_draws(
     target_area = height * width * (area_range[0] + (area_range[1] - area_range[0]) * area_draws)
     log_low, log_high = math.log(aspect_ratio_range[0]), math.log(aspect_ratio_range[1])
     aspect_ratio = tf.exp(log_low + (log_high - log_low) * ratio_draws)
+    if relative:
+        aspect_ratio *= width / height
     crop_widths = tf.cast(tf.round(tf.sqrt(target_area * aspect_ratio)), tf.int32)
     crop_heights = tf.cast(tf.round(tf.sqrt(target_area / aspect_ratio)), tf.int32)
     fits = (
@@ -124,7 +174,10 @@ def _crop_window_from_draws(
     )
 
     any_fits = tf.reduce_any(fits)
-    fallback = center_crop_window(image_height, image_width)
+    if relative:
+        fallback = tf.stack([0, 0, image_height, image_width])
+    else:
+        fallback = center_crop_window(image_height, image_width)
     first_fit = tf.argmax(tf.cast(fits, tf.int32), output_type=tf.int32)
     # Choosing the size before the offsets keeps the offset ranges non-empty when nothing fits.
     crop_height = tf.where(any_fits, crop_heights[first_fit], fallback[2])
@@ -316,6 +369,7 @@ def decode_and_random_crop(
     area_range=AREA_RANGE,
     flip=True,
     translate_fraction=0.0,
+    aspect_ratio="crop",
 ):
     """Fused training decode: random Inception box from the header, decode only that window, resize,
     translate, flip.
@@ -332,12 +386,16 @@ def decode_and_random_crop(
         (`decode_window`).
       dtype: `tf.float32`, or `tf.uint8` for the pixels rounded by `to_uint8` (flipped after the
         rounding, a quarter of the bytes to move; the same values as rounding the float result).
-      area_range: (min, max) fraction of the image area the random box covers; None decodes the
-        whole image (no crop).
+      area_range: (min, max) fraction of the image area the random box covers; None takes the
+        whole image (its centred square for "crop").
       flip: whether half of the images are mirrored left to right.
       translate_fraction: the largest shift, as a fraction of `image_size`, of a random
         translation after the resize (`random_translate`: zero padding on every side, then a
         random `image_size` square of the padded image); 0 shifts nothing.
+      aspect_ratio: one of `ASPECT_RATIOS`. "crop": Inception's boxes, of aspect ratios 3/4 to 4/3
+        in pixels, resized to the square (the reference recipe). "stretch" and "pad": boxes of
+        3/4 to 4/3 of the image's own aspect ratio, so the whole area is the whole image, resized
+        by `resize_to_square`.
 
     Returns:
       A `[image_size, image_size, 3]` tensor in `dtype` on the 0-255 scale.
@@ -350,7 +408,7 @@ def decode_and_random_crop(
 
     def window_of_shape(height, width):
         if area_range is None:
-            return tf.stack([0, 0, height, width])
+            return evaluation_window(height, width, 1.0, aspect_ratio)
         return _crop_window_from_draws(
             height,
             width,
@@ -358,10 +416,11 @@ def decode_and_random_crop(
             tuple(area_range),
             ASPECT_RATIO_RANGE,
             MAX_ATTEMPTS,
+            relative=aspect_ratio != "crop",
         )
 
     image = _decode_cropped(image_bytes, window_of_shape, image_size if scaled_decode else None)
-    image = tf.image.resize(image, [image_size, image_size], method=resize_method)
+    image = resize_to_square(image, image_size, aspect_ratio, resize_method)
     if tf.as_dtype(dtype) == tf.uint8:
         image = to_uint8(image, resize_method)
     if translate_fraction:
@@ -403,8 +462,10 @@ def decode_and_center_crop(
     scaled_decode=False,
     dtype=tf.float32,
     crop_fraction=CENTER_CROP_FRACTION,
+    aspect_ratio="crop",
 ):
-    """Evaluation decode: the reference center crop, decoded as a window, then resized.
+    """Evaluation decode: the reference center crop (or, for "stretch" and "pad", the centred box
+    of `crop_fraction` of each side), decoded as a window, then resized.
 
     Args:
       image_bytes: string scalar tensor, a JPEG file (or a PNG, GIF, BMP or WebP file, decoded in
@@ -415,16 +476,17 @@ def decode_and_center_crop(
       dtype: as for `decode_and_random_crop`.
       crop_fraction: the side of the centered square as a fraction of the short side; 1.0 with a
         square image keeps all of it.
+      aspect_ratio: one of `ASPECT_RATIOS`; 1.0 with "stretch" or "pad" keeps every image whole.
 
     Returns:
       A `[image_size, image_size, 3]` tensor in `dtype` on the 0-255 scale.
     """
     image = _decode_cropped(
         image_bytes,
-        lambda height, width: center_crop_window(height, width, crop_fraction),
+        lambda height, width: evaluation_window(height, width, crop_fraction, aspect_ratio),
         image_size if scaled_decode else None,
     )
-    image = tf.image.resize(image, [image_size, image_size], method=resize_method)
+    image = resize_to_square(image, image_size, aspect_ratio, resize_method)
     return to_uint8(image, resize_method) if tf.as_dtype(dtype) == tf.uint8 else image
 
 

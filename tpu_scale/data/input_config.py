@@ -12,7 +12,7 @@ it as JSON in a run's record (the example's `run.json`) and read it back.
 import dataclasses
 import functools
 
-from tpu_scale.data.image_ops import AREA_RANGE, CENTER_CROP_FRACTION
+from tpu_scale.data.image_ops import AREA_RANGE, ASPECT_RATIOS, CENTER_CROP_FRACTION
 
 RESIZE_METHODS = (
     "bilinear",
@@ -48,6 +48,11 @@ class InputConfig:
         shifts nothing; 0.125 is CIFAR's 4 pixels at 32.
       center_crop_fraction: evaluation: the side of the center crop as a fraction of the short
         side (224 / 256 by default; 1.0 keeps a square image whole).
+      aspect_ratio: how an image that is not square becomes the square input, in training and
+        evaluation alike: "crop" (the default, ImageNet's reference) takes its centred square
+        and draws Inception's boxes; "stretch" resizes the whole image to the square, as Keras's
+        `image_dataset_from_directory` does, and draws boxes of the image's own shape; "pad"
+        keeps its shape and pads it to the square with zeros, as Keras's `pad_to_aspect_ratio`.
       resize_method: a `tf.image.ResizeMethod` name.
       scaled_decode: decode a crop window at least twice the output size (in both dimensions) at a
         libjpeg downscaling ratio of 2, 4 or 8 before the resize (`image_ops.decode_window`): less
@@ -104,6 +109,7 @@ class InputConfig:
     random_flip: bool = True
     translate_fraction: float = 0.0
     center_crop_fraction: float = CENTER_CROP_FRACTION
+    aspect_ratio: str = "crop"
     resize_method: str = "bilinear"
     scaled_decode: bool = False
     cycle_length: int | None = None
@@ -132,6 +138,8 @@ class InputConfig:
             raise ValueError(f"translate_fraction={self.translate_fraction} must be in [0, 0.5): the largest shift as a fraction of the image side (0.125 is 4 pixels at 32); 0 shifts nothing.")
         if not 0 < self.center_crop_fraction <= 1:
             raise ValueError(f"center_crop_fraction={self.center_crop_fraction} must be in (0, 1]: 0.875 is the reference, 1.0 keeps the whole (square) image.")
+        if self.aspect_ratio not in ASPECT_RATIOS:
+            raise ValueError(f'aspect_ratio={self.aspect_ratio!r} must be one of {", ".join(ASPECT_RATIOS)}: "stretch" resizes the whole image to the square (Keras\'s default), "pad" pads it to the square, "crop" takes its centred square (ImageNet\'s).')
         if self.resize_method not in RESIZE_METHODS:
             raise ValueError(f"resize_method={self.resize_method!r} is not a tf.image.ResizeMethod; use one of {', '.join(RESIZE_METHODS)}.")
         if not 0 <= self.max_bad_fraction <= 1:

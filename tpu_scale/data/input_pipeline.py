@@ -290,6 +290,7 @@ class ImageNetInput:
                 area_range=self.config.crop_area_range,
                 flip=self.config.random_flip,
                 translate_fraction=self.config.translate_fraction,
+                aspect_ratio=self.config.aspect_ratio,
             )
         else:
             image = image_ops.decode_and_center_crop(
@@ -299,6 +300,7 @@ class ImageNetInput:
                 scaled_decode=self.config.scaled_decode,
                 dtype=pixels,
                 crop_fraction=self.config.center_crop_fraction,
+                aspect_ratio=self.config.aspect_ratio,
             )
         return image if self.dtype == tf.uint8 else image_ops.normalize_image(image, self.dtype)
 
