@@ -194,3 +194,26 @@ def test_an_unknown_fit_names_the_choices():
         data.InputConfig(aspect_ratio="fill")
     with pytest.raises(ValueError, match="aspect_ratio"):
         Recipe(64, "sgd", 0.1, 1.0, aspect_ratio="fill")
+
+
+def test_extreme_shapes_convert_and_train(tmp_path):
+    # A 1x2000 strip, a 4000x3 line, a 10:1 panorama and a single pixel: converted (the PNGs
+    # re-encoded as JPEG), then read at every fit, none skipped.
+    rng = np.random.default_rng(0)
+    shapes = {"strip.png": (1, 2000), "line.jpg": (4000, 3), "panorama.jpg": (100, 1000)}
+    shapes["dot.png"] = (1, 1)
+    for label in ("a", "b"):
+        (tmp_path / "images" / label).mkdir(parents=True)
+        for name, shape in shapes.items():
+            pixels = rng.integers(0, 256, shape + (3,), dtype=np.uint8)
+            encoded = tf.io.encode_png(pixels) if name.endswith("png") else tf.io.encode_jpeg(pixels)
+            tf.io.write_file(str(tmp_path / "images" / label / name), encoded)
+    images = str(tmp_path / "images")
+    summary = data.write_tfrecords(images, str(tmp_path / "records"), 1, validation_dir=images)
+    assert summary.num_examples == 16 and summary.num_skipped == 0
+    for fit in image_ops.ASPECT_RATIOS:
+        config = data.InputConfig(aspect_ratio=fit, crop_area_range=(0.5, 1.0), seed=0)
+        inputs = data.inputs(str(tmp_path / "records"), image_size=32, global_batch_size=8, config=config)
+        assert next(iter(inputs.train.dataset()))[0].shape == (8, 32, 32, 3)
+        assert next(iter(inputs.validation.dataset()))[0].shape == (8, 32, 32, 3)
+        assert inputs.train.skipped_records == inputs.validation.skipped_records == 0
