@@ -217,3 +217,29 @@ def test_extreme_shapes_convert_and_train(tmp_path):
         assert next(iter(inputs.train.dataset()))[0].shape == (8, 32, 32, 3)
         assert next(iter(inputs.validation.dataset()))[0].shape == (8, 32, 32, 3)
         assert inputs.train.skipped_records == inputs.validation.skipped_records == 0
+
+
+def test_square_images_read_the_same_at_every_fit():
+    # On a square image the whole image is its centred square, and a box of the image's own shape
+    # is a box of Inception's: "stretch" reads what "crop" (the reading before the fits) reads, so
+    # square folders train as before; "pad" too, but for the random boxes it keeps the shape of.
+    pixels = smooth(48, 48)
+    for encoded in (tf.io.encode_png(pixels), tf.io.encode_jpeg(pixels, quality=95)):
+        for area_range in (None, (0.5, 1.0), (0.08, 1.0)):
+            for s in range(4):
+                seed = tf.constant([s, 3])
+                read = {
+                    fit: image_ops.decode_and_random_crop(
+                        encoded, 32, seed, area_range=area_range, aspect_ratio=fit
+                    ).numpy()
+                    for fit in image_ops.ASPECT_RATIOS
+                }
+                np.testing.assert_array_equal(read["stretch"], read["crop"])
+                if area_range is None:
+                    np.testing.assert_array_equal(read["pad"], read["crop"])
+        read = {
+            fit: image_ops.decode_and_center_crop(encoded, 32, crop_fraction=1.0, aspect_ratio=fit)
+            for fit in image_ops.ASPECT_RATIOS
+        }
+        np.testing.assert_array_equal(read["stretch"], read["crop"])
+        np.testing.assert_array_equal(read["pad"], read["crop"])
