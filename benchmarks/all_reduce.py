@@ -3,7 +3,7 @@ gradients.
 
 (a) One host, 8 virtual CPU replicas, one process: the time to sum ResNet-50's trainable gradients
     (the shapes of `keras.applications.ResNet50(weights=None)`: 214 float32 tensors, 25.6 M values,
-    102 MB per replica) with `tpu_scale.torus.all_reduce_sum` on a 2x4 mesh (each algorithm) against
+    102 MB per replica) with `tpu_scale.torus.all_reduce.all_reduce_sum` on a 2x4 mesh (each algorithm) against
     TensorFlow's default (`ReplicaContext.all_reduce` under a plain `MirroredStrategy`, which uses
     `CollectiveAllReduce`, a ring) and `ReductionToOneDevice`; and `ReplicaContext.all_reduce`
     under the package's strategy (`seam_*`), which `tpu_scale.TorusAllReduce` runs: the path every
@@ -101,8 +101,7 @@ def _traced_with(strategy, fn, grads, algorithm, gradient_dtype=None):
 
 
 def _torus(algorithm, pack_bytes=None, gradient_dtype=None):
-    from tpu_scale import torus
-
+    from tpu_scale.torus import all_reduce as torus
     def reduce_fn(grads):
         kwargs = {} if pack_bytes is None else {"pack_bytes": pack_bytes}
         return torus.all_reduce_sum(
@@ -301,9 +300,9 @@ def two_processes(rounds, warmup, shapes, link=None):
     """Part (b); over loopback, or over `link` (an `emulated_link.EmulatedLink`) when given."""
     import numpy as np
 
-    from tpu_scale import torus
-    from tpu_scale.mesh import ReplicaMesh
+    from tpu_scale.distribute.mesh import ReplicaMesh
     from tpu_scale.testing import run_workers
+    from tpu_scale.torus import all_reduce as torus
 
     kwargs = {"rounds": rounds, "warmup": warmup, "shapes": [list(s) for s in shapes]}
     if link is None:

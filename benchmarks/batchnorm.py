@@ -40,7 +40,7 @@ import tensorflow as tf  # noqa: E402
 from common import RESULTS, machine_info  # noqa: E402
 
 import tpu_scale  # noqa: E402
-import tpu_scale.strategy  # noqa: E402
+import tpu_scale.distribute.strategy  # noqa: E402
 from tpu_scale.layers import DistributedBatchNormalization  # noqa: E402
 
 # --------------------------------------------------------------------------- models

@@ -134,9 +134,11 @@ def transport_plan(strategy, tensors):
     """What the gradient sum ran on `strategy` for the gradient `tensors`: the algorithm (under
     "auto", the rule's recorded choice, and the planner's predicted times), the dtype between processes,
     the schedule's phases that cross between processes and the bytes they send per step."""
-    from tpu_scale import keras_hook, torus, torus_schedule
+    from tpu_scale import keras_hook
     from tpu_scale.plan import choice as plan_choice
     from tpu_scale.plan import report as plan_report
+    from tpu_scale.torus import all_reduce as torus
+    from tpu_scale.torus import schedule as torus_schedule
 
     settings = keras_hook.settings_for(strategy)
     rule = strategy.auto_algorithm

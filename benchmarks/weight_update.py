@@ -88,8 +88,7 @@ def _timed(rounds, strategies):
       `{"seconds": {name: per-step seconds per round}, "parameters": n, "state": {name: optimizer
       floats per replica}}`.
     """
-    from tpu_scale import weight_update
-
+    from tpu_scale.torus import weight_update
     data = dataset()
     variants, state, parameters = {}, {}, None
     for name, strategy_for in strategies.items():

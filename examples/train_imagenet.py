@@ -56,7 +56,7 @@ import tensorflow as tf  # noqa: E402
 
 import tpu_scale  # noqa: E402
 from tpu_scale import callbacks, checkpointing, data, losses, models, plan, training  # noqa: E402
-from tpu_scale.mesh import parse_mesh_shape, smallest_group_for_span  # noqa: E402
+from tpu_scale.distribute.mesh import parse_mesh_shape, smallest_group_for_span  # noqa: E402
 from tpu_scale.recipe import recipe_for_batch  # noqa: E402
 
 

@@ -117,8 +117,7 @@ def main(options):
         )
     if options.get("out"):
         np.savez(options["out"], *[w.numpy() for w in model.weights])
-    from tpu_scale import weight_update
-
+    from tpu_scale.torus import weight_update
     print("sharded slots", *sorted(weight_update.slot_shards(model.optimizer)), flush=True)
     print("done", flush=True)
     return [w.numpy() for w in model.weights]

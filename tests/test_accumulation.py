@@ -9,8 +9,8 @@ import pytest
 import tensorflow as tf
 
 import tpu_scale
-from tpu_scale import torus
 from tpu_scale.optimizers import LARS
+from tpu_scale.torus import all_reduce as torus
 
 MICRO_BATCH = 16  # global: 2 examples per replica
 STEPS = 2  # accumulation steps

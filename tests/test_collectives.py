@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tpu_scale import collectives, context
-from tpu_scale.mesh import ReplicaMesh
+from tpu_scale.distribute import collectives, context
+from tpu_scale.distribute.mesh import ReplicaMesh
 
 DTYPES = [tf.float32, tf.bfloat16]
 

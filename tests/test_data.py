@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 from synthetic_input import SyntheticImageNetInput  # a test helper, beside the tests
 
-import tpu_scale.strategy  # its MirroredStrategy has private collective keys: tests share a process
+import tpu_scale.distribute.strategy  # its MirroredStrategy has private collective keys: tests share a process
 from tpu_scale import data
 from tpu_scale.data import (
     ImageNetInput,
@@ -334,7 +334,7 @@ def test_a_small_evaluation_is_cached_and_a_large_one_is_not(records, cpu_device
     # The rule: one pass's decoded images on an input pipeline, against CACHE_LIMIT_BYTES.
     from tpu_scale.data import evaluation
 
-    strategy = tpu_scale.strategy.MirroredStrategy(cpu_devices[:2])
+    strategy = tpu_scale.distribute.strategy.MirroredStrategy(cpu_devices[:2])
     small = make_input(records[0], is_training=False, global_batch_size=8)
     # 60 examples: 8 steps of 8 images of 8x8x3 float32 = 49,152 bytes.
     assert evaluation.pass_bytes(small, 8, 8) == 8 * 8 * 8 * 8 * 3 * 4
@@ -359,7 +359,7 @@ def test_a_cached_evaluation_reads_its_records_once(tmp_path, cpu_devices, cache
 
     make_bad = RECORD_FAULTS["frame height 0"][0]
     pattern, good = write_records_with(str(tmp_path), {4: make_bad}, num_files=2, per_file=13)
-    strategy = tpu_scale.strategy.MirroredStrategy(cpu_devices[:2])
+    strategy = tpu_scale.distribute.strategy.MirroredStrategy(cpu_devices[:2])
     inp = make_input(pattern, is_training=False, global_batch_size=4, max_bad_fraction=1.0)
     exact = evaluation.exact_evaluation(inp, strategy, 26, cache=cache)
     assert exact.cached == cache and exact.steps == 7
@@ -395,7 +395,7 @@ def test_a_cached_evaluation_reads_its_records_once(tmp_path, cpu_devices, cache
 
 @pytest.mark.parametrize("num_replicas", [2, 4])
 def test_distribute_datasets_from_function(records, cpu_devices, num_replicas):
-    strategy = tpu_scale.strategy.MirroredStrategy(cpu_devices[:num_replicas])
+    strategy = tpu_scale.distribute.strategy.MirroredStrategy(cpu_devices[:num_replicas])
     inp = make_input(records[0], is_training=True, global_batch_size=8)
     distributed = strategy.distribute_datasets_from_function(inp.dataset)
     images, labels = next(iter(distributed))
@@ -412,7 +412,7 @@ def test_keras_fit_and_evaluate_on_distributed_datasets(records, cpu_devices):
     import keras
 
     pattern, expected = records
-    strategy = tpu_scale.strategy.MirroredStrategy(cpu_devices[:2])
+    strategy = tpu_scale.distribute.strategy.MirroredStrategy(cpu_devices[:2])
     train = make_input(pattern, is_training=True, global_batch_size=8, shuffle_buffer_size=16)
     validation = make_input(pattern, is_training=False, global_batch_size=16)
     with strategy.scope():

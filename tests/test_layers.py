@@ -8,15 +8,15 @@ import pytest
 import tensorflow as tf
 
 import tpu_scale
-from tpu_scale import context
+from tpu_scale.distribute import context
+from tpu_scale.distribute.mesh import ReplicaMesh
+from tpu_scale.distribute.strategy import mesh_of
 from tpu_scale.layers import (
     DistributedBatchNormalization,
     average_moving_statistics,
     convert_batch_normalization,
 )
 from tpu_scale.layers.batch_normalization import keras_has_renorm
-from tpu_scale.mesh import ReplicaMesh
-from tpu_scale.strategy import mesh_of
 from tpu_scale.testing import run_workers
 
 NUM_REPLICAS = 8
@@ -1080,7 +1080,7 @@ def worker_fit():
         .batch(16, drop_remainder=True)
         .with_options(options)
     )
-    from tpu_scale import collectives
+    from tpu_scale.distribute import collectives
     from tpu_scale.testing import collective_ops, group_size, train_graphs
 
     results = {"mesh": strategy.mesh.shape}

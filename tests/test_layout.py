@@ -1,4 +1,5 @@
-"""The package's shape: imports run one way, Keras's and TensorFlow's internals each in one module."""
+"""The package's shape: four concepts each in one place, the rest around them; imports run one
+way; Keras's and TensorFlow's internals each in one module."""
 
 import ast
 import pathlib
@@ -7,22 +8,99 @@ import re
 import pytest
 
 PACKAGE = pathlib.Path(__file__).parents[1] / "tpu_scale"
+# The map. The four concepts, each one package, then what stands around them.
+MAP = {
+    # 1. The mesh and the strategy: where the replicas are, and how a group of them sums.
+    "distribute": {"mesh", "strategy", "context", "collectives", "collective_launch"},
+    # 2. Batch norm over groups of replicas, and the image layers that feed it.
+    "layers": {"batch_normalization", "image_normalization", "space_to_depth"},
+    # 3. The input pipeline: records or a folder of images to batches, and the writer.
+    "data": {
+        "records",
+        "input_config",
+        "input_pipeline",
+        "sources",
+        "image_ops",
+        "evaluation",
+        "bad_records",
+        "schema",
+        "names",
+        "synthetic",
+        "convert",
+        "beam_writer",
+        "image_folder",
+        "output_dir",
+        "reencode",
+        "_removed",
+    },
+    # 4. The torus gradient sum, and the sharded weight update it feeds.
+    "torus": {"schedule", "all_reduce", "weight_update", "sharded_update"},
+    # Around them. The recipe and the models:
+    "recipe": None,
+    "schedules": None,
+    "optimizers": None,
+    "losses": None,
+    "models": {"resnet", "loading"},
+    # the run:
+    "training": None,
+    "callbacks": None,
+    "checkpointing": {"backups", "callback", "peers", "preemption"},
+    # the cluster and its launch:
+    "cluster": None,
+    "launch": None,
+    "process": None,
+    # the planner, which prices and is not imported by a training run:
+    "plan": {
+        "__main__",
+        "calibration",
+        "catalog",
+        "choice",
+        "cli",
+        "cost",
+        "plot",
+        "report",
+        "sizing",
+        "update",
+    },
+    # the seams to Keras's and TensorFlow's internals, the fixes for their bugs, and helpers:
+    "keras_hook": None,
+    "tf_seam": None,
+    "_workarounds": None,
+    "_files": None,
+    "_lazy": None,
+    "testing": {"digits", "graphs", "multiworker"},
+}
 # The core, lowest first, then the recipe on top of it: each may import only those before it.
 CORE = [
     "tf_seam",
-    "mesh",
-    "context",
-    "collective_launch",
-    "collectives",
-    "torus_schedule",
-    "torus",
-    "sharded_update",
-    "weight_update",
+    "distribute.mesh",
+    "distribute.context",
+    "distribute.collective_launch",
+    "distribute.collectives",
+    "torus.schedule",
+    "torus.all_reduce",
+    "torus.sharded_update",
+    "torus.weight_update",
     "keras_hook",
-    "strategy",
+    "distribute.strategy",
     "schedules",
     "recipe",
 ]
+
+
+def test_the_package_is_the_map():
+    found = {}
+    for path in PACKAGE.iterdir():
+        if path.name == "__pycache__" or path.name == "__init__.py":
+            continue
+        if path.is_dir():
+            found[path.name] = {p.stem for p in path.glob("*.py") if p.name != "__init__.py"}
+        elif path.suffix == ".py":
+            found[path.stem] = None
+    assert set(found) == set(MAP), "add the new place to MAP, under the concept it serves"
+    for place, modules in MAP.items():
+        if modules is not None:
+            assert found[place] == modules, f"tpu_scale.{place}: {sorted(found[place] ^ modules)}"
 
 
 def _modules():
@@ -140,3 +218,13 @@ def test_the_bfc_cpu_allocator_is_selected_only_when_asked_for():
     # 0, set by the user, keeps TensorFlow's default allocator even when the package is asked.
     off = statistics("ask", TF_CPU_ALLOCATOR_USE_BFC="0")
     assert off[0] == "False", off[1]
+
+
+def test_a_module_that_moved_names_its_new_home():
+    import tpu_scale
+
+    with pytest.raises(ImportError, match="tpu_scale.strategy is now tpu_scale.distribute.strategy"):
+        from tpu_scale import strategy  # noqa: F401
+    with pytest.raises(ImportError, match="tpu_scale.torus_schedule is now tpu_scale.torus.schedule"):
+        tpu_scale.torus_schedule  # noqa: B018
+    assert not hasattr(tpu_scale, "no_such_module")

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from tpu_scale.mesh import ReplicaMesh, smallest_group_for_span
+from tpu_scale.distribute.mesh import ReplicaMesh, smallest_group_for_span
 
 
 def make_topology(x, y, z=1, cores=2):

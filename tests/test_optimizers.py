@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import tpu_scale.strategy  # its MirroredStrategy has private collective keys: tests share a process
+import tpu_scale.distribute.strategy  # its MirroredStrategy has private collective keys: tests share a process
 from tpu_scale.optimizers import LARS
 
 
@@ -190,7 +190,7 @@ def test_fit_under_mirrored_strategy_matches_one_device(cpu_devices):
     x = rng.normal(size=(48, 6)).astype(np.float32)
     y = (x @ rng.normal(size=(6, 1))).astype(np.float32)
     single = _fit(tf.distribute.OneDeviceStrategy(cpu_devices[0]), (x, y), steps=3)
-    mirrored = _fit(tpu_scale.strategy.MirroredStrategy(cpu_devices), (x, y), steps=3)
+    mirrored = _fit(tpu_scale.distribute.strategy.MirroredStrategy(cpu_devices), (x, y), steps=3)
     start = _regression_model(seed=3)
     for a, b, s in zip(single.weights, mirrored.weights, start.weights):
         assert np.abs(a.numpy() - s.numpy()).max() > 1e-4  # training moved the weights
@@ -202,7 +202,7 @@ def test_mixed_bfloat16_keeps_float32_master_weights(cpu_devices):
     x = rng.normal(size=(32, 6)).astype(np.float32)
     y = x.sum(axis=1, keepdims=True)
     model = _fit(
-        tpu_scale.strategy.MirroredStrategy(cpu_devices), (x, y), steps=2, policy="mixed_bfloat16"
+        tpu_scale.distribute.strategy.MirroredStrategy(cpu_devices), (x, y), steps=2, policy="mixed_bfloat16"
     )
     assert model.layers[0].compute_dtype == "bfloat16"
     start = _regression_model(seed=3)

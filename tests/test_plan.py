@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from tpu_scale import plan
-from tpu_scale import torus_schedule as torus
-from tpu_scale.mesh import ReplicaMesh
+from tpu_scale.distribute.mesh import ReplicaMesh
+from tpu_scale.torus import schedule as torus
 
 ALPHA = 2e-6
 BANDWIDTH = 50e9

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import tpu_scale.strategy
+import tpu_scale.distribute.strategy
 from tpu_scale import data
 
 
@@ -38,7 +38,7 @@ def test_a_label_map_gives_classes_counts_and_labels(synthetic):
 
 def test_the_evaluation_counts_every_validation_example_once(synthetic, cpu_devices):
     folder, _ = synthetic
-    strategy = tpu_scale.strategy.MirroredStrategy(cpu_devices[:2])
+    strategy = tpu_scale.distribute.strategy.MirroredStrategy(cpu_devices[:2])
     inputs = data.inputs(folder, image_size=16, global_batch_size=8, strategy=strategy)
     evaluation = inputs.exact_evaluation
     assert evaluation is inputs.exact_evaluation  # built once

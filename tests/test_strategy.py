@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import tpu_scale
-from tpu_scale import collectives
+from tpu_scale.distribute import collectives
 from tpu_scale.testing import run_workers
 from tpu_scale.testing.multiworker import free_ports
 
@@ -230,7 +230,7 @@ def test_strategies_over_different_devices_coexist():
 
     first = tpu_scale.create_strategy(num_cpu_replicas=8, gradient_reduction="native")
     assert [float(v) for v in all_reduce(first)] == [8.0] * 8
-    reversed_devices = tpu_scale.strategy.MirroredStrategy([f"/cpu:{i}" for i in (3, 2, 1, 0)])
+    reversed_devices = tpu_scale.distribute.strategy.MirroredStrategy([f"/cpu:{i}" for i in (3, 2, 1, 0)])
     assert [float(v) for v in all_reduce(reversed_devices)] == [4.0] * 4
     assert [float(v) for v in all_reduce(first)] == [8.0] * 8
 

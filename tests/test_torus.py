@@ -1,4 +1,4 @@
-"""Tests for `tpu_scale.torus`: schedule, executor, `model.fit` hook, TPU graph, eager path."""
+"""Tests for `tpu_scale.torus.all_reduce`: schedule, executor, `model.fit` hook, TPU graph, eager path."""
 
 import functools
 
@@ -8,11 +8,13 @@ import pytest
 import tensorflow as tf
 
 import tpu_scale
-from tpu_scale import collectives, context, keras_hook, torus
-from tpu_scale.mesh import ReplicaMesh
+from tpu_scale import keras_hook
+from tpu_scale.distribute import collectives, context
+from tpu_scale.distribute.mesh import ReplicaMesh
 from tpu_scale.testing import collective_ops as _collective_ops
 from tpu_scale.testing import group_size as _group_size
 from tpu_scale.testing import train_graphs as _train_graphs
+from tpu_scale.torus import all_reduce as torus
 
 MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
 # Relative error allowed per dtype: float32 as the issue asks; 16-bit types a few roundings of their

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tpu_scale.testing import run_workers
-from tpu_scale.torus_schedule import ALGORITHMS
+from tpu_scale.torus.schedule import ALGORITHMS
 
 # One cluster (the module's fixture) serves every test here: under pytest-xdist's `--dist
 # loadgroup` they run on one worker, so that the cluster starts once instead of once per worker,
@@ -35,8 +35,9 @@ def cluster_main():
     import tensorflow as tf
 
     import tpu_scale
-    from tpu_scale import collectives, torus
+    from tpu_scale.distribute import collectives
     from tpu_scale.testing import collective_ops, group_size, train_graphs
+    from tpu_scale.torus import all_reduce as torus
 
     strategy = tpu_scale.create_strategy(
         num_cpu_replicas=int(os.environ["TPU_SCALE_CPUS_PER_WORKER"])

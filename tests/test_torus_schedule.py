@@ -1,9 +1,9 @@
-"""Tests for `tpu_scale.torus_schedule`: the gradient sum as data (numpy only, no TensorFlow)."""
+"""Tests for `tpu_scale.torus.schedule`: the gradient sum as data (numpy only, no TensorFlow)."""
 
 import pytest
 
-from tpu_scale import torus_schedule as torus
-from tpu_scale.mesh import ReplicaMesh
+from tpu_scale.distribute.mesh import ReplicaMesh
+from tpu_scale.torus import schedule as torus
 
 
 @pytest.mark.parametrize("shape", [(1, 8), (8, 1)])
@@ -118,7 +118,7 @@ def test_schedule_needs_no_tensorflow():
     # A machine without TensorFlow or Keras: importing either fails, the planner still imports.
     code = (
         "import sys; sys.modules['tensorflow'] = sys.modules['keras'] = None\n"
-        "import tpu_scale.torus_schedule, tpu_scale.plan; print(tpu_scale.plan.__name__)"
+        "import tpu_scale.torus.schedule, tpu_scale.plan; print(tpu_scale.plan.__name__)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

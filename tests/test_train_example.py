@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 import train_imagenet  # noqa: E402
 
 from tpu_scale import training  # noqa: E402
-from tpu_scale.mesh import parse_mesh_shape  # noqa: E402
+from tpu_scale.distribute.mesh import parse_mesh_shape  # noqa: E402
 
 
 def tiny_config(**overrides):

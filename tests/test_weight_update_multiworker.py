@@ -61,8 +61,10 @@ def workers_main():
     from test_weight_update_sharding import BATCH, OPTIMIZERS, _data, _model
 
     import tpu_scale
-    from tpu_scale import checkpointing, collectives, keras_hook, training, weight_update
+    from tpu_scale import checkpointing, keras_hook, training
+    from tpu_scale.distribute import collectives
     from tpu_scale.testing.graphs import collective_ops, train_graphs
+    from tpu_scale.torus import weight_update
 
     strategy = tpu_scale.create_strategy(
         num_cpu_replicas=int(os.environ["TPU_SCALE_CPUS_PER_WORKER"])

@@ -109,7 +109,7 @@ def test_sharded_update_equals_the_unsharded_one(mesh_shape, name, options, dtyp
         ]
         for copy in copies[1:]:
             np.testing.assert_array_equal(copy, copies[0])
-    slots = tpu_scale.weight_update.slot_shards(sharded.optimizer)
+    slots = tpu_scale.torus.weight_update.slot_shards(sharded.optimizer)
     sizes = {v.path: int(np.prod(v.shape)) for v in plain.optimizer.variables}
     full = sum(n for path, n in sizes.items() if any(name in path for name in slots))
     per_replica = sum(int(np.prod(v.shape)) for v in slots.values())
@@ -117,7 +117,7 @@ def test_sharded_update_equals_the_unsharded_one(mesh_shape, name, options, dtyp
     trainable = {tuple(v.shape) for v in sharded.trainable_variables}
     assert not any(tuple(v.shape) in trainable for v in sharded.optimizer.variables)
     # The saved state is Keras's own: the unsharded optimizer's variables, gathered.
-    state = tpu_scale.weight_update.full_state(sharded.optimizer)
+    state = tpu_scale.torus.weight_update.full_state(sharded.optimizer)
     assert len(state) == len(plain.optimizer.variables)
     for got, want in zip(state, plain.optimizer.variables):
         np.testing.assert_allclose(got, want.numpy(), **tolerance)
@@ -133,7 +133,7 @@ def test_checkpoints_move_between_sharded_and_unsharded(tmp_path, strategy):
     trained.fit(x[:64], y[:64], batch_size=BATCH, shuffle=False, epochs=1, verbose=0)
     path = str(tmp_path / "sharded.weights.h5")
     trained.save_weights(path)
-    expected = tpu_scale.weight_update.full_state(trained.optimizer)
+    expected = tpu_scale.torus.weight_update.full_state(trained.optimizer)
 
     plain = _model(strategy, optimizer)
     with strategy.scope():
@@ -150,7 +150,7 @@ def test_checkpoints_move_between_sharded_and_unsharded(tmp_path, strategy):
     plain_path = str(tmp_path / "plain.weights.h5")
     plain.save_weights(plain_path)
     resharded.load_weights(plain_path)
-    for a, b in zip(tpu_scale.weight_update.full_state(resharded.optimizer), expected):
+    for a, b in zip(tpu_scale.torus.weight_update.full_state(resharded.optimizer), expected):
         np.testing.assert_array_equal(a, b)
 
 
@@ -181,7 +181,7 @@ def test_a_sharded_run_resumes_on_another_replica_count(tmp_path):
         resumed.load_weights(path)
         assert int(resumed.optimizer.iterations.numpy()) == STEPS // 2
         if sharded:
-            assert tpu_scale.weight_update.slot_shards(resumed.optimizer)["momentum"].shape == (
+            assert tpu_scale.torus.weight_update.slot_shards(resumed.optimizer)["momentum"].shape == (
                 -(-sum(int(np.prod(v.shape)) for v in resumed.trainable_variables) // 4),
             )
         resumed.fit(x[half:], y[half:], batch_size=BATCH, shuffle=False, epochs=1, verbose=0)
@@ -242,7 +242,7 @@ def test_sharding_composes_with_the_moving_average(strategy):
     for model in (sharded, plain):
         record = keras.callbacks.LambdaCallback(
             on_train_batch_end=lambda batch, logs, model=model: averages.append(
-                [v.numpy() for v in tpu_scale.weight_update.unwrapped(model.optimizer)._model_variables_moving_average]
+                [v.numpy() for v in tpu_scale.torus.weight_update.unwrapped(model.optimizer)._model_variables_moving_average]
             )
             if batch == STEPS - 1
             else None
@@ -268,8 +268,8 @@ def test_sharding_composes_with_the_moving_average(strategy):
     ],
 )
 def test_the_layout_gives_every_element_to_one_replica(shape, algorithm, pack_bytes):
-    from tpu_scale.mesh import ReplicaMesh
-    from tpu_scale.weight_update import Layout
+    from tpu_scale.distribute.mesh import ReplicaMesh
+    from tpu_scale.torus.weight_update import Layout
 
     shapes = [(3, 3, 16, 32), (32,), (32,), (1000,), (7,), (64, 10), (), (10,)]
     layout = Layout(shapes, 4, ReplicaMesh.from_shape(*shape), algorithm, pack_bytes)
@@ -311,7 +311,7 @@ def test_the_sharded_step_runs_the_strategys_algorithm(algorithm, name, strategy
     plain = _model(strategy, lambda: OPTIMIZERS[name](options), sharded.get_weights(), "float64")
     for model in (sharded, plain):
         model.fit(x, y, batch_size=BATCH, shuffle=False, epochs=1, verbose=0)
-    assert tpu_scale.weight_update.layout(sharded.optimizer).algorithm == algorithm
+    assert tpu_scale.torus.weight_update.layout(sharded.optimizer).algorithm == algorithm
     for got, want in zip(sharded.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
 
@@ -337,8 +337,8 @@ def test_the_wrapper_saves_and_reloads_as_itself(tmp_path, strategy):
     assert again.optimizer.weight_update_sharding
     assert type(again.optimizer.inner_optimizer) is keras.optimizers.Adam
     assert int(again.optimizer.iterations.numpy()) == 64 // BATCH
-    saved = tpu_scale.weight_update.full_state(model.optimizer)
-    loaded = tpu_scale.weight_update.full_state(again.optimizer)  # sharded again on reload
+    saved = tpu_scale.torus.weight_update.full_state(model.optimizer)
+    loaded = tpu_scale.torus.weight_update.full_state(again.optimizer)  # sharded again on reload
     assert len(saved) == len(loaded)
     for a, b in zip(saved, loaded):
         np.testing.assert_array_equal(a, b)

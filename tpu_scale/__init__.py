@@ -9,14 +9,23 @@ The public surface:
   DistributedOptimizer  wraps a Keras optimizer for what a strategy needs of it: the update sharded
                     over the replicas, Keras's gradient accumulation under a strategy
 
-Subpackages and modules, imported on first use (`tpu_scale.data`, or `from tpu_scale import data`):
-`layers` (grouped batch norm), `collectives` (group sums over the mesh), `torus` (2-D gradient
-summation), `data` (records to inputs, exact evaluation, the input pipeline), `optimizers`,
-`schedules` (learning-rate schedules), `recipe` (a run's settings from its batch and data),
-`losses`, `callbacks`, `training` (a run's callbacks and folder), `checkpointing`, `models`,
-`plan` (the pod-scale cost model), `cluster` (where a run's cluster comes from: TPU, `TF_CONFIG`,
-Slurm), `launch` (`python -m tpu_scale.launch`, local workers), `process` (process-wide settings
-for TensorFlow's sake, opt-in by name), `testing`.
+The package, imported on first use (`tpu_scale.data`, or `from tpu_scale import data`). Four
+concepts, each one place:
+  distribute        the mesh and the strategy: the grid of replicas, `create_strategy`, the group
+                    sums over the mesh
+  layers            batch norm over groups of replicas (and the image layers that feed it)
+  data              the input pipeline: records or a folder of images to batches, exact evaluation
+  torus             the torus gradient sum and the sharded weight update it feeds
+Around them:
+  the recipe        `recipe` (a run's settings from its batch and data), `schedules`,
+                    `optimizers`, `losses`, `models`
+  the run           `training` (a run's callbacks and folder), `callbacks`, `checkpointing`
+  cluster, launch   `cluster` (where a run's cluster comes from: TPU, `TF_CONFIG`, Slurm),
+                    `launch` (`python -m tpu_scale.launch`), `process` (process-wide settings for
+                    TensorFlow's sake, opt-in by name)
+  the planner       `plan` (the pod-scale cost model; no training run imports it)
+  the seams         `keras_hook` and `tf_seam` (every Keras and TensorFlow internal the package
+                    touches), `_workarounds` (fixes for upstream bugs); `testing` (test helpers)
 
 Importing the package registers its Keras classes (layers, losses, optimizers, schedules) with
 Keras, so that `keras.models.load_model` reads a model saved with them; that imports Keras and
@@ -28,23 +37,23 @@ Otherwise importing the package, and `create_strategy`, change nothing global in
 import importlib
 
 from tpu_scale import _lazy
-from tpu_scale.mesh import ReplicaMesh
+from tpu_scale.distribute.mesh import ReplicaMesh
 
 __version__ = "0.1.0"
 
 __getattr__ = _lazy.attributes(
     __name__,
     {
-        "create_strategy": "tpu_scale.strategy",
-        "mesh_of": "tpu_scale.strategy",
-        "TorusAllReduce": "tpu_scale.torus",
+        "create_strategy": "tpu_scale.distribute.strategy",
+        "mesh_of": "tpu_scale.distribute.strategy",
+        "TorusAllReduce": "tpu_scale.torus.all_reduce",
         "DistributedOptimizer": "tpu_scale.keras_hook",
     },
     submodules=(
         "callbacks",
         "checkpointing",
         "cluster",
-        "collectives",
+        "distribute",
         "data",
         "launch",
         "layers",
@@ -59,6 +68,16 @@ __getattr__ = _lazy.attributes(
         "torus",
         "training",
     ),
+    moved={
+        "mesh": "tpu_scale.distribute.mesh",
+        "strategy": "tpu_scale.distribute.strategy",
+        "context": "tpu_scale.distribute.context",
+        "collectives": "tpu_scale.distribute.collectives",
+        "collective_launch": "tpu_scale.distribute.collective_launch",
+        "torus_schedule": "tpu_scale.torus.schedule",
+        "weight_update": "tpu_scale.torus.weight_update",
+        "sharded_update": "tpu_scale.torus.sharded_update",
+    },
 )
 
 __all__ = ["DistributedOptimizer", "ReplicaMesh", "TorusAllReduce", "create_strategy", "mesh_of"]

@@ -6,7 +6,7 @@ A gradient's path from `model.fit` (or any program) to the update, under a strat
 1. Keras's `train_step`, or the user's own, calls `optimizer.apply`: Keras's own optimizer, or
    `DistributedOptimizer` around it when the run shards the update or accumulates gradients.
 2. Keras's `_all_reduce_sum_gradients` asks the replica context for the sum; TensorFlow hands it to
-   the strategy's cross-device ops, `tpu_scale.TorusAllReduce` (`torus.py`): the schedule of
+   the strategy's cross-device ops, `tpu_scale.TorusAllReduce` (`torus/all_reduce.py`): the schedule of
    `torus_schedule`, its phases run by `collectives`. No Keras code is involved in the sum.
 3. `DistributedOptimizer` with `weight_update_sharding`: the same schedule's reduce-scatter phases,
    the optimizer's own `update_step` on each replica's 1/N, the all-gather phases
@@ -61,9 +61,11 @@ from typing import Optional
 import keras
 import tensorflow as tf
 
-from tpu_scale import torus, weight_update
+from tpu_scale.torus import all_reduce as torus
 
 # The Keras releases the package is tested on (CI runs the oldest, the current and the nightly).
+from tpu_scale.torus import weight_update
+
 TESTED_KERAS = ("3.12.4", "3.15.1", "3.16.0.dev2026102704")
 SUPPORTED_KERAS = ">=3.12,<3.17"
 _SUPPORTED_RANGE = ((3, 12), (3, 17))
@@ -84,7 +86,7 @@ class Settings:
     Args:
       reduction: `"torus"` (the package's gradient sum) or `"native"` (the strategy's own).
       algorithm: with `"torus"`: `"auto"` (`torus.resolve_algorithm`'s rule for the hardware),
-        `"native"` or one of `tpu_scale.torus.ALGORITHMS`.
+        `"native"` or one of `tpu_scale.torus.all_reduce.ALGORITHMS`.
       pack_bytes: size of the fused gradient buffers (`None` or 0: one buffer per dtype).
       gradient_dtype: `"bfloat16"` to carry the phases between hosts in bfloat16 (sums within a host
         stay float32); None or `"float32"`: every phase in the gradients' own dtype.
@@ -98,8 +100,8 @@ class Settings:
     def __post_init__(self):
         if self.reduction not in GRADIENT_REDUCTIONS:
             raise ValueError(f"gradient_reduction={self.reduction!r}; choose one of {GRADIENT_REDUCTIONS}.")
-        if self.algorithm != "auto" and self.algorithm not in torus.CHOICES:
-            raise ValueError(f"algorithm={self.algorithm!r}; choose 'auto' or one of {torus.CHOICES}.")
+        if self.algorithm not in torus.GRADIENT_ALGORITHMS:
+            raise ValueError(f"algorithm={self.algorithm!r}; choose one of {torus.GRADIENT_ALGORITHMS}.")
         if self.pack_bytes is not None and self.pack_bytes < 0:
             raise ValueError(f"pack_bytes must be positive, or None / 0 for one buffer; got {self.pack_bytes}.")
         if self.gradient_dtype not in GRADIENT_DTYPES:
@@ -208,7 +210,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     * `weight_update_sharding=True`: each of the N replicas runs the optimizer's own `update_step`
       on 1/N of the weights and holds 1/N of its state, between the reduce-scatter and the
-      all-gather of the torus sum (`tpu_scale.weight_update`; element-wise Keras optimizers and
+      all-gather of the torus sum (`tpu_scale.torus.weight_update`; element-wise Keras optimizers and
       `tpu_scale.optimizers.LARS`). Checkpoints keep Keras's unsharded layout.
     * the inner optimizer's `gradient_accumulation_steps=k` under a strategy
       (keras-team/keras#20582): each replica accumulates its local gradients for k micro-batches,

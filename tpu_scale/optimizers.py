@@ -170,7 +170,7 @@ class LARS(keras.optimizers.Optimizer):
         """Variable `index`'s learning-rate factor (its trust ratio, or 1 when it is excluded from
         layer adaptation) and weight decay (0 when it is excluded), from its weight and gradient
         norms. With `scaled_update`, the rule in the two parts a sharded update needs
-        (`tpu_scale.weight_update`: the norms of a variable split across replicas are summed
+        (`tpu_scale.torus.weight_update`: the norms of a variable split across replicas are summed
         first)."""
         dtype = weight_norm.dtype
         decay = self.weight_decay if self._decay_flags[index] else 0.0

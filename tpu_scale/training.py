@@ -41,8 +41,9 @@ import time
 import keras
 import tensorflow as tf
 
-from tpu_scale import _files, checkpointing, weight_update
+from tpu_scale import _files, checkpointing
 from tpu_scale.callbacks import AverageMovingStatistics, LossGuard
+from tpu_scale.torus import weight_update
 
 logger = logging.getLogger(__name__)
 

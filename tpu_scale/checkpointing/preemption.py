@@ -7,7 +7,7 @@ import threading
 
 import tensorflow as tf
 
-from tpu_scale import context
+from tpu_scale.distribute import context
 from tpu_scale.tf_seam import eager_context as tf_context
 
 logger = logging.getLogger(__name__)

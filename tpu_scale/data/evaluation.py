@@ -21,7 +21,7 @@ import math
 
 import tensorflow as tf
 
-from tpu_scale.context import is_tpu_strategy
+from tpu_scale.distribute.context import is_tpu_strategy
 
 # A pass whose decoded images take at most this many bytes per input pipeline is cached (`cache`).
 CACHE_LIMIT_BYTES = 512 * 2**20

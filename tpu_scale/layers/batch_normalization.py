@@ -17,8 +17,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tpu_scale import collectives, context, keras_hook
-from tpu_scale.mesh import smallest_group_for_span
+from tpu_scale import keras_hook
+from tpu_scale.distribute import collectives, context
+from tpu_scale.distribute.mesh import smallest_group_for_span
 
 # The BN span (examples normalized together) `group_size=None` aims for: the smallest group reaching
 # it.
@@ -56,7 +57,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
     batch, takes the 0 / 0 moments and turns its moving statistics and `gamma` gradient NaN (a fully
     masked one moves the moving mean and variance towards 0).
 
-    Each training call makes exactly one cross-replica call, `tpu_scale.collectives.all_gather`:
+    Each training call makes exactly one cross-replica call, `tpu_scale.distribute.collectives.all_gather`:
     every member's per-channel unmasked-element count, mean and variance (two passes over its own
     elements, as Keras's local moments), packed into a single float32 tensor (float64 for float64
     inputs; bfloat16 and float16 inputs are upcast first). From them each member combines the group's
@@ -153,7 +154,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
         # Fail at model construction, not at the first step, when the group size cannot fit the
         # strategy.
         if self.group_size is not None and tf.distribute.has_strategy():
-            from tpu_scale.strategy import mesh_of
+            from tpu_scale.distribute.strategy import mesh_of
 
             self._checked_assignment(mesh_of(tf.distribute.get_strategy()), self.group_size)
 

@@ -1,6 +1,6 @@
 """The pod-scale planner: what a slice, a batch and a BN span cost before the money is spent.
 
-An alpha-beta cost model prices the gradient-summation schedules of `tpu_scale.torus` (the same
+An alpha-beta cost model prices the gradient-summation schedules of `tpu_scale.torus.all_reduce` (the same
 `Schedule` objects the executor runs): the 1-D ring, the 2-D torus (reduce-scatter along rows,
 all-reduce of the shard along columns, all-gather along rows) and the paper's bidirectional 2-D
 form, for TPU slices by name and for GPU clusters, and `choose_algorithm` decides what `"auto"` runs

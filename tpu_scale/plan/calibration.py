@@ -9,9 +9,9 @@ import time
 
 import numpy as np
 
-from tpu_scale import torus_schedule
 from tpu_scale.plan.catalog import MODELS
 from tpu_scale.plan.report import format_bytes, format_seconds
+from tpu_scale.torus import schedule as torus_schedule
 
 
 def _median_time(fn, repeats):
@@ -56,8 +56,8 @@ def calibrate(sizes=(2**12, 2**18, 2**21, 2**23), repeats=5, model="resnet50", l
     """
     import tensorflow as tf
 
-    from tpu_scale import torus
-    from tpu_scale.strategy import create_strategy
+    from tpu_scale.distribute.strategy import create_strategy
+    from tpu_scale.torus import all_reduce as torus
 
     strategy = create_strategy(num_cpu_replicas=8, mesh_shape=(2, 4), gradient_reduction="native")
     mesh = strategy.mesh

@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from tpu_scale.mesh import ReplicaMesh
+from tpu_scale.distribute.mesh import ReplicaMesh
 
 _GBIT = 1e9 / 8  # bytes/s in one Gbit/s
 _US = 1e-6

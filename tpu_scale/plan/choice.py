@@ -1,6 +1,6 @@
 """The planner's prices: which gradient summation is cheapest for the machine at hand.
 
-`choose_algorithm(hardware, tensors)` prices every option the executor (`tpu_scale.torus`) can run
+`choose_algorithm(hardware, tensors)` prices every option the executor (`tpu_scale.torus.all_reduce`) can run
 for the gradient's real tensors, with the executor's own fusion and padding rules, and picks the
 cheapest; `hardware_cluster(...)` builds the `Hardware` of the machine a strategy runs on (from the
 `hardware` that `create_strategy` records in `strategy.auto_algorithm`). A training run does not
@@ -33,9 +33,9 @@ it):
 
 import dataclasses
 
-from tpu_scale import torus_schedule
 from tpu_scale.plan.catalog import cpu_cluster, gpu_cluster, slice_names, tpu_slice
 from tpu_scale.plan.cost import price_schedule
+from tpu_scale.torus import schedule as torus_schedule
 
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 

@@ -8,8 +8,8 @@ import dataclasses
 
 import numpy as np
 
-from tpu_scale import torus_schedule
 from tpu_scale.plan.catalog import Hardware, Link  # noqa: F401  (Hardware: named in docstrings)
+from tpu_scale.torus import schedule as torus_schedule
 
 
 @dataclasses.dataclass(frozen=True)

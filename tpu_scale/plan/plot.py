@@ -1,9 +1,9 @@
 """The scaling plot: predicted gradient-sum time against chip count (matplotlib is imported only
 here)."""
 
-from tpu_scale import torus_schedule
 from tpu_scale.plan.catalog import TPU_GENERATIONS, gradient_bytes, slice_names, tpu_slice
 from tpu_scale.plan.cost import price_algorithms
+from tpu_scale.torus import schedule as torus_schedule
 
 
 def scaling_series(generation="v3", num_bytes=None, alpha_us=None, wraparound="pod"):

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from tpu_scale.mesh import smallest_group_for_span
+from tpu_scale.distribute.mesh import smallest_group_for_span
 
 
 def input_rate(hardware, target_images_per_sec=None):

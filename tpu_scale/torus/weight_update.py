@@ -21,7 +21,7 @@ layer-wise ones that state their rule in two parts (`tpu_scale.optimizers.LARS`,
 4. all-gather: the schedule's all-gather phases, in reverse, bring every replica the updated
    buffers, and each replica writes its copy of the variables from them.
 
-`tpu_scale.sharded_update` builds steps 2-4, with the torus sum's executor (`torus.run_streams`:
+`tpu_scale.torus.sharded_update` builds steps 2-4, with the torus sum's executor (`torus.run_streams`:
 plain ops where a phase stays in one CPU process, collective ops elsewhere), so the strategy's
 `algorithm`, `pack_bytes` and `gradient_dtype` apply as they do to the unsharded sum. The optimizer's own `build` runs as Keras wrote it: its slots are recorded
 (`record_slot`) instead of made, which gives Keras's saved layout; its scalar state (the step
@@ -59,8 +59,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tpu_scale import collectives, context, sharded_update, torus_schedule
+from tpu_scale.distribute import collectives, context
 from tpu_scale.tf_seam import eager_context as tf_context
+from tpu_scale.torus import schedule as torus_schedule
+from tpu_scale.torus import sharded_update
 
 # Keras's element-wise optimizers, by name (those this Keras has): their `update_step` on a flat
 # shard is their `update_step` on each piece of it.

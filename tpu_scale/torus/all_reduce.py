@@ -21,7 +21,7 @@ table is small next to the rest of the model. Very large, sparsely touched table
 TensorFlow's gather-based reduction (`gradient_reduction="native"`).
 
 The schedule's names (`build_schedule`, `ALGORITHMS`, `Phase`, ...) are re-exported here, so
-`tpu_scale.torus` is the one name a user needs.
+this module is the one a user of the sum needs.
 
 Reference:
   Ying et al., "Image Classification at Supercomputer Scale", 2018 (arXiv:1811.06992), section 3.3.
@@ -32,10 +32,10 @@ import logging
 import numpy as np
 import tensorflow as tf
 
-from tpu_scale import collectives, context
+from tpu_scale.distribute import collectives, context
 from tpu_scale.tf_seam import device_util
 from tpu_scale.tf_seam import distribute_values as values_lib
-from tpu_scale.torus_schedule import (  # noqa: F401  (re-exported: the public torus names)
+from tpu_scale.torus.schedule import (  # noqa: F401  (re-exported: the public torus names)
     ALGORITHMS,
     ALGORITHMS_AND_NATIVE,
     ALL_GATHER,
@@ -61,8 +61,6 @@ from tpu_scale.torus_schedule import (  # noqa: F401  (re-exported: the public t
 )
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
-# `keras_hook` reads the options under this name; the list itself is `ALGORITHMS_AND_NATIVE`.
-CHOICES = ALGORITHMS_AND_NATIVE
 GRADIENT_DTYPES = (None, "float32", "bfloat16")
 
 logger = logging.getLogger(__name__)
@@ -537,7 +535,7 @@ def sum_across_devices(
             if step < len(stream):
                 phase = stream[step]
                 xs = [[parts[i] for parts in mine] for mine in buffers]
-                with collectives.ordering_channel(("tpu_scale.torus", i)):
+                with collectives.ordering_channel(("tpu_scale.torus.all_reduce", i)):
                     out = _phase_across_devices(phase, xs, devices, first_replica, local, transport)
                 for mine, results in zip(buffers, out):
                     for parts, value in zip(mine, results):

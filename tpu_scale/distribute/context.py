@@ -16,7 +16,7 @@ import threading
 
 import tensorflow as tf
 
-from tpu_scale.mesh import ReplicaMesh
+from tpu_scale.distribute.mesh import ReplicaMesh
 
 _forced = threading.local()
 

@@ -1,10 +1,10 @@
-"""Collective-op plumbing for `tpu_scale.collectives`: private keys, ordering tokens, V2 ops.
+"""Collective-op plumbing for `tpu_scale.distribute.collectives`: private keys, ordering tokens, V2 ops.
 
 On CPU/GPU, the collective V2 ops need a group key per group (ours live in a private range far above
 the strategies' own), an instance key fetched at every call of the traced function, and one
 ordering token per device and channel: without the token, automatic control dependencies chain
 every replica's collective in one sequence and the replicas wait on each other forever. No V2 op
-has a registered gradient, so each has a custom one here. Only `tpu_scale.collectives` uses this
+has a registered gradient, so each has a custom one here. Only `tpu_scale.distribute.collectives` uses this
 module.
 """
 

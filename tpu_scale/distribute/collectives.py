@@ -41,8 +41,8 @@ reduce-scatter.
 import numpy as np
 import tensorflow as tf
 
-from tpu_scale import context
-from tpu_scale.collective_launch import (  # noqa: F401  (ordering_channel, timeout_seconds: public)
+from tpu_scale.distribute import context
+from tpu_scale.distribute.collective_launch import (  # noqa: F401  (ordering_channel, timeout_seconds: public)
     PRIVATE_KEY_BASE,
     Launch,
     collective_all_gather,

@@ -24,12 +24,13 @@ import logging
 
 import tensorflow as tf
 
-from tpu_scale import _workarounds, keras_hook, tf_seam, torus
+from tpu_scale import _workarounds, keras_hook, tf_seam
 from tpu_scale import cluster as cluster_lib
-from tpu_scale.context import mesh_of  # noqa: F401  (tpu_scale.mesh_of)
-from tpu_scale.mesh import ReplicaMesh, parse_mesh_shape
+from tpu_scale.distribute.context import mesh_of  # noqa: F401  (tpu_scale.mesh_of)
+from tpu_scale.distribute.mesh import ReplicaMesh, parse_mesh_shape
 from tpu_scale.tf_seam import ag_ctx as autograph_ctx
 from tpu_scale.tf_seam import autograph_api as autograph
+from tpu_scale.torus import all_reduce as torus
 
 logger = logging.getLogger(__name__)
 
@@ -305,12 +306,12 @@ def create_strategy(
         most nearly square grid of one host's replicas (2x4 for 8), and the natural mesh on a TPU
         or several workers, so one script runs anywhere. Multi-host meshes are workers x local
         replicas and TPU meshes follow the torus.
-      gradient_reduction: `"torus"` (the 2-D reduction of `tpu_scale.torus`, as the strategy's
+      gradient_reduction: `"torus"` (the 2-D reduction of `tpu_scale.torus.all_reduce`, as the strategy's
         cross-device ops, `tpu_scale.TorusAllReduce`: every sum of every program under it) or
         `"native"` (TensorFlow's own all-reduce).
-      gradient_algorithm: with `"torus"`: one of `tpu_scale.torus.GRADIENT_ALGORITHMS`: `"auto"`,
-        `"native"` or one of `tpu_scale.torus.ALGORITHMS`. `"auto"` is
-        `tpu_scale.torus.resolve_algorithm`'s rule for this hardware (one host, or a gradient
+      gradient_algorithm: with `"torus"`: one of `tpu_scale.torus.all_reduce.GRADIENT_ALGORITHMS`: `"auto"`,
+        `"native"` or one of `tpu_scale.torus.all_reduce.ALGORITHMS`. `"auto"` is
+        `tpu_scale.torus.all_reduce.resolve_algorithm`'s rule for this hardware (one host, or a gradient
         under 64 KiB: "flat"; several hosts: "torus_2d"; GPUs: "native"), logged once.
       gradient_pack_bytes: with `"torus"`: gradients are fused into buffers of about this many
         bytes; `None` or 0 fuses each dtype into one buffer.

@@ -7,8 +7,8 @@ bidirectional form splits the gradient in two halves that run in opposite dimens
 same time, so the links of both dimensions are busy in both phases. On several hosts (rows = hosts)
 only a 1/C shard crosses the host boundary: it is a hierarchical all-reduce.
 
-A `Schedule` is data: the executor (`tpu_scale.torus.all_reduce_sum`) runs it with the
-`tpu_scale.collectives` primitives and the planner (`tpu_scale.plan`) prices the same objects. The
+A `Schedule` is data: the executor (`tpu_scale.torus.all_reduce.all_reduce_sum`) runs it with the
+`tpu_scale.distribute.collectives` primitives and the planner (`tpu_scale.plan`) prices the same objects. The
 rules both must agree on live here too: how gradients are fused into buffers (`pack_indices`), how a
 buffer is padded (`padded_length`, and `buffer_schedule`: the padded buffer's schedule) and which
 algorithm "auto" means (`resolve_algorithm`).
@@ -195,7 +195,7 @@ def stream_sizes(schedule):
 
 
 def sharded_streams(schedule):
-    """`schedule` cut around a sharded weight update (`tpu_scale.weight_update`): per stream, the
+    """`schedule` cut around a sharded weight update (`tpu_scale.torus.weight_update`): per stream, the
     phases that leave each replica the sum of 1/N of the stream's buffer, and those that bring the
     updated 1/N back.
 

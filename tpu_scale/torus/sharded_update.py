@@ -1,6 +1,6 @@
 """The sharded weight update's step: the gradient sum's phases, cut around each replica's update.
 
-`tpu_scale.weight_update` holds the layout, the sharded state and what the Keras seam calls; this
+`tpu_scale.torus.weight_update` holds the layout, the sharded state and what the Keras seam calls; this
 module builds the step itself, in replica context, from one replica's gradients:
 
 1. the gradients are fused into the layout's buffers (`weight_update.Layout`: the torus sum's
@@ -20,8 +20,9 @@ module builds the step itself, in replica context, from one replica's gradients:
 
 import tensorflow as tf
 
-from tpu_scale import collectives, torus
+from tpu_scale.distribute import collectives
 from tpu_scale.tf_seam import distribute_values as values_lib
+from tpu_scale.torus import all_reduce as torus
 
 
 def update(ctx, state, grads, values, learning_rate, layer=None, gradient_dtype=None):
@@ -47,7 +48,7 @@ def update(ctx, state, grads, values, learning_rate, layer=None, gradient_dtype=
     transport = None if gradient_dtype is None else tf.as_dtype(gradient_dtype)
     # 1-2. This replica's chunk of every buffer's sum.
     shares = [_shares(layout, buffer, grads) for buffer in layout.buffers]
-    torus.run_streams(scatter, shares, transport, channel="tpu_scale.sharded_update")
+    torus.run_streams(scatter, shares, transport, channel="tpu_scale.torus.sharded_update")
     n = layout.num_shards
     grad = _joined(  # (collective ops lose the static length)
         [
@@ -79,7 +80,7 @@ def update(ctx, state, grads, values, learning_rate, layer=None, gradient_dtype=
         for _, size in buffer.shares:
             chunks[-1].append(updated[offset : offset + size // n])
             offset += size // n
-    torus.run_streams(gather, chunks, None, channel="tpu_scale.sharded_update")
+    torus.run_streams(gather, chunks, None, channel="tpu_scale.torus.sharded_update")
     new_values = [None] * len(values)
     for buffer, gathered in zip(layout.buffers, chunks):
         full = _joined([tf.reshape(c, [size]) for c, (_, size) in zip(gathered, buffer.shares)])
