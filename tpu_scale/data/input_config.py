@@ -47,7 +47,8 @@ class InputConfig:
         original side: the CIFAR pad-and-crop translation; `image_ops.random_translate`). 0
         shifts nothing; 0.125 is CIFAR's 4 pixels at 32.
       center_crop_fraction: evaluation: the side of the center crop as a fraction of the short
-        side (224 / 256 by default; 1.0 keeps a square image whole).
+        side (224 / 256 by default; 1.0 keeps a square image whole); with `aspect_ratio`
+        "stretch" or "pad", the centred box's fraction of each side (1.0: the whole image).
       aspect_ratio: how an image that is not square becomes the square input, in training and
         evaluation alike: "crop" (the default, ImageNet's reference) takes its centred square
         and draws Inception's boxes; "stretch" resizes the whole image to the square, as Keras's
