@@ -211,6 +211,9 @@ def test_extreme_shapes_convert_and_train(tmp_path):
     images = str(tmp_path / "images")
     summary = data.write_tfrecords(images, str(tmp_path / "records"), 1, validation_dir=images)
     assert summary.num_examples == 16 and summary.num_skipped == 0
+    # The writer counts the images that are not square (all but the dots), for the recipe.
+    assert summary.num_non_square == 12 and "not square: 12" in summary.describe()
+    assert data.read_label_map(str(tmp_path / "records")).non_square_fraction == 0.75
     for fit in image_ops.ASPECT_RATIOS:
         config = data.InputConfig(aspect_ratio=fit, crop_area_range=(0.5, 1.0), seed=0)
         inputs = data.inputs(str(tmp_path / "records"), image_size=32, global_batch_size=8, config=config)

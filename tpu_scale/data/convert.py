@@ -126,7 +126,12 @@ from tpu_scale.data.reencode import (  # noqa: E402
     decode_in_graph,
     header_size,
 )
-from tpu_scale.data.schema import LABEL_MAP_FILE, make_example, write_label_map  # noqa: E402
+from tpu_scale.data.schema import (  # noqa: E402
+    LABEL_MAP_FILE,
+    is_square,
+    make_example,
+    write_label_map,
+)
 from tpu_scale.data.sources import graph_function  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -165,6 +170,8 @@ class TFRecordSummary:
         class folders.
       replaced_existing: whether an earlier conversion in `output_dir` was replaced
         (`overwrite=True`).
+      num_non_square: images stored that are not square (`schema.is_square`): the recipe reads
+        the share from the label map.
     """
 
     output_dir: str
@@ -179,6 +186,7 @@ class TFRecordSummary:
     label_map_path: str
     skipped_report_path: str
     replaced_existing: bool = False
+    num_non_square: int = 0
 
     @property
     def paths(self) -> list[str]:
@@ -218,6 +226,7 @@ class TFRecordSummary:
         )
         lines.append(f"  label map: {inline(self.label_map_path)}")
         lines.append(f"  re-encoded as JPEG: {self.num_reencoded}")
+        lines.append(f"  not square: {self.num_non_square}")
         if self.empty_classes:
             lines.append(
                 f"Skipped {len(self.empty_classes)} class folder(s) without images (they get no "
@@ -278,6 +287,7 @@ class ConvertedImage:
       record: the serialized `tf.train.Example`, or None for a file that is skipped.
       reencoded: whether the stored JPEG is a re-encoding (other formats, CMYK, EXIF-rotated).
       skip_reason: why the file is skipped (one of `IMAGE_FAULTS`), or None.
+      square: whether the stored image is square, within `schema.SQUARE_TOLERANCE`.
     """
 
     path: str
@@ -285,6 +295,7 @@ class ConvertedImage:
     record: bytes | None
     reencoded: bool = False
     skip_reason: str | None = None
+    square: bool = True
 
 
 def convert_image(
@@ -339,7 +350,7 @@ def convert_image(
     )
     # Deterministic: map fields in key order, so every process writes the same bytes.
     record = example.SerializeToString(deterministic=True)
-    return ConvertedImage(image_path, class_id, record, was_reencoded)
+    return ConvertedImage(image_path, class_id, record, was_reencoded, square=is_square(height, width))
 
 
 def open_image_file(path):
@@ -375,12 +386,14 @@ class ShardResult:
       reencoded: of those, the re-encoded images.
       class_counts: the records of each class, in id order.
       skipped: the files left out, by reason, in the shard's order.
+      non_square: of the records written, the images that are not square (`schema.is_square`).
     """
 
     written: int
     reencoded: int
     class_counts: list[int]
     skipped: dict[str, list[str]]
+    non_square: int = 0
 
 
 def write_shard(path: str, images: Iterable[ConvertedImage], num_classes: int) -> ShardResult:
@@ -404,6 +417,7 @@ def write_shard(path: str, images: Iterable[ConvertedImage], num_classes: int) -
             result.written += 1
             result.reencoded += image.reencoded
             result.class_counts[image.class_id] += 1
+            result.non_square += not image.square
     return result
 
 
@@ -589,10 +603,11 @@ def finish_conversion(
     split_counts = {shard.split: 0 for shard in plan.shards}
     class_counts = {split: [0] * len(class_names) for split in split_counts}
     written_shards = {split: [] for split in split_counts}
-    num_reencoded = 0
+    num_reencoded = non_square = 0
     for shard, result in zip(plan.shards, results):
         path = os.path.join(staging_dir, shard.staging_name)
         num_reencoded += result.reencoded
+        non_square += result.non_square
         split_counts[shard.split] += result.written
         class_counts[shard.split] = [
             a + b for a, b in zip(class_counts[shard.split], result.class_counts)
@@ -623,7 +638,13 @@ def finish_conversion(
         report = {"skipped": skipped, "empty_classes": plan.empty_classes}
         f.write(json.dumps(report, indent=2, sort_keys=True) + "\n")
     write_label_map(
-        staging_dir, class_names, plan.label_offset, split_counts, class_counts, record_counts
+        staging_dir,
+        class_names,
+        plan.label_offset,
+        split_counts,
+        class_counts,
+        record_counts,
+        non_square=non_square,
     )
     publish(staging_dir, output_dir, replace)
     return TFRecordSummary(
@@ -639,6 +660,7 @@ def finish_conversion(
         label_map_path=os.path.join(output_dir, LABEL_MAP_FILE),
         skipped_report_path=os.path.join(output_dir, SKIPPED_FILE),
         replaced_existing=replace,
+        num_non_square=non_square,
     )
 
 

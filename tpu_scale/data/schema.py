@@ -15,7 +15,8 @@ The label map, `labels.json` next to the shards, says what the stored labels mea
       "classes": [{"id": 0, "name": "cat", "stored_label": 1}, ...],
       "examples": {"train": 540, "validation": 60},
       "examples_per_class": {"train": [180, 180, 180], "validation": [20, 20, 20]},
-      "records_per_file": {"train-00000-of-00004": 135, ...}
+      "records_per_file": {"train-00000-of-00004": 135, ...},
+      "non_square_images": 12
     }
 
 A class's id is its index in `classes` (the label a model sees, 0-based); the record stores `id +
@@ -116,6 +117,16 @@ def is_serialized_example(serialized):
     return tf.equal(length, 0) | well_formed
 
 
+# An image counts as square when its long side is at most this much longer than its short side
+# (a 256x240 scan is square; a 4:3 photo is not).
+SQUARE_TOLERANCE = 1.1
+
+
+def is_square(height: int, width: int) -> bool:
+    """Whether an image of `height` x `width` pixels is square, within `SQUARE_TOLERANCE`."""
+    return max(height, width) <= SQUARE_TOLERANCE * min(height, width)
+
+
 @dataclasses.dataclass(frozen=True)
 class LabelMap:
     """What the stored labels of a folder of shards mean (read from its `labels.json`).
@@ -127,6 +138,8 @@ class LabelMap:
       class_counts: examples per class, per split.
       path: the `labels.json` file read (empty for a map not read from a file).
       record_counts: records per file, by file name (in the folder of `labels.json`).
+      non_square: the stored images that are not square (`is_square`), over all splits; None
+        where the writer did not count them.
     """
 
     class_names: tuple[str, ...]
@@ -135,6 +148,13 @@ class LabelMap:
     class_counts: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     path: str = ""
     record_counts: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    non_square: int | None = None
+
+    @property
+    def non_square_fraction(self) -> float | None:
+        """The share of the stored images that are not square, or None if not counted."""
+        total = sum(self.counts.values())
+        return None if self.non_square is None or not total else self.non_square / total
 
     def record_counts_by_path(self) -> dict[str, int]:
         """`record_counts` keyed by each file's path (as a glob in that folder names it)."""
@@ -154,6 +174,7 @@ def write_label_map(
     counts: Mapping[str, int] | None = None,
     class_counts: Mapping[str, Sequence[int]] | None = None,
     record_counts: Mapping[str, int] | None = None,
+    non_square: int | None = None,
 ) -> str:
     """Writes `labels.json` (and the classic `labels.txt`) into `output_dir`.
 
@@ -164,6 +185,7 @@ def write_label_map(
       counts: examples per split (`{"train": n, "validation": m}`).
       class_counts: examples per class per split, each a list in id order.
       record_counts: records per file, by file name.
+      non_square: the images that are not square (`is_square`), over all splits.
 
     Returns:
       The path of `labels.json`.
@@ -184,6 +206,8 @@ def write_label_map(
         },
         "records_per_file": {str(name): int(n) for name, n in (record_counts or {}).items()},
     }
+    if non_square is not None:
+        content["non_square_images"] = int(non_square)
     path = os.path.join(output_dir, LABEL_MAP_FILE)
     with tf.io.gfile.GFile(os.path.join(output_dir, LABELS_TXT_FILE), "w") as f:
         f.write("".join(name + "\n" for name in class_names))
@@ -217,9 +241,11 @@ def _parse_label_map(path, text):
             for k, v in content.get("examples_per_class", {}).items()
         }
         record_counts = {str(k): int(v) for k, v in content.get("records_per_file", {}).items()}
+        non_square = content.get("non_square_images")
+        non_square = None if non_square is None else int(non_square)
     except (AttributeError, KeyError, TypeError, ValueError) as error:
         raise ValueError(f"The label map {path!r} is not a valid {LABEL_MAP_FILE} ({error}). Rewrite it with python -m tpu_scale.data.convert, or delete it and pass label_offset= and num_classes=.") from None
-    return LabelMap(class_names, label_offset, counts, class_counts, path, record_counts)
+    return LabelMap(class_names, label_offset, counts, class_counts, path, record_counts, non_square)
 
 
 def read_label_map(
