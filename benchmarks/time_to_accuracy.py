@@ -24,7 +24,9 @@ on 4:3 to 16:9 photo crops of either orientation (at 32 px), threshold 0.6; `nsp
 drawings of seven Open Clip Art categories `clipart` does not use, in their own shapes (at 64 px,
 40 epochs: 10 steps an epoch), threshold 0.4. `--aspect_ratio stretch|pad|crop` passes the package's example that flag (without
 it, the package's own default reading); the runs and the dataset's entry record it, and the entry
-is keyed by it too (`nsclipart@64 aspect_ratio=pad`), so each rule keeps its own runs. The Keras
+is keyed by it too (`nsclipart@64 aspect_ratio=pad`), so each rule keeps its own runs.
+`--augmentation auto|none|translate|shift|light|imagenet` passes the example its flag the same way
+(recorded, and in the key: `nsanimals@64 aspect_ratio=stretch augmentation=shift`). The Keras
 contenders read the folder as the practised script does whatever the flag:
 `image_dataset_from_directory` resizes each whole image to the square, stretching it. The package's
 folder also holds a cut-off JPEG and a text file named .jpg; the writer skips and names them. The
@@ -68,6 +70,9 @@ Usage:
         --contenders package practised
     nice -n 5 python benchmarks/time_to_accuracy.py --datasets nsanimals --seeds 0 \
         --contenders package --aspect_ratio pad --out benchmarks/results/nonsquare_rules.json
+    nice -n 5 python benchmarks/time_to_accuracy.py --datasets nsanimals --seeds 0 \
+        --contenders package --aspect_ratio stretch --augmentation shift \
+        --out benchmarks/results/nonsquare_augmentation.json
 
 Adds its runs to `benchmarks/results/time_to_accuracy.json` (or --out): a run of the same
 dataset, batch, contender and seed replaces the earlier one, so a matrix can be run in parts.
@@ -124,6 +129,7 @@ SETTINGS = {
     "nsclipart": {"image_size": 64, "threshold": 0.4, "epochs": 40, "batch": 64},
 }
 ASPECT_RATIOS = ("stretch", "pad", "crop")
+AUGMENTATIONS = ("auto", "none", "translate", "shift", "light", "imagenet")
 HELD_OUT = ("mnist5k", "elpv", "photodigits", "photodigits22k", "clipart", "fontletters")
 TIMEOUT_S = 1800
 # The practised script's AdamW: its peak rate after one epoch of warmup at PRACTISED_BATCH
@@ -242,14 +248,17 @@ def _env(workdir):
 
 
 def commands(images, clean, cfg, seed):
-    """Each contender's command. `cfg["aspect_ratio"]`, when there, goes to the package's example
-    as `--aspect_ratio`; the Keras scripts read every image as Keras does by default (stretched)."""
+    """Each contender's command. `cfg["aspect_ratio"]` and `cfg["augmentation"]`, when there, go to
+    the package's example as `--aspect_ratio` and `--augmentation`; the Keras scripts read every
+    image as Keras does by default (stretched), with no augmentation."""
     common = ["--image_size", str(cfg["image_size"]), "--epochs", str(cfg["epochs"])]
     common += ["--seed", str(seed)]
     package = [sys.executable, EXAMPLE, "--image_dir", images, "--noprogress"]
     package += common + ["--global_batch_size", str(cfg["batch"])]
     if cfg.get("aspect_ratio"):
         package += ["--aspect_ratio", cfg["aspect_ratio"]]
+    if cfg.get("augmentation"):
+        package += ["--augmentation", cfg["augmentation"]]
     keras = [sys.executable, os.path.abspath(__file__), "--_keras", "--image_dir", clean]
     keras += common + ["--batch", str(cfg["batch"])]
     return {
@@ -474,6 +483,8 @@ def run_dataset(name, cfg, seeds, names, out):
                 run = timed_run(command, cfg["threshold"], TIMEOUT_S, _env(workdir))
                 if contender == "package":  # the rule it read non-square images by (None: its own)
                     run["aspect_ratio"] = cfg.get("aspect_ratio")
+                    if cfg.get("augmentation"):  # the level it augmented at (absent: its own)
+                        run["augmentation"] = cfg["augmentation"]
                 out["runs"] = [
                     r for r in out["runs"] if (r["contender"], r["seed"]) != (contender, seed)
                 ] + [{"contender": contender, "seed": seed, **run}]
@@ -556,6 +567,12 @@ def main():
         help="passed to the package's example as --aspect_ratio (how it reads a non-square image); "
         "not passed when not given, so the example's own default holds",
     )
+    parser.add_argument(
+        "--augmentation",
+        choices=AUGMENTATIONS,
+        help="passed to the package's example as --augmentation; not passed when not given, so "
+        "the example's own choice (auto) holds",
+    )
     parser.add_argument("--_keras", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--image_dir", help=argparse.SUPPRESS)
     parser.add_argument("--image_size", type=int, help=argparse.SUPPRESS)
@@ -579,6 +596,9 @@ def main():
         if args.aspect_ratio:  # only then, so the entries of runs without it keep their key
             cfg["aspect_ratio"] = args.aspect_ratio
             key += f" aspect_ratio={args.aspect_ratio}"
+        if args.augmentation:  # likewise
+            cfg["augmentation"] = args.augmentation
+            key += f" augmentation={args.augmentation}"
         entry = out["datasets"].setdefault(key, {"runs": []})
         if entry.get("settings", cfg) != cfg:
             entry["runs"] = []  # runs of other settings are not comparable
