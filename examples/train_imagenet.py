@@ -245,6 +245,8 @@ def train(config, extra_callbacks=()):
             num_classes=inputs.num_classes,
             optimizer=config.optimizer,
             augmentation=config.augmentation,
+            # The writer counts the images that are not square; the recipe's augmentation reads it.
+            non_square_fraction=inputs.label_map and inputs.label_map.non_square_fraction,
         )
         given = "peak_learning_rate warmup_epochs weight_decay label_smoothing ema_momentum aspect_ratio".split()
         recipe = recipe.with_settings(**{k: getattr(config, k) for k in given})
@@ -277,6 +279,8 @@ def train(config, extra_callbacks=()):
             top_1 = keras.metrics.SparseCategoricalAccuracy(name="top_1")
             model.compile(optimizer=optimizer, loss=loss, weighted_metrics=[top_1])
         logging.info(f"{config.model}: {model.count_params()} parameters; {recipe.describe()}")
+        if config.augmentation == "auto" and recipe.augmentation == "shift":
+            logging.info(f"Augmentation shift, not none: {inputs.label_map.non_square_fraction:.0%} of the images are not square (recipe.default_augmentation).")
         if not config.weight_update_sharding and (advice := plan.sharding_advice(strategy, model)):
             logging.info(advice)
 

@@ -129,6 +129,12 @@ def test_recipe_augmentation_fits_the_data():
     # Unknown data: the ImageNet recipe's.
     assert recipe_for_batch(1024).augmentation == "imagenet"
     assert recipe_for_batch(64, train_examples=1617, augmentation="light").augmentation == "light"
+    # Small data whose images are mostly not square: boxes of the image's own shape, not none.
+    for fraction, level in [(None, "none"), (0.2, "none"), (0.5, "shift"), (1.0, "shift")]:
+        short = recipe_for_batch(64, 15, train_examples=1617, non_square_fraction=fraction)
+        assert short.augmentation == level
+    assert recipe_for_batch(64, 60, train_examples=1617, non_square_fraction=1.0).augmentation == "light"
+    assert recipe_for_batch(1024, 90, train_examples=1281167, non_square_fraction=1.0).augmentation == "imagenet"
     from tpu_scale.data import InputConfig
 
     # Below ImageNet's level the whole image, resized to the square whatever its shape.

@@ -94,6 +94,9 @@ _ASPECT_WORDS = {
 # and ImageNet, 1,281 a class, keeps the reference recipe.
 SMALL_DATA_EXAMPLES = 100_000
 LIGHT_AUGMENTATION_MIN_EPOCHS = 30
+# Small data of which at least this share is not square train at the "shift" level, not "none"
+# (chosen on the non-square tuning set, benchmarks/README.md).
+NON_SQUARE_SHIFT_FRACTION = 0.5
 # Momentum SGD's weight decay: SMALL_DATA_WEIGHT_DECAY on small data, WEIGHT_DECAY (the reference
 # recipe's) from SMALL_DATA_EXAMPLES on and when the data are unknown.
 WEIGHT_DECAY = 1e-4
@@ -296,6 +299,7 @@ def recipe_for_batch(
     image_size=None,
     optimizer=None,
     augmentation="auto",
+    non_square_fraction=None,
 ):
     """The default training settings of a run, from what the run knows: its global batch size,
     its length and its data.
@@ -320,8 +324,9 @@ def recipe_for_batch(
     | label smoothing | 0.1 |
     | weights evaluated and saved | SGD: their moving average, momentum 0.9 (Keras's `use_ema`; |
     | | `Recipe.callbacks` for `fit`'s validation); LARS: the weights as trained |
-    | augmentation | `default_augmentation(train_examples, total_epochs)`: ImageNet's crop and |
-    | | flip from 100,000 examples (or unknown data); none below, light crops past 30 epochs |
+    | augmentation | `default_augmentation(train_examples, total_epochs, non_square_fraction)`: |
+    | | ImageNet's crop and flip from 100,000 examples (or unknown data); below, light crops past |
+    | | 30 epochs, else none, or shift where most images are not square |
 
     Small data (below 100,000 training examples, where ImageNet's augmentation is off) get SGD's
     stronger weight decay and a linear decay of the rate (a slower finish) and keep the rest: a
@@ -365,6 +370,9 @@ def recipe_for_batch(
             batch ratio). None picks by batch size.
         augmentation: `"auto"` or a key of `AUGMENTATIONS` (`"none"`, `"translate"`,
             `"shift"`, `"light"`, `"imagenet"`).
+        non_square_fraction: Optional float, the share of the images that are not square
+            (`data.LabelMap.non_square_fraction`, counted by the writer); it chooses the
+            augmentation of small data.
 
     Returns:
         A frozen `Recipe`: its `build_optimizer(steps_per_epoch, total_epochs)` makes the
@@ -428,7 +436,7 @@ def recipe_for_batch(
     if total_epochs is not None:
         warmup = min(warmup, MAX_WARMUP_FRACTION * total_epochs)
     if augmentation == "auto":
-        augmentation = default_augmentation(train_examples, total_epochs)
+        augmentation = default_augmentation(train_examples, total_epochs, non_square_fraction)
     weight_decay, decay_power = WEIGHT_DECAY, DECAY_POWER
     if optimizer == "sgd":
         weight_decay = default_weight_decay(train_examples)
@@ -522,7 +530,7 @@ def is_small_data(train_examples=None):
     return train_examples is not None and train_examples < SMALL_DATA_EXAMPLES
 
 
-def default_augmentation(train_examples=None, total_epochs=None):
+def default_augmentation(train_examples=None, total_epochs=None, non_square_fraction=None):
     """The augmentation level (a key of `AUGMENTATIONS`) for a dataset and a run length.
 
     - ImageNet's (Inception crop of 8-100% of the area, flip) from `SMALL_DATA_EXAMPLES`
@@ -530,21 +538,27 @@ def default_augmentation(train_examples=None, total_epochs=None):
       recipe's data.
     - Smaller datasets: none (the whole image, no flip) for runs of up to
       `LIGHT_AUGMENTATION_MIN_EPOCHS` (30) epochs; light (crops of 50-100%, no flip) for longer
-      runs, which see each image often enough to learn it by heart.
+      runs, which see each image often enough to learn it by heart. Where at least
+      `NON_SQUARE_SHIFT_FRACTION` (half) of the images are not square, shift (boxes of 75-100%
+      of the image, of its own shape) in place of none: objects that sit anywhere in frames of
+      many shapes, each stretched to the square, are learned from boxes around them.
 
     A flip is only part of ImageNet's level: a mirrored digit or letter is another symbol.
 
     Args:
         train_examples: Optional integer, training examples per epoch.
         total_epochs: Optional float, the length of the run.
+        non_square_fraction: Optional float, the share of the images that are not square.
 
     Returns:
-        `"none"`, `"light"` or `"imagenet"`.
+        `"none"`, `"shift"`, `"light"` or `"imagenet"`.
     """
     if not is_small_data(train_examples):
         return "imagenet"
     if total_epochs is not None and total_epochs > LIGHT_AUGMENTATION_MIN_EPOCHS:
         return "light"
+    if non_square_fraction is not None and non_square_fraction >= NON_SQUARE_SHIFT_FRACTION:
+        return "shift"
     return "none"
 
 
