@@ -329,17 +329,22 @@ def _clipart(size=64, seed=0):
     rng = np.random.default_rng(seed)
     images, labels = [], []
     for label, category in enumerate(_CLIPART_CLASSES):
-        paths = sorted(
-            os.path.join(root, file)
-            for root, _, files in os.walk(os.path.join(_CLIPART_DIR, category))
-            for file in files
-            if file.endswith(".png")
-        )
+        paths = _clipart_pngs(category)
         paths = [path for path in paths if small_enough(path)]
         for index in sorted(rng.permutation(len(paths))[:_CLIPART_PER_CLASS]):
             images.append(_on_white(paths[index], size))
             labels.append(label)
     return np.stack(images), np.asarray(labels, np.int64)
+
+
+def _clipart_pngs(category):
+    """The PNG files of one Open Clip Art category, in a fixed order."""
+    return sorted(
+        os.path.join(root, file)
+        for root, _, files in os.walk(os.path.join(_CLIPART_DIR, category))
+        for file in files
+        if file.endswith(".png")
+    )
 
 
 def _on_white(path, size):
@@ -370,12 +375,7 @@ def _clipart_own_shapes(long_sides=(64, 112), seed=5):
     rng = np.random.default_rng(seed)
     images, labels = [], []
     for label, category in enumerate(_NONSQUARE_CLIPART_CLASSES):
-        paths = sorted(
-            os.path.join(root, file)
-            for root, _, files in os.walk(os.path.join(_CLIPART_DIR, category))
-            for file in files
-            if file.endswith(".png")
-        )
+        paths = _clipart_pngs(category)
         for path in paths:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
